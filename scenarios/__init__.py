@@ -1,0 +1,1 @@
+"""Scenario modules; shipped inside the installed package as `mpsimpact.scenarios`."""

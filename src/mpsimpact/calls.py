@@ -1,0 +1,83 @@
+"""What a matrix-multiply call is: the aten ops that reach MPS's bmm/mm, their operands, and the
+record of one call that the emulator, the tracer and the guard share."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from mpsimpact.faults import Fault, TensorSpec, classify_bmm, classify_mm
+
+aten = torch.ops.aten
+
+# op -> (family, index of a, index of b) in the op's positional args.
+MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
+    aten.bmm.default: ("bmm", 0, 1),
+    aten.baddbmm.default: ("bmm", 1, 2),
+    aten.mm.default: ("mm", 0, 1),
+    aten.addmm.default: ("mm", 1, 2),
+}
+
+# CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
+# torch.inference_mode(); decomposing them exposes the real bmm/mm operands.
+DECOMPOSED_OPS = frozenset({aten.matmul.default, aten.linear.default})
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One bmm/mm call as a dispatch mode saw it, with the fault decided for it."""
+
+    index: int
+    op: str
+    a: TensorSpec
+    b: TensorSpec
+    fault: Fault
+    phase: str = "forward"
+    module: str = ""
+
+    @property
+    def family(self) -> str:
+        return "mm" if self.op in ("mm", "addmm") else "bmm"
+
+    @property
+    def out_numel(self) -> int:
+        return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
+
+    def describe(self) -> str:
+        return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "op": self.op,
+            "phase": self.phase,
+            "module": self.module,
+            "a": self.a.to_json(),
+            "b": self.b.to_json(),
+            "out_numel": self.out_numel,
+            "fault": self.fault.to_json(),
+        }
+
+
+def op_name(func: Any) -> str:
+    return func.__name__.split(".")[0]
+
+
+def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(family, a, b) of a call to one of MATMUL_OPS."""
+    family, ia, ib = MATMUL_OPS[func]
+    return family, args[ia], args[ib]
+
+
+def classify_call(family: str, a: Any, b: Any, index_bits: int) -> Fault:
+    """The fault of one call, by family. See Note [MPS 32-bit index faults]."""
+    if family == "bmm":
+        return classify_bmm(a, b, index_bits=index_bits)
+    return classify_mm(a, b, index_bits=index_bits)
+
+
+def current_phase() -> str:
+    """"backward" while autograd's engine runs a node on this thread, else "forward"."""
+    return "backward" if torch._C._current_autograd_node() is not None else "forward"

@@ -1,0 +1,202 @@
+"""The MPS emulator: a dispatch mode that makes CPU or CUDA tensors fault the way MPS does.
+
+See Note [MPS 32-bit index faults] in mpsimpact/faults.py for the rules it applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsimpact.calls import (
+    DECOMPOSED_OPS,
+    MATMUL_OPS,
+    CallRecord,
+    classify_call,
+    current_phase,
+    op_name,
+    operands,
+)
+from mpsimpact.errors import EmulatedMpsError, PlanMismatchError
+from mpsimpact.faults import Fault, TensorSpec, contiguous_strides, limits, wrap_start_batch
+
+if TYPE_CHECKING:
+    from mpsimpact.tracer import FaultPlan
+
+_ACTIVE: list[EmulateMode] = []
+
+
+def is_emulating() -> bool:
+    """True while an `emulate()` context is active on this thread."""
+    return bool(_ACTIVE)
+
+
+def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
+    """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""
+    return x.as_strided(x.shape, contiguous_strides(tuple(x.shape)), x.storage_offset())
+
+
+def _wrap_bounds(batches: int, per: int, wrap_elements: int) -> list[int]:
+    """Batch indices below `batches` where the wrap count floor(i * per / wrap) goes up."""
+    bounds, wraps = [], 1
+    while (start := wrap_start_batch(per, wraps * wrap_elements)) < batches:
+        bounds.append(start)
+        wraps += 1
+    return bounds
+
+
+def _wrapped_segment(x: torch.Tensor, start: int, stop: int, wrap_elements: int | None) -> torch.Tensor:
+    """Batches [start, stop) of `x` as MPS reads them: from flat offset (i * per) mod wrap."""
+    if wrap_elements is None:
+        return x[start:stop]
+    per = x[0].numel()
+    offset = (start * per) % wrap_elements
+    return x.as_strided((stop - start, *x.shape[1:]), x.stride(), x.storage_offset() + offset)
+
+
+def wrong_bmm(a: torch.Tensor, b: torch.Tensor, fault: Fault, wraps: dict[str, int]) -> torch.Tensor:
+    """The values MPS returns for `a @ b` under `fault` (wrong_all or wrong_tail).
+
+    Zero-copy: wrong operands are `as_strided` views of the originals; a wrapped operand is
+    computed batch range by batch range, one range per wrap count. `wraps` maps "a"/"b" to the
+    element period of that operand's wrap.
+    """
+    if fault.kind == "wrong_all":
+        a = read_stride_ignored(a) if "a" in fault.operand else a
+        b = read_stride_ignored(b) if "b" in fault.operand else b
+        return torch.bmm(a, b)
+    batches = a.shape[0]
+    cuts = {0, batches}
+    for name, x in (("a", a), ("b", b)):
+        if name in wraps:
+            cuts.update(_wrap_bounds(batches, x[0].numel(), wraps[name]))
+    cuts = sorted(cuts)
+    out = torch.empty((batches, a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)  # (B, M, N)
+    for start, stop in zip(cuts, cuts[1:]):
+        torch.bmm(
+            _wrapped_segment(a, start, stop, wraps.get("a")),
+            _wrapped_segment(b, start, stop, wraps.get("b")),
+            out=out[start:stop],
+        )
+    return out
+
+
+class EmulateMode(TorchDispatchMode):
+    """Applies the MPS fault rules to every bmm/mm call; records the calls it altered.
+
+    With a `plan` (from `trace_faults` at full scale), each call takes the plan's decision
+    instead of classifying its own, smaller shapes. See `emulate()`.
+    """
+
+    def __init__(self, index_bits: int = 32, plan: FaultPlan | None = None) -> None:
+        super().__init__()
+        limits(index_bits)
+        self.index_bits = index_bits
+        self.plan = plan
+        self.calls = 0
+        self.records: list[CallRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in DECOMPOSED_OPS:
+            with self:
+                return func.decompose(*args, **kwargs)
+        if func not in MATMUL_OPS:
+            return func(*args, **kwargs)
+        family, a, b = operands(func, args)
+        index = self.calls
+        self.calls += 1
+        fault, wraps = self._decide(index, family, func, a, b)
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        record = CallRecord(index, op_name(func), TensorSpec.of(a), TensorSpec.of(b), fault, current_phase())
+        self.records.append(record)
+        if fault.kind in ("error", "abort"):
+            raise EmulatedMpsError(
+                f"{record.describe()}: {fault.message} (emulated MPS, rule {fault.rule})",
+                op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
+            )
+        product = wrong_bmm(a, b, fault, wraps)
+        if func is torch.ops.aten.baddbmm.default:
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            product = product.mul_(alpha) if alpha != 1 else product
+            return product if beta == 0 else product.add_(args[0], alpha=beta)
+        return product
+
+    def _decide(self, index, family, func, a, b) -> tuple[Fault, dict[str, int]]:
+        if self.plan is None:
+            fault = classify_call(family, a, b, self.index_bits)
+            wraps = {name: fault.wrap_elements for name in (fault.operand or "")}
+            return fault, wraps if fault.kind == "wrong_tail" else {}
+        return replay_decision(self.plan, index, family, op_name(func), a, b)
+
+    def check_plan_consumed(self) -> None:
+        """Raises if a replayed plan had calls this run never made."""
+        if self.plan is not None and self.calls != len(self.plan.calls):
+            raise PlanMismatchError(
+                f"The run made {self.calls} bmm/mm calls but the fault plan has "
+                f"{len(self.plan.calls)}; the plan was traced for another model or phase. "
+                "Re-trace the plan with the same model and inputs."
+            )
+
+
+def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:
+    """Maps call `index`'s full-scale decision onto this (smaller) call.
+
+    Exact when every wrap period is a whole number of batches (2**bits divisible by the wrapped
+    operand's per-batch elements, e.g. L*L with L a power of two): then batch i reads batch
+    i mod period at both scales. Otherwise refuses, rather than replay inexactly.
+    """
+    if index >= len(plan.calls):
+        raise PlanMismatchError(
+            f"Call {index} ({op}) is past the end of the fault plan ({len(plan.calls)} calls); "
+            "the plan was traced for another model or phase."
+        )
+    planned = plan.calls[index]
+    if planned.family != family or (family == "bmm" and planned.a.shape[0] != a.shape[0]):
+        raise PlanMismatchError(
+            f"Call {index} is {op}{list(a.shape)} @ {list(b.shape)} but the plan expected "
+            f"{planned.describe()}; trace the plan with the same model, batch size and phase."
+        )
+    fault = planned.fault
+    if fault.kind != "wrong_tail":
+        return fault, {}
+    wraps = {}
+    for name, full, here in (("a", planned.a, a), ("b", planned.b, b)):
+        if name not in fault.operand:
+            continue
+        period, rest = divmod(fault.wrap_elements, full.per_batch)
+        if rest:
+            raise PlanMismatchError(
+                f"Cannot replay {planned.describe()} exactly: its wrap period "
+                f"{fault.wrap_elements}/{full.per_batch} is not a whole number of batches. "
+                "Use a power-of-two sequence length or run at full scale."
+            )
+        wraps[name] = period * here[0].numel()
+    return fault, wraps
+
+
+@contextlib.contextmanager
+def emulate(index_bits: int = 32, plan: FaultPlan | None = None) -> Iterator[EmulateMode]:
+    """Makes bmm/mm on CPU or CUDA tensors behave like MPS's, faults included.
+
+    Args:
+        index_bits: index width of the rules (32 is MPS; smaller widths show the same faults on
+            small tensors).
+        plan: a full-scale `FaultPlan` to replay call by call on a smaller run.
+
+    Yields:
+        The active `EmulateMode`; its `records` list every call it altered.
+    """
+    mode = EmulateMode(index_bits, plan)
+    _ACTIVE.append(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _ACTIVE.remove(mode)
+    mode.check_plan_consumed()

@@ -1,0 +1,59 @@
+"""Every exception mpsimpact raises: one base class, with fields that reports can serialize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MpsImpactError(Exception):
+    """Base of mpsimpact's errors; the CLI prints these as one line and exits non-zero."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "message": self.message, **_jsonable(self.fields)}
+
+
+class UsageError(MpsImpactError):
+    """Bad user input: a flag value, a scenario name, a missing file."""
+
+
+class DeviceError(MpsImpactError):
+    """A requested device is missing or cannot hold the run."""
+
+
+class MemoryPreflightError(DeviceError):
+    """A run would not fit in the memory the device offers; raised before allocating."""
+
+
+class ModelLoadError(MpsImpactError):
+    """A model, tokenizer or dataset could not be loaded (offline, missing, malformed)."""
+
+
+class PlanMismatchError(MpsImpactError):
+    """A replayed fault plan does not match the calls of the run it is applied to."""
+
+
+class EmulatedMpsError(MpsImpactError, RuntimeError):
+    """The error MPS itself raises (or aborts with) for this call, produced by the emulator.
+
+    Subclasses RuntimeError, like the real one.
+    """
+
+
+class OversizedOpError(MpsImpactError, RuntimeError):
+    """The guard stopped an op that would fault on MPS. Subclasses RuntimeError too."""
+
+
+def _jsonable(fields: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in fields.items():
+        if hasattr(value, "to_json"):
+            value = value.to_json()
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out

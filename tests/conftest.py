@@ -1,0 +1,25 @@
+"""Shared test setup: offline, seeded, and the device markers' skip reasons."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    has_mps = torch.backends.mps.is_available()
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "mps" in item.keywords and not has_mps:
+            item.add_marker(pytest.mark.skip(reason="needs a real Apple GPU (MPS is not available)"))
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA is not available)"))
