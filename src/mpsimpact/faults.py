@@ -249,3 +249,34 @@ def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm")
         cap = (view_limit - 1) if s.is_view else limit
         bounds.append(cap // max(s.per_batch, 1))
     return max(1, min(bounds))
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultProfile:
+    """How one range of torch releases behaves on MPS (FAULT-MODEL.md section 3)."""
+
+    name: str
+    versions: str
+    summary: str
+    modelled: bool
+
+
+_PROFILES = (
+    ((0, 0, 0), (2, 4, 0), FaultProfile("unmeasured-old", "< 2.4.1", "Older than every measured release; behaviour unknown.", False)),
+    ((2, 4, 1), (2, 4, 1), FaultProfile("A-2.4", "2.4.1", "bmm inputs above 2^32 wrap (P V in attention); the transposed-output rule was not yet wrong.", False)),
+    ((2, 5, 0), (2, 8, 0), FaultProfile("A-abort", "2.5.1..2.8.0", "Rule set B, but views over INT_MAX abort the process (exit 134) instead of raising; fused SDPA also wrong.", False)),
+    ((2, 9, 0), (2, 12, 1), FaultProfile("A-typo", "2.9.1..2.12.1", "Rule set B, error text misspelt 'MPSGaph does not support ...'; fused SDPA above 2^32 also wrong.", False)),
+    ((2, 13, 0), (2, 14, 0), FaultProfile("B", "2.13.0..2.14.0", "Rule set B exactly as emulated; fused SDPA correct (PR #179592).", True)),
+    ((2, 14, 1), (99, 0, 0), FaultProfile("unmeasured-new", "> 2.14.0", "Newer than the last measured release: run `mpsimpact sweep` on a Mac to check.", False)),
+)
+
+
+def profile_for(torch_version: str) -> FaultProfile:
+    """The fault profile of a torch version string such as "2.13.0+cpu"."""
+    core = torch_version.split("+")[0]
+    parts = tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in core.split(".")[:3])
+    parts = (*parts, 0, 0)[:3]
+    for low, high, profile in _PROFILES:
+        if low <= parts <= high:
+            return profile
+    return _PROFILES[-1][2]
