@@ -21,7 +21,7 @@ from mpsimpact.calls import (
     op_name,
     operands,
 )
-from mpsimpact.errors import EmulatedMpsError, PlanMismatchError
+from mpsimpact.errors import EmulatedMpsError, MpsImpactError, PlanMismatchError
 from mpsimpact.faults import Fault, TensorSpec, contiguous_strides, limits, wrap_start_batch
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ _ACTIVE: list[EmulateMode] = []
 def is_emulating() -> bool:
     """True while an `emulate()` context is active on this thread."""
     return bool(_ACTIVE)
+
+
+def active_mode() -> EmulateMode | None:
+    """The innermost active EmulateMode on this thread, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +104,7 @@ class EmulateMode(TorchDispatchMode):
         self.plan = plan
         self.calls = 0
         self.records: list[CallRecord] = []
+        self._grouped = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,6 +113,8 @@ class EmulateMode(TorchDispatchMode):
                 return func.decompose(*args, **kwargs)
         if func not in MATMUL_OPS:
             return func(*args, **kwargs)
+        if self._grouped and self.plan is not None:
+            return func(*args, **kwargs)  # a guard's safe chunk of one planned call
         family, a, b = operands(func, args)
         index = self.calls
         self.calls += 1
@@ -133,6 +141,26 @@ class EmulateMode(TorchDispatchMode):
             wraps = {name: fault.wrap_elements for name in (fault.operand or "")}
             return fault, wraps if fault.kind == "wrong_tail" else {}
         return replay_decision(self.plan, index, family, op_name(func), a, b)
+
+    def peek(self, family: str, func: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[Fault, Any, Any]:
+        """The decision the next call would get, and the operands it was decided on (the
+        full-scale specs under a plan), without consuming it. For the guard."""
+        if self.plan is None:
+            return classify_call(family, a, b, self.index_bits), a, b
+        fault, _ = replay_decision(self.plan, self.calls, family, op_name(func), a, b)
+        planned = self.plan.calls[self.calls]
+        return fault, planned.a, planned.b
+
+    @contextlib.contextmanager
+    def as_one_call(self) -> Iterator[None]:
+        """Counts the calls made inside as the one planned call they split (guard chunking)."""
+        self._grouped = True
+        try:
+            yield
+        finally:
+            self._grouped = False
+        if self.plan is not None:
+            self.calls += 1
 
     def check_plan_consumed(self) -> None:
         """Raises if a replayed plan had calls this run never made."""
@@ -192,6 +220,13 @@ def emulate(index_bits: int = 32, plan: FaultPlan | None = None) -> Iterator[Emu
     Yields:
         The active `EmulateMode`; its `records` list every call it altered.
     """
+    from mpsimpact.guard import is_guarding
+
+    if is_guarding():
+        raise MpsImpactError(
+            "emulate() was entered inside an active guard, so the guard would never see the "
+            "emulated faults; enter emulate() first and guard() inside it."
+        )
     mode = EmulateMode(index_bits, plan)
     _ACTIVE.append(mode)
     try:

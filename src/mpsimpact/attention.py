@@ -1,0 +1,76 @@
+"""`mps_safe_eager`: eager attention computed in batch chunks that never cross MPS's index limits,
+registered with transformers' AttentionInterface, so a model opts in without a dispatch mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mpsimpact import emulator
+from mpsimpact.faults import TensorSpec, largest_safe_batch
+
+NAME = "mps_safe_eager"
+
+
+def _index_bits() -> int:
+    active = emulator.active_mode()
+    return active.index_bits if active is not None and active.plan is None else 32
+
+
+def safe_text_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """Texts per chunk such that Q K^T and P V of a chunk are "ok" under the fault rules.
+
+    Chunks are batch slices, hence views, so every operand is held below VIEW_LIMIT.
+    """
+    batch, heads, length, dim = query.shape
+    k_len = key.shape[2]
+    bits = _index_bits()
+    view = lambda shape: dataclasses.replace(TensorSpec.contiguous(shape), storage_offset=1)  # noqa: E731
+    rows = batch * heads
+    scores = largest_safe_batch(view((rows, length, dim)), view((rows, dim, k_len)), index_bits=bits)
+    output = largest_safe_batch(view((rows, length, k_len)), view((rows, k_len, value.shape[-1])), index_bits=bits)
+    return max(1, min(scores, output) // heads)
+
+
+def mps_safe_eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention (as transformers' `eager_attention_forward`) over safe batch chunks.
+
+    Returns (attn_output (B, L, H, D), None): attention weights are not kept, since the full
+    weights tensor is the very thing that crosses the limit.
+    """
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    batch = query.shape[0]
+    chunk = safe_text_chunk(query, key, value)
+    out = query.new_empty(batch, query.shape[2], query.shape[1], value.shape[-1])  # (B, L, H, D)
+    for start in range(0, batch, chunk):
+        stop = min(batch, start + chunk)
+        scores = torch.matmul(query[start:stop], key[start:stop].transpose(2, 3)) * scaling  # (b, H, L, Lk)
+        if attention_mask is not None:
+            mask = attention_mask[start:stop] if attention_mask.shape[0] == batch else attention_mask
+            scores = scores + mask
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+        # Written into place: torch.cat above 2**31 elements is itself wrong on MPS 2.13.0.
+        out[start:stop] = torch.matmul(probs, value[start:stop]).transpose(1, 2)  # (b, L, H, D)
+    return out, None
+
+
+def register() -> str:
+    """Registers `mps_safe_eager` with transformers; returns the name to pass as attn_implementation."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, mps_safe_eager_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)  # additive float masks, as eager expects
+    return NAME

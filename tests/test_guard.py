@@ -1,0 +1,161 @@
+"""The guard under the emulator (LIMIT 2**12 = 4096, VIEW_LIMIT 2048): every outcome class is
+stopped by raise, fixed by chunk, flagged once per site by warn."""
+
+import warnings
+
+import pytest
+import torch
+
+import mpsimpact
+from mpsimpact.emulator import emulate
+from mpsimpact.errors import MpsImpactError, OversizedOpError
+from mpsimpact.guard import MpsImpactWarning, guard, install_guard, uninstall_guard
+from mpsimpact.tracer import trace_module
+from tiny import tiny_bert, token_batch
+
+BITS = 12
+
+
+def case_wrong_tail():
+    return torch.bmm, (torch.randn(200, 8, 8), torch.randn(200, 8, 2))  # a 12800 > 4096 wraps
+
+
+def case_wrong_all():
+    return torch.bmm, (torch.randn(17, 4, 16).transpose(1, 2), torch.randn(17, 4, 16))  # out 4352
+
+
+def case_error():
+    return torch.bmm, (torch.randn(2, 2, 16), torch.randn(2, 64, 16).transpose(1, 2))  # view 2048
+
+
+def case_abort():
+    return torch.nn.functional.linear, (torch.randn(64, 8), torch.randn(64, 8), torch.randn(64))  # out 4096
+
+
+def case_baddbmm():
+    return (lambda a, b, c: torch.baddbmm(c, a, b, alpha=0.5)), (torch.randn(200, 8, 8), torch.randn(200, 8, 2), torch.randn(200, 8, 2))
+
+
+CASES = {"wrong_tail": case_wrong_tail, "wrong_all": case_wrong_all, "error": case_error, "abort": case_abort, "baddbmm": case_baddbmm}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_raise_stops_every_outcome_before_it_runs(name):
+    op, args = CASES[name]()
+    with emulate(index_bits=BITS) as emu, guard("raise") as g, pytest.raises(OversizedOpError) as info:
+        op(*args)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, MpsImpactError)
+    assert "largest safe chunk" in str(info.value) and info.value.fields["safe_chunk"] >= 1
+    assert emu.records == [] and len(g.stopped) == 1  # the emulator never computed a wrong value
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_chunk_fixes_every_outcome(name):
+    op, args = CASES[name]()
+    expected = op(*args)  # plain CPU
+    with emulate(index_bits=BITS) as emu, guard("chunk") as g:
+        got = op(*args)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert emu.records == [] and len(g.chunked) == 1
+
+
+def test_warn_warns_once_per_site_with_the_error_text():
+    op, args = case_wrong_tail()
+    with emulate(index_bits=BITS), guard("raise"), pytest.raises(OversizedOpError) as info:
+        op(*args)
+    with emulate(index_bits=BITS) as emu, guard("warn"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            got = op(*args)
+    ours = [w for w in caught if issubclass(w.category, MpsImpactWarning)]
+    assert len(ours) == 1 and str(ours[0].message) == str(info.value)
+    assert len(emu.records) == 3  # warn lets the fault through, as MPS would compute it
+    assert not torch.allclose(got, op(*args))
+
+
+def test_guard_ignores_cpu_tensors_outside_emulation_unless_asked():
+    op, args = case_wrong_tail()
+    with guard("raise"):
+        op(*args)  # CPU tensors, no emulator: nothing to guard
+    with guard("raise", index_bits=BITS, devices=("cpu",)), pytest.raises(OversizedOpError):
+        op(*args)
+
+
+def test_emulate_inside_a_guard_is_refused():
+    with guard("raise"), pytest.raises(MpsImpactError, match="enter emulate"):
+        with emulate(index_bits=BITS):
+            pass
+
+
+def test_install_guard_reads_the_environment(monkeypatch):
+    op, args = case_wrong_tail()
+    monkeypatch.setenv("MPSIMPACT_GUARD", "off")
+    assert install_guard() is None
+    expected = torch.bmm(*args)
+    monkeypatch.setenv("MPSIMPACT_GUARD", "chunk")
+    installed = install_guard(index_bits=BITS, devices=("cpu",))
+    try:
+        torch.testing.assert_close(op(*args), expected)
+        assert installed.mode == "chunk" and len(installed.chunked) == 1
+    finally:
+        uninstall_guard()
+    op(*args)  # uninstalled: no guard left behind
+
+
+def test_bad_guard_mode_is_a_clear_error():
+    with pytest.raises(MpsImpactError, match="Guard mode must be one of raise, warn, chunk, got 'chunks'"):
+        with guard("chunks"):
+            pass
+
+
+def bert_outputs(model, ids, **emulation):
+    with torch.inference_mode():
+        with emulate(**emulation) as emu, guard("chunk") as g:
+            out = model(input_ids=ids).last_hidden_state
+    return out, emu, g
+
+
+def test_tiny_bert_chunk_matches_plain_and_raise_stops_first():
+    model, ids = tiny_bert(), token_batch(10, 64)
+    with torch.inference_mode():
+        plain = model(input_ids=ids).last_hidden_state
+        with emulate(index_bits=16) as emu, guard("raise"), pytest.raises(OversizedOpError, match="wrong values from batch 16"):
+            model(input_ids=ids)
+        assert emu.records == []
+    out, emu, g = bert_outputs(model, ids, index_bits=16)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    assert emu.records == [] and len(g.chunked) == 2  # the two P V products
+
+
+def test_chunk_under_plan_replay_consumes_the_plan_and_is_correct():
+    ids = token_batch(10, 64)
+    plan = trace_module(tiny_bert("meta"), {"input_ids": torch.zeros(10, 64, dtype=torch.long, device="meta")}, index_bits=16)
+    model, short = tiny_bert(), ids[:, :16]
+    with torch.inference_mode():
+        plain = model(input_ids=short).last_hidden_state
+    out, emu, g = bert_outputs(model, short, plan=plan)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    assert emu.calls == len(plan.calls) and len(g.chunked) == 2
+
+
+def test_registered_attention_implementation_is_correct_under_emulation():
+    from mpsimpact.attention import register
+
+    name = register()
+    plain_model = tiny_bert()
+    safe_model = tiny_bert()
+    safe_model.load_state_dict(plain_model.state_dict())
+    safe_model.set_attn_implementation(name)
+    ids = token_batch(10, 64)
+    mask = torch.ones_like(ids)
+    mask[:, 50:] = 0
+    with torch.inference_mode():
+        plain = plain_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with emulate(index_bits=16) as safe_emu:
+            got = safe_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with emulate(index_bits=16) as eager_emu:
+            broken = plain_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+    assert safe_emu.records == []
+    # The same weights with plain eager attention fault in both P V products.
+    assert len(eager_emu.records) == 2 and not torch.allclose(broken, plain, atol=1e-3)
