@@ -70,3 +70,110 @@ def list_scenarios() -> None:
 
     for name, cls in available().items():
         typer.echo(f"{name:<12} {cls.description}")
+
+
+def _rich_progress(progress):
+    def make(description: str, total: int):
+        task = progress.add_task(description, total=total)
+        return lambda n: progress.advance(task, n)
+
+    return make
+
+
+@app.command()
+@reports_errors
+def run(
+    scenario: str = typer.Argument(..., help="Scenario name (see `mpsimpact list`)."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Texts in the one batch [default: the scenario's, 2048]."),
+    max_length: int = typer.Option(None, "--max-length", help="Padding/truncation length [default: the scenario's, 512]."),
+    device: str = typer.Option("auto", "--device", help="auto (mps, else cuda, else cpu), mps, cuda or cpu."),
+    emulate: bool = typer.Option(None, "--emulate/--no-emulate", help="Emulate MPS's faults [default: on unless the device is mps]."),
+    guard: str = typer.Option("all", "--guard", help="off, raise, chunk, or all (three conditions side by side)."),
+    out: str = typer.Option(None, "--out", help="Report folder [default: outputs/<scenario>-<timestamp>/]."),
+    seed: int = typer.Option(0, "--seed"),
+    expect: str = typer.Option(None, "--expect", help="clean or corrupted: exit 1 if the guard-off condition differs."),
+    model: str = typer.Option(None, "--model", help="A sequence-classification model id or local path [default: embedded MiniLM]."),
+    dataset: str = typer.Option(None, "--dataset", help="tweet_eval or a local CSV/JSON with text and label columns."),
+    threshold: float = typer.Option(1e-3, "--threshold", help="A text is corrupted above this relative logit error."),
+    run_length: int = typer.Option(None, "--run-length", help="Force the length the device passes run at (the plan stays at --max-length)."),
+    index_bits: int = typer.Option(32, "--index-bits", help="Index width of the emulated rules; 32 is MPS. Smaller widths show the fault on small batches."),
+) -> None:
+    """Run a scenario under each guard condition against a CPU reference, and write the reports."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mpsimpact.report import write_run_folder
+    from mpsimpact.runner import RunConfig, prepare_out_dir, run_scenario
+
+    config = RunConfig(scenario, batch_size, max_length, device, emulate, guard, out, seed, expect, model, dataset, threshold, run_length, index_bits)
+    config.validate()
+    folder = prepare_out_dir(config)
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        report, arrays = run_scenario(config, _rich_progress(progress))
+    write_run_folder(folder, report, arrays)
+    _print_summary(report, folder)
+    _check_expectation(report, expect)
+
+
+def _print_summary(report: dict, folder) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    geometry = report["geometry"]
+    style = "bold yellow" if geometry["emulated"] else "bold green"
+    console.print(f"[{style}]{geometry['mode']}[/]")
+    table = Table(title=f"{report['config']['scenario']}: batch {geometry['batch_size']}, max length {geometry['max_length']}")
+    for title in ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall"):
+        table.add_column(title, justify="right")
+    for c in report["conditions"]:
+        done = c["status"] == "completed"
+        table.add_row(
+            c["guard"], {"completed": "completed", "stopped_by_guard": "stopped"}.get(c["status"], c["status"]),
+            f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
+            f"{c['first_corrupted_index'] if c['first_corrupted_index'] is not None else '-'} ({c['predicted_first_corrupted_index']})" if done else "-",
+            str(c["flips"]) if done else "-",
+            f"{c['accuracy']:.3f} ({c['reference_accuracy']:.3f})" if done else "-",
+            f"{c['wall_s']:.1f}s",
+        )
+    console.print(table)
+    for condition in report["conditions"]:
+        if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
+            c = condition["collapse"]
+            console.print(f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device vs {c['reference_share']:.1%} in the reference")
+        if condition.get("message"):
+            console.print(f"guard {condition['guard']}: {condition['status']}: {condition['message']}", soft_wrap=True)
+    for note in report["notes"][1:]:
+        console.print(f"note: {note}", soft_wrap=True)
+    console.print(f"Reports written to {folder}/ (report.json, report.md, report.html, samples.jsonl, figures)")
+
+
+def _check_expectation(report: dict, expect: str | None) -> None:
+    if expect is None:
+        return
+    off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
+    if off is None:
+        typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
+        raise typer.Exit(2)
+    corrupted = off["status"] != "completed" or off["corrupted_count"] > 0
+    if corrupted != (expect == "corrupted"):
+        typer.echo(f"expectation failed: --expect {expect}, but guard off was {'corrupted' if corrupted else 'clean'}.", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"expectation met: guard off is {expect}.")
+
+
+@app.command("train-head")
+@reports_errors
+def train_head_command(
+    out: str = typer.Option(None, "--out", help="Folder for sentiment_head.npz/.json [default: the installed package's data folder]."),
+    limit: int = typer.Option(None, "--limit", help="Use only the first N texts of each split (quick checks)."),
+) -> None:
+    """Retrain the embedded classifier's head reproducibly (logistic regression on MiniLM embeddings)."""
+    from pathlib import Path
+
+    from mpsimpact.head import train_head
+
+    metadata = train_head(Path(out) if out else None, limit=limit)
+    typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts (trained on {metadata['train_texts']})")

@@ -50,6 +50,7 @@ class GuardMode(TorchDispatchMode):
         self.devices = devices
         self.stopped: list[CallRecord] = []
         self.chunked: list[CallRecord] = []
+        self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self._warned: set[tuple[str, int]] = set()
         self._check_cat = torch.__version__.split("+")[0] in _CAT_WRONG_VERSIONS
 
@@ -81,9 +82,12 @@ class GuardMode(TorchDispatchMode):
             return func(*args, **kwargs)
         bits = active.index_bits if active and active.plan is None else self.index_bits
         chunk = _scaled_chunk(family, full_a, full_b, a, bits)
-        record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), TensorSpec.of(a), TensorSpec.of(b), fault, current_phase())
+        # Under plan replay the record shows the full-scale call MPS would see.
+        spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
+        record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
         if self.mode == "chunk":
             self.chunked.append(record)
+            self.chunk_sizes.append(chunk)
             with active.as_one_call() if active else contextlib.nullcontext():
                 return run_chunked(func, family, args, kwargs, chunk)
         message = describe_stop(record, fault, chunk)
@@ -135,7 +139,7 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
     """The error text: what, the numbers, the rule it would hit, the safe chunk, what to do."""
     what = {
         "wrong_all": "return wrong values in every batch",
-        "wrong_tail": f"return wrong values from batch {fault.first_bad_batch} on",
+        "wrong_tail": f"return wrong values from batch {fault.first_bad_batch} onward",
         "error": f"raise '{fault.message}'",
         "abort": "abort the process",
     }[fault.kind]

@@ -1,0 +1,122 @@
+"""Guard overhead, as ratios measured in one run (workloads defined as in the study, so figures compare).
+
+Run: python benchmarks/guard_overhead.py [--steps 2000 --reps 5]
+(1) small training loop: Linear(120, 512) -> Sigmoid -> Linear(512, 120), Adam, input (1024, 120),
+    MSE to itself, 2000 steps.
+(2) big forward: q (8, 32, 1024, 128) fp32 on CPU (the study: (64, 32, 1024, 128) fp16 on a GPU);
+    w = (q @ q^T).softmax(-1); o = w @ q; 5 repetitions.
+(3) chunk: workload (2) under emulate(index_bits=26), where w (256, 1024, 1024) = 268M elements
+    wraps in `w @ q`; guard "chunk" against the same batch split by hand into the same chunks.
+Each condition's time is the median of interleaved rounds. The baseline guard is the study's: a
+TorchDispatchMode that checks the numel of every input and output of every op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsimpact.emulator import emulate
+from mpsimpact.guard import guard
+
+LIMIT = 2**32
+
+
+class NumelCheckGuard(TorchDispatchMode):
+    """The study's baseline: check every input and output of every op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() > LIMIT:
+                raise RuntimeError(f"{func}: input of {leaf.numel()} elements")
+        out = func(*args, **kwargs)
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() > LIMIT:
+                raise RuntimeError(f"{func}: output of {leaf.numel()} elements")
+        return out
+
+
+CONDITIONS = {
+    "off": contextlib.nullcontext,
+    "ours_raise": lambda: guard("raise", devices=("cpu",)),
+    "baseline": NumelCheckGuard,
+}
+
+
+def training_loop(steps: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(120, 512), torch.nn.Sigmoid(), torch.nn.Linear(512, 120))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(1024, 120)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        loss.backward()
+        optimizer.step()
+
+
+def big_forward(q: torch.Tensor, reps: int) -> torch.Tensor:
+    for _ in range(reps):
+        w = (q @ q.transpose(-1, -2)).softmax(-1)  # (8, 32, 1024, 1024)
+        o = w @ q
+    return o
+
+
+def big_forward_by_hand(q: torch.Tensor, reps: int, chunk: int) -> torch.Tensor:
+    flat = q.reshape(-1, *q.shape[2:])  # (256, 1024, 128)
+    for _ in range(reps):
+        w = (flat @ flat.transpose(-1, -2)).softmax(-1)
+        o = torch.empty_like(flat)
+        for start in range(0, flat.shape[0], chunk):
+            o[start : start + chunk] = torch.bmm(w[start : start + chunk], flat[start : start + chunk])
+    return o.view_as(q)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def ratios(workload, rounds: int) -> dict[str, float]:
+    workload()  # warm-up: first-touch page faults and lazy initialisation
+    times = {name: [] for name in CONDITIONS}
+    for _ in range(rounds):
+        for name, make in CONDITIONS.items():
+            with make():
+                times[name].append(timed(workload))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {name: medians[name] / medians["off"] for name in medians} | {"off_s": medians["off"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    train = ratios(lambda: training_loop(args.steps), args.rounds)
+    print(f"(1) training loop {args.steps} steps: off {train['off_s']:.2f}s  ours raise {train['ours_raise']:.3f}x  baseline {train['baseline']:.3f}x")
+    q = torch.randn(8, 32, 1024, 128)
+    fwd = ratios(lambda: big_forward(q, args.reps), args.rounds)
+    print(f"(2) big forward x{args.reps}: off {fwd['off_s']:.2f}s  ours raise {fwd['ours_raise']:.3f}x  baseline {fwd['baseline']:.3f}x")
+    chunked, by_hand = [], []
+    big_forward_by_hand(q, 1, 64)  # warm-up
+    for _ in range(args.rounds):
+        with torch.inference_mode(), emulate(index_bits=26), guard("chunk") as g:
+            chunked.append(timed(lambda: big_forward(q, args.reps)))
+        chunk = g.chunk_sizes[0]
+        by_hand.append(timed(lambda: big_forward_by_hand(q, args.reps, chunk)))
+    print(f"(3) chunk under emulate(26): guard chunk {statistics.median(chunked):.2f}s  by hand {statistics.median(by_hand):.2f}s  ratio {statistics.median(chunked) / statistics.median(by_hand):.3f} (chunk {chunk} of 256 batches)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Scenario `sentiment`: a 3-class tweet sentiment classifier, one oversized eager-attention
+batch; the published downstream demo (FAULT-MODEL.md section 4) on an embedded default model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpsimpact.scenario import Scenario, register
+
+
+@register
+class SentimentScenario(Scenario):
+    """Embedded default: all-MiniLM-L6-v2 (12 heads) + a shipped logistic-regression head, on the
+    held-out CrowdFlower tweets. `model` may be any sequence-classification id or path, and
+    `dataset` "tweet_eval" or a local CSV/JSON file with text and label columns."""
+
+    name = "sentiment"
+    description = "Tweet sentiment (MiniLM + linear head, or any HF classifier): one oversized eager batch."
+    default_batch_size = 2048
+    default_max_length = 512
+
+    def __init__(self, model: str | None = None, dataset: str | None = None) -> None:
+        super().__init__(model=model, dataset=dataset)
+        self.model_name = model
+        self.dataset_name = dataset
+        self.model = None
+        self.data = None
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model_name is None
+
+    def load(self) -> None:
+        from mpsimpact.classifier import load_embedded_classifier, load_hub_classifier
+        from mpsimpact.dataset import load_texts
+
+        self.model = load_embedded_classifier() if self.is_embedded else load_hub_classifier(self.model_name)
+        self.data = load_texts(self.dataset_name, self.model.label_names)
+
+    def load_config(self) -> Any:
+        """The model's config alone: enough to trace, no weights."""
+        from mpsimpact.classifier import embedded_model_path
+        from mpsimpact.errors import ModelLoadError
+        from transformers import AutoConfig
+
+        source = str(embedded_model_path()) if self.is_embedded else self.model_name
+        try:
+            return AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(
+                f"The config of model '{source}' is not a local path and not in the Hugging Face cache "
+                f"({type(error).__name__}). Download it once with network access, or pass a local directory."
+            ) from None
+
+    def meta_module(self, config: Any | None = None) -> torch.nn.Module:
+        """The classifier built on `meta`, for the shape-only tracer."""
+        from mpsimpact.classifier import meta_classifier
+
+        return meta_classifier(config if config is not None else self.model.config, self.is_embedded)

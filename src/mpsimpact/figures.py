@@ -1,0 +1,96 @@
+"""The run's PNG figures: relative error by batch position with the predicted boundary, the class
+distribution of corrupted texts (device vs reference), and the device-vs-reference confusion."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=130, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buffer.getvalue()
+
+
+def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:
+    """Relative logit error per batch position, one series per completed guard condition."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    floor = 1e-9
+    styles = {"off": ("tab:red", 3, "guard off"), "chunk": ("tab:green", 2, "guard chunk"), "raise": ("tab:blue", 2, "guard raise")}
+    for guard_mode, err in errors.items():
+        color, size, label = styles.get(guard_mode, ("gray", 2, guard_mode))
+        ax.scatter(np.arange(err.size), np.clip(err, floor, None), s=size, color=color, label=label, alpha=0.7, linewidths=0)
+    ax.axhline(threshold, color="black", linestyle=":", linewidth=1, label=f"corrupted above {threshold:g}")
+    if predicted is not None:
+        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5, label=f"predicted from shapes: text {predicted}")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in batch")
+    ax.set_ylabel("max |logit - ref| / max |ref|  (floored at 1e-9)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8, markerscale=4)
+    return _png(fig)
+
+
+def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
+    """Bars: the corrupted texts' predicted classes on the device vs in the reference."""
+    plt = _pyplot()
+    labels = list(counts["device"])
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, [counts["reference"][k] for k in labels], width=0.4, label="reference (CPU fp32)", color="tab:gray")
+    ax.bar(x + 0.2, [counts["device"][k] for k in labels], width=0.4, label="device", color="tab:red")
+    for offset, key in ((-0.2, "reference"), (0.2, "device")):
+        for i, k in enumerate(labels):
+            ax.text(i + offset, counts[key][k], str(counts[key][k]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("corrupted texts")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: tuple[str, ...], title: str) -> bytes:
+    """Confusion matrix: rows reference prediction, columns device prediction."""
+    plt = _pyplot()
+    n = len(label_names)
+    matrix = np.zeros((n, n), dtype=int)
+    np.add.at(matrix, (reference_pred, device_pred), 1)
+    fig, ax = plt.subplots(figsize=(5, 4.2))
+    ax.imshow(matrix, cmap="Blues")
+    for i in range(n):
+        for j in range(n):
+            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", color="white" if matrix[i, j] > matrix.max() / 2 else "black")
+    ax.set_xticks(range(n), label_names)
+    ax.set_yticks(range(n), label_names)
+    ax.set_xlabel("device prediction")
+    ax.set_ylabel("reference prediction")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray], reference_pred: np.ndarray) -> dict[str, bytes]:
+    """Every figure of a run, by file name."""
+    tag = "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+    batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
+    figures = {
+        "error_by_position.png": error_by_position(errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"], f"{tag}: batch {batch}, max length {length}"),
+    }
+    off = next((c for c in run["conditions"] if c["guard"] == "off" and c["status"] == "completed"), None)
+    if off is not None:
+        figures["corrupted_classes.png"] = corrupted_classes(off["corrupted_class_counts"], f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts")
+        figures["confusion.png"] = confusion(preds["off"], reference_pred, tuple(run["label_names"]), f"{tag}, guard off")
+    return figures

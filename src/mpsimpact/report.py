@@ -1,0 +1,161 @@
+"""Reports: atomic file writes, and the run's report.json, samples.jsonl, report.md and a
+self-contained report.html."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` through a temporary file and a rename: never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are meant to be shared
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+CONDITION_COLUMNS = (
+    ("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"), ("corrupted_fraction", "fraction"),
+    ("first_corrupted_index", "first corrupted"), ("predicted_first_corrupted_index", "predicted first"),
+    ("flips", "flips"), ("accuracy", "accuracy"), ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"),
+)
+
+
+def condition_rows(run: dict) -> list[list[str]]:
+    """The summary table: one row per guard condition."""
+    return [[_fmt(c.get(key)) for key, _ in CONDITION_COLUMNS] for c in run["conditions"]]
+
+
+def render_markdown(run: dict) -> str:
+    """report.md: the headline, the geometry, the conditions table, collapse and notes."""
+    g, p = run["geometry"], run["prediction"]
+    lines = [
+        f"# mpsimpact run: {run['config']['scenario']}",
+        "",
+        f"**{g['mode']}** on {run['environment']['machine']}, torch {run['environment']['torch']}, "
+        f"transformers {run['environment']['transformers']}.",
+        "",
+        f"Model `{run['model']}`, data: {run['data_source']}. Batch {g['batch_size']}, max length {g['max_length']}"
+        + (f" (run at {g['run_length']} tokens)" if g["run_length"] != g["max_length"] else "") + ".",
+        f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} (head {_fmt(p['first_corrupted_head'])}), "
+        f"{p['corrupted_count']} of {g['batch_size']} texts.",
+        "",
+        "| " + " | ".join(title for _, title in CONDITION_COLUMNS) + " |",
+        "|" + "---|" * len(CONDITION_COLUMNS),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in condition_rows(run)]
+    lines.append("")
+    for c in run["conditions"]:
+        if c.get("collapse", {}).get("class"):
+            col = c["collapse"]
+            lines.append(
+                f"- guard {c['guard']}: corrupted texts collapse onto **{col['class']}**: {col['device_share']:.1%} on the device "
+                f"vs {col['reference_share']:.1%} in the reference (chi-square p = {_fmt(c['significance']['chi2_collapse_p'])})."
+            )
+        if c.get("message"):
+            lines.append(f"- guard {c['guard']}: {c['status']}: `{c['message']}`")
+    lines += ["", *[f"- {note}" for note in run["notes"]], "", *[f"![{name}]({name})" for name in run["figures"]]]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(run: dict, figures: dict[str, bytes]) -> str:
+    """report.html: self-contained (figures inlined), for talks."""
+    import base64
+    import html
+
+    body = render_markdown(run)
+    head_row = "".join(f"<th>{html.escape(t)}</th>" for _, t in CONDITION_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in condition_rows(run))
+    notes = "".join(f"<li>{html.escape(line[2:])}</li>" for line in body.splitlines() if line.startswith("- "))
+    images = "".join(
+        f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(data).decode()}"><figcaption>{name}</figcaption></figure>'
+        for name, data in figures.items()
+    )
+    g = run["geometry"]
+    banner = "emulated" if g["emulated"] else "real"
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {html.escape(run['config']['scenario'])}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
+.banner{{padding:.6em 1em;font-weight:bold;border-radius:6px;background:{'#fde2a7' if banner == 'emulated' else '#c7e9c0'}}}
+img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
+<h1>mpsimpact run: {html.escape(run['config']['scenario'])}</h1>
+<p class="banner">{html.escape(g['mode'])}</p>
+<p>Model <code>{html.escape(run['model'])}</code>; data: {html.escape(run['data_source'])}; batch {g['batch_size']}, max length {g['max_length']};
+torch {html.escape(run['environment']['torch'])} on {html.escape(run['environment']['machine'])}.</p>
+<table><tr>{head_row}</tr>{rows}</table><ul>{notes}</ul>{images}</body></html>
+"""
+
+
+def samples_jsonl(report: dict, arrays: dict) -> str:
+    """One line per text and completed condition."""
+    import json
+
+    names, ref, gold = report["label_names"], arrays["reference"], arrays["gold"]
+    ref_pred = ref.argmax(axis=1)
+    threshold = report["config"]["threshold"]
+    lines = []
+    for guard_mode, logits in arrays.get("logits", {}).items():
+        err = arrays["errors"][guard_mode]
+        for i, text in enumerate(arrays["texts"]):
+            lines.append(json.dumps({
+                "guard": guard_mode, "position": i, "text": text, "gold": names[gold[i]],
+                "reference_pred": names[ref_pred[i]], "device_pred": names[int(logits[i].argmax())],
+                "relative_error": float(err[i]), "corrupted": bool(err[i] > threshold),
+                "reference_logits": ref[i].round(6).tolist(), "device_logits": logits[i].round(6).tolist(),
+            }))
+    return "\n".join(lines) + "\n"
+
+
+def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
+    """Writes report.json, samples.jsonl, report.md, report.html and the figures into a hidden
+    partial folder, then renames it to `out`: an interrupted run leaves no complete-looking report."""
+    import json
+    import shutil
+
+    from mpsimpact.figures import render_all
+
+    out = Path(out)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        figures = render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
+        report = report | {"figures": sorted(figures)}
+        for name, data in figures.items():
+            atomic_write_bytes(partial / name, data)
+        atomic_write_text(partial / "samples.jsonl", samples_jsonl(report, arrays))
+        atomic_write_text(partial / "report.md", render_markdown(report))
+        atomic_write_text(partial / "report.html", render_html(report, figures))
+        atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+        if out.exists():
+            out.rmdir()  # prepare_out_dir allowed only an empty folder
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out

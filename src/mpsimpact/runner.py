@@ -1,0 +1,294 @@
+"""The runner: turns a RunConfig into one device pass per guard condition, against a CPU
+reference, and writes the reports. Scenarios never pick devices or write files; this does."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpsimpact.device import GIB, check_memory, device_memory, resolve_device
+from mpsimpact.emulator import emulate
+from mpsimpact.errors import MemoryPreflightError, OversizedOpError, UsageError
+from mpsimpact.guard import guard
+from mpsimpact.planner import estimate_peak_bytes, predict, trace_classifier
+
+GUARDS = ("off", "raise", "chunk")
+REDUCED_LENGTH = 64  # a power of two: the full-scale wrap period maps exactly (see emulator.replay_decision)
+CPU_FULL_SCALE_MAX = 64  # on a CPU, longer sequences run at REDUCED_LENGTH with the full-scale plan replayed
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything `mpsimpact run` was asked; embedded in every report."""
+
+    scenario: str = "sentiment"
+    batch_size: int | None = None
+    max_length: int | None = None
+    device: str = "auto"
+    emulate: bool | None = None
+    guard: str = "all"
+    out: str | None = None
+    seed: int = 0
+    expect: str | None = None
+    model: str | None = None
+    dataset: str | None = None
+    threshold: float = 1e-3
+    run_length: int | None = None
+    index_bits: int = 32
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        for name in ("batch_size", "max_length", "run_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+        if self.guard not in (*GUARDS, "all"):
+            raise UsageError(f"--guard must be one of off, raise, chunk, all; got '{self.guard}'.")
+        if self.expect not in (None, "clean", "corrupted"):
+            raise UsageError(f"--expect must be clean or corrupted, got '{self.expect}'.")
+        if not 8 <= self.index_bits <= 32:
+            raise UsageError(f"--index-bits must be in 8..32 (32 is MPS), got {self.index_bits}.")
+        if not 0 < self.threshold < 1:
+            raise UsageError(f"--threshold must be in (0, 1), got {self.threshold}.")
+
+    @property
+    def guards(self) -> tuple[str, ...]:
+        return GUARDS if self.guard == "all" else (self.guard,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where and at what size the device passes run, and how MPS is (or is not) emulated."""
+
+    device: str
+    emulated: bool
+    batch_size: int
+    max_length: int
+    run_length: int
+    index_bits: int = 32
+
+    @property
+    def replayed(self) -> bool:
+        return self.emulated and self.run_length < self.max_length
+
+    @property
+    def mode(self) -> str:
+        if not self.emulated:
+            return "real MPS" if self.device == "mps" else f"{self.device} control (no emulation)"
+        scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
+        return f"EMULATED MPS on {self.device} {scale}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
+
+
+def decide_geometry(config: RunConfig, model: Any, device: str, batch: int, max_length: int) -> Geometry:
+    """Picks emulation and the run length; checks memory before anything big is allocated."""
+    emulated = config.emulate if config.emulate is not None else device != "mps"
+    if emulated and device == "mps":
+        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the real fault runs. Use --no-emulate or --device cpu.")
+    if max_length > model.max_positions:
+        raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
+    full = estimate_peak_bytes(model.config, batch, max_length)
+    if config.run_length:
+        run_length = min(config.run_length, max_length)
+    elif device != "cpu" and full <= device_memory(device):
+        run_length = max_length
+    elif device == "mps" or (not emulated and device != "cpu"):
+        raise MemoryPreflightError(
+            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
+            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
+            device=device, needed_bytes=full,
+        )
+    else:
+        run_length = min(max_length, CPU_FULL_SCALE_MAX if device == "cpu" else REDUCED_LENGTH)
+    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
+    if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
+        raise UsageError(
+            f"--max-length {max_length} cannot be emulated exactly at reduced length {run_length}: the wrap "
+            "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
+            "or a device with enough memory for the full scale."
+        )
+    check_memory(
+        device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
+        "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
+    )
+    return geometry
+
+
+def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:
+    """The first `batch` texts in the data's fixed order, repeated if there are too few; returns
+    (texts, gold labels, how many positions are repeats)."""
+    reps = -(-batch // len(texts))
+    picked = (list(texts) * reps)[:batch]
+    gold = np.array((list(labels) * reps)[:batch])
+    return picked, gold, max(0, batch - len(texts))
+
+
+@contextlib.contextmanager
+def _condition(geometry: Geometry, plan, guard_mode: str):
+    if not geometry.emulated:
+        emulation = contextlib.nullcontext(None)
+    else:
+        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits)
+    guarding = guard(guard_mode, index_bits=geometry.index_bits) if guard_mode != "off" else contextlib.nullcontext(None)
+    with torch.inference_mode(), emulation as emu, guarding as g:
+        yield emu, g
+
+
+def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
+    """One forward pass of the whole batch under one guard condition."""
+    start = time.perf_counter()
+    result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
+    state: dict[str, Any] = {}
+    try:
+        with _condition(geometry, plan, guard_mode) as (emu, g):
+            state.update(emu=emu, guard=g)
+            result["logits"] = module(**inputs).float().cpu().numpy()
+    except OversizedOpError as error:
+        result.update(status="stopped_by_guard", message=str(error))
+    except RuntimeError as error:  # MPS's own error, real or emulated
+        result.update(status="error", message=str(error).splitlines()[0])
+    emu, g = state.get("emu"), state.get("guard")
+    result["wall_s"] = time.perf_counter() - start
+    result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
+    result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
+    result["wrong_values_before_stop"] = len([r for r in (emu.records if emu else []) if r.fault.is_silent])
+    return result
+
+
+def prepare_out_dir(config: RunConfig) -> Path:
+    """The final report folder; refuses one that already holds files (nothing is overwritten)."""
+    out = Path(config.out) if config.out else Path("outputs") / f"{config.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"Output folder '{out}' already exists and is not empty; pass another --out.")
+    return out
+
+
+def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Pads every text to the run length; reports which texts a reduced length truncates."""
+    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length", return_tensors="pt")
+    lengths = np.array([len(ids) for ids in tokenizer(texts, truncation=False)["input_ids"]])
+    reduced = np.flatnonzero((lengths > geometry.run_length) & (geometry.run_length < geometry.max_length))
+    stats = {
+        "truncated_at_max_length": int((lengths > geometry.max_length).sum()),
+        "truncated_by_reduced_length": reduced.tolist(),
+        "truncated_by_reduced_length_fraction": reduced.size / len(texts),
+        "mean_tokens": float(lengths.mean()),
+    }
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, stats
+
+
+def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
+    """CPU fp32 reference at the run length, from the on-disk cache when present."""
+    from mpsimpact import reference
+
+    key = reference.cache_key(reference.model_fingerprint(model.module), texts, run_length)
+    cached = reference.cached_reference(key)
+    if cached is not None:
+        return cached, True
+    logits = reference.run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance)
+    reference.store_reference(key, logits)
+    return logits, False
+
+
+def model_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the model's largest ModuleList (its transformer layers)."""
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len, default=[]))
+
+
+@contextlib.contextmanager
+def layer_progress(layers: list[torch.nn.Module], advance):
+    """Advances a progress bar as each layer finishes its forward."""
+    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _no_progress(description: str, total: int):
+    return None
+
+
+def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs every guard condition of `config`; returns (report, arrays for samples and figures).
+
+    `progress(description, total)` returns a callable that advances that task (or None).
+    """
+    from mpsimpact.environment import collect_environment
+    from mpsimpact.metrics import relative_error, summarize
+    from mpsimpact.scenario import get_scenario
+
+    config.validate()
+    scenario_cls = get_scenario(config.scenario)
+    device = resolve_device(config.device)
+    scenario = scenario_cls(model=config.model, dataset=config.dataset)
+    batch = config.batch_size or scenario_cls.default_batch_size
+    max_length = config.max_length or scenario_cls.default_max_length
+    torch.manual_seed(config.seed)
+    scenario.load()
+    model = scenario.model
+    geometry = decide_geometry(config, model, device, batch, max_length)
+    texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, batch)
+    plan = trace_classifier(scenario.meta_module(), batch, max_length, index_bits=config.index_bits)
+    prediction = predict(plan, batch, model.heads)
+    inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
+    ref, ref_cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", batch))
+    module = model.module.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    conditions, arrays = [], {"reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
+    layers = model_layers(module)
+    for guard_mode in config.guards:
+        with layer_progress(layers, progress(f"device pass on {device}, guard {guard_mode} (layers)", len(layers))):
+            result = device_pass(module, inputs, geometry, plan, guard_mode)
+        logits = result.pop("logits")
+        result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
+        if logits is not None:
+            result.update(summarize(logits, ref, gold, model.label_names, config.threshold))
+            arrays["errors"][guard_mode] = relative_error(logits, ref)
+            arrays["preds"][guard_mode] = logits.argmax(axis=1)
+            arrays.setdefault("logits", {})[guard_mode] = logits
+        conditions.append(result)
+    report = {
+        "schema_version": 1,
+        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
+        "environment": collect_environment(),
+        "geometry": geometry.to_json(),
+        "model": model.name,
+        "label_names": list(model.label_names),
+        "data_source": scenario.data.source,
+        "repeated_texts": repeats,
+        "tokens": token_stats,
+        "reference": {"device": "cpu", "dtype": "float32", "cached": ref_cached, "accuracy": float((ref.argmax(1) == gold).mean())},
+        "prediction": prediction.to_json(),
+        "conditions": conditions,
+        "notes": run_notes(geometry, repeats, token_stats),
+    }
+    return report, arrays
+
+
+def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
+    notes = [geometry.mode + "."]
+    if geometry.index_bits != 32:
+        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by 2^{32 - geometry.index_bits}.")
+    if geometry.emulated:
+        notes.append("No Apple GPU was used: MPS's faults were emulated from the published fault model (rule set B, torch 2.13/2.14).")
+    if geometry.replayed:
+        reduced = token_stats["truncated_by_reduced_length"]
+        notes.append(
+            f"Texts run at {geometry.run_length} tokens with the fault plan traced at {geometry.max_length}; "
+            f"{len(reduced)} texts ({token_stats['truncated_by_reduced_length_fraction']:.2%}) are longer than "
+            f"{geometry.run_length} tokens and were truncated by the reduction (positions {reduced[:20]})."
+        )
+    if repeats:
+        notes.append(f"The data has fewer texts than the batch: {repeats} positions repeat earlier texts.")
+    return notes
