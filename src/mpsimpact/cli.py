@@ -95,6 +95,7 @@ def run(
     model: str = typer.Option(None, "--model", help="A sequence-classification model id or local path [default: embedded MiniLM]."),
     dataset: str = typer.Option(None, "--dataset", help="tweet_eval or a local CSV/JSON with text and label columns."),
     threshold: float = typer.Option(1e-3, "--threshold", help="A text is corrupted above this relative logit error."),
+    reference_device: str = typer.Option("cpu", "--reference-device", help="cpu (fp32, cached), or device: chunked on the device itself, spot-checked on the CPU (big GPUs)."),
     run_length: int = typer.Option(None, "--run-length", help="Force the length the device passes run at (the plan stays at --max-length)."),
     index_bits: int = typer.Option(32, "--index-bits", help="Index width of the emulated rules; 32 is MPS. Smaller widths show the fault on small batches."),
 ) -> None:
@@ -105,7 +106,11 @@ def run(
     from mpsimpact.report import write_run_folder
     from mpsimpact.runner import RunConfig, prepare_out_dir, run_scenario
 
-    config = RunConfig(scenario, batch_size, max_length, device, emulate, guard, out, seed, expect, model, dataset, threshold, run_length, index_bits)
+    config = RunConfig(
+        scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
+        guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
+        reference_device=reference_device, run_length=run_length, index_bits=index_bits,
+    )
     config.validate()
     folder = prepare_out_dir(config)
     console = Console(stderr=True)
@@ -177,3 +182,29 @@ def train_head_command(
 
     metadata = train_head(Path(out) if out else None, limit=limit)
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts (trained on {metadata['train_texts']})")
+
+
+@app.command()
+@reports_errors
+def plan(
+    scenario: str = typer.Argument(..., help="Scenario name (see `mpsimpact list`)."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Texts in the batch [default: the scenario's]."),
+    max_length: int = typer.Option(None, "--max-length", help="Sequence length [default: the scenario's]."),
+    model: str = typer.Option(None, "--model", help="Model id or local path; only its config is read."),
+    backward: bool = typer.Option(False, "--backward", help="Plan one training step: forward and gradient products."),
+    index_bits: int = typer.Option(32, "--index-bits", help="Index width of the rules; 32 is MPS."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    sweep: bool = typer.Option(False, "--sweep", help="Also tabulate the corrupted fraction over batch sizes for lengths 128..512."),
+    figure: str = typer.Option(None, "--figure", help="With --sweep: write the sweep as a PNG figure to this path."),
+) -> None:
+    """Predict from shapes alone (no weights, nothing big allocated) which calls fault and which outputs go wrong."""
+    from mpsimpact.plan_report import PlanConfig, build_plan_report, print_plan
+
+    config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure)
+    report = build_plan_report(config)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(report, indent=2, default=str))
+    else:
+        print_plan(report)

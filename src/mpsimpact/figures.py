@@ -94,3 +94,21 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
         figures["corrupted_classes.png"] = corrupted_classes(off["corrupted_class_counts"], f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts")
         figures["confusion.png"] = confusion(preds["off"], reference_pred, tuple(run["label_names"]), f"{tag}, guard off")
     return figures
+
+
+def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
+    """Predicted corrupted fraction vs batch size, one line per max length; stops marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for length, rows in table.items():
+        batches = [r["batch"] for r in rows]
+        ax.plot(batches, [r["corrupted_fraction"] for r in rows], marker="o", markersize=3, label=f"max length {length}")
+        for r in rows:
+            if r["stops"]:
+                ax.annotate(r["stops"], (r["batch"], 0), fontsize=6, rotation=90, va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (texts)")
+    ax.set_ylabel("fraction of texts silently wrong")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return _png(fig)

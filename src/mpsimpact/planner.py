@@ -72,11 +72,89 @@ def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, b
 
 
 def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> int:
-    """Peak memory of one eager forward pass (inference): parameters, the live attention tensors
-    of one layer (scores, probabilities, the additive mask), and the feed-forward activations."""
+    """Peak memory of one eager forward pass (inference): parameters, a few hidden-state copies,
+    and the larger of the attention peak (two (B*H, L, L) tensors live at once, e.g. scores and
+    scaled scores, plus the additive (B, 1, L, L) mask) and the feed-forward peak. Calibrated on
+    the published 115 GiB peak of MiniLM-size emulation at B = 4096, L = 512 (this gives 112)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     inter = getattr(config, "intermediate_size", 4 * hidden)
     params = (config.vocab_size + length) * hidden + config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = 3 * batch * heads * length * length + batch * length * length
-    activations = batch * length * (6 * hidden + 2 * inter)
-    return dtype_bytes * (params + attention + activations)
+    attention = 2 * batch * heads * length * length + batch * length * length
+    feed_forward = 2 * batch * length * inter
+    return dtype_bytes * (params + 4 * batch * length * hidden + max(attention, feed_forward))
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTextCall:
+    """A call traced at two texts, with which operands grow with the batch (to rescale it).
+
+    Two, not one: at one text torch.matmul can fold a transposed view without copying, so its
+    layout differs from every larger batch.
+    """
+
+    call: CallRecord
+    a_scales: bool
+    b_scales: bool
+
+    def at(self, batch: int) -> tuple[Any, Any]:
+        return _scaled(self.call.a, batch, self.a_scales), _scaled(self.call.b, batch, self.b_scales)
+
+
+def _scaled(spec, batch: int, scales: bool):
+    # Strides of dims > 0 and the batch stride do not depend on the batch size (batch-major).
+    if not scales:
+        return spec
+    return dataclasses.replace(spec, shape=(spec.shape[0] // TRACE_TEXTS * batch, *spec.shape[1:]))
+
+
+TRACE_TEXTS = 2
+
+
+def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
+    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles."""
+    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward)
+    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward)
+    return [
+        PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
+        for c2, c4 in zip(two.calls, four.calls)
+    ]
+
+
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32) -> bool:
+    """Whether every call is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
+    from mpsimpact.calls import classify_call
+
+    return all(classify_call(p.call.family, *p.at(batch), index_bits).is_ok for p in calls)
+
+
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24) -> int:
+    """The largest batch B such that every batch up to B is safe. The rules change outcome only
+    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
+    candidate sizes are checked."""
+    limits_ = (1 << (index_bits - 1), 1 << index_bits)
+    candidates = set()
+    for p in calls:
+        a, b = p.at(1)  # per-text shapes (only used for element counts)
+        out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
+        for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
+            for limit in limits_:
+                if per_text:
+                    candidates.update({limit // per_text, limit // per_text + 1, -(-limit // per_text)})
+        if p.call.family == "bmm":  # where the first wrapped row enters the batch
+            for spec in (a, b):
+                candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
+    for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
+        if not is_safe(calls, batch, index_bits):
+            return batch - 1
+    return ceiling
+
+
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32) -> FaultPlan:
+    """The fault plan at `batch` texts, rebuilt from per-text calls by arithmetic alone."""
+    from mpsimpact.calls import classify_call
+
+    records = []
+    for p in calls:
+        a, b = p.at(batch)
+        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits)))
+    return FaultPlan(tuple(records), index_bits)

@@ -27,6 +27,7 @@ def run_chunked(
     *,
     chunk: int = CHUNK,
     advance: Callable[[int], None] | None = None,
+    device: str = "cpu",
 ) -> np.ndarray:
     """`fn(input_ids, attention_mask)` over `texts` truncated at `max_length`, in chunks of
     similar length; rows come back in the order of `texts`."""
@@ -37,7 +38,7 @@ def run_chunked(
         for start in range(0, len(texts), chunk):
             picked = order[start : start + chunk]
             enc = tokenizer([texts[i] for i in picked], truncation=True, max_length=max_length, padding="longest", return_tensors="pt")
-            out = fn(enc["input_ids"], enc["attention_mask"]).float().numpy()
+            out = fn(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu().numpy()
             for row, index in zip(out, picked):
                 rows[index] = row
             if advance:

@@ -39,6 +39,7 @@ class RunConfig:
     model: str | None = None
     dataset: str | None = None
     threshold: float = 1e-3
+    reference_device: str = "cpu"
     run_length: int | None = None
     index_bits: int = 32
 
@@ -54,6 +55,8 @@ class RunConfig:
             raise UsageError(f"--expect must be clean or corrupted, got '{self.expect}'.")
         if not 8 <= self.index_bits <= 32:
             raise UsageError(f"--index-bits must be in 8..32 (32 is MPS), got {self.index_bits}.")
+        if self.reference_device not in ("cpu", "device"):
+            raise UsageError(f"--reference-device must be cpu or device, got '{self.reference_device}'.")
         if not 0 < self.threshold < 1:
             raise UsageError(f"--threshold must be in (0, 1), got {self.threshold}.")
 
@@ -198,6 +201,22 @@ def reference_logits(model, texts: list[str], run_length: int, advance=None) -> 
     return logits, False
 
 
+def device_reference(model, texts: list[str], run_length: int, device: str, boundary: int | None, advance=None) -> tuple[np.ndarray, dict]:
+    """A chunked, unemulated reference on the device itself (for big GPUs), spot-checked on the
+    CPU on a sample that includes the texts around the predicted boundary."""
+    from mpsimpact.metrics import relative_error
+    from mpsimpact.reference import run_chunked
+
+    logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance, device=device)
+    rng = np.random.default_rng(0)
+    around = range(max(0, (boundary or 0) - 8), min(len(texts), (boundary or 0) + 8))
+    sample = sorted(set(around) | set(rng.choice(len(texts), size=min(48, len(texts)), replace=False).tolist()))
+    cpu = run_chunked(model.module.to("cpu"), model.tokenizer, [texts[i] for i in sample], run_length)
+    model.module.to(device)
+    diff = relative_error(logits[sample], cpu)
+    return logits, {"texts": len(sample), "includes_boundary": boundary is not None, "max_relative_difference": float(diff.max())}
+
+
 def model_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks of the model's largest ModuleList (its transformer layers)."""
     lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -242,7 +261,15 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     plan = trace_classifier(scenario.meta_module(), batch, max_length, index_bits=config.index_bits)
     prediction = predict(plan, batch, model.heads)
     inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
-    ref, ref_cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", batch))
+    reference_info: dict[str, Any] = {"device": "cpu", "dtype": "float32"}
+    if config.reference_device == "device" and device != "cpu":
+        model.module.to(device)
+        ref, spot = device_reference(model, texts, geometry.run_length, device, prediction.first_corrupted_text, progress(f"reference ({device}, chunked)", batch))
+        reference_info.update(device=device, cached=False, cpu_spot_check=spot)
+    else:
+        ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", batch))
+        reference_info["cached"] = cached
+    reference_info["accuracy"] = float((ref.argmax(1) == gold).mean())
     module = model.module.to(device)
     inputs = {k: v.to(device) for k, v in inputs.items()}
     conditions, arrays = [], {"reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
@@ -268,7 +295,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
         "data_source": scenario.data.source,
         "repeated_texts": repeats,
         "tokens": token_stats,
-        "reference": {"device": "cpu", "dtype": "float32", "cached": ref_cached, "accuracy": float((ref.argmax(1) == gold).mean())},
+        "reference": reference_info,
         "prediction": prediction.to_json(),
         "conditions": conditions,
         "notes": run_notes(geometry, repeats, token_stats),

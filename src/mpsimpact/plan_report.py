@@ -1,0 +1,158 @@
+"""`mpsimpact plan`: the shape-only prediction for a scenario's model at a geometry, as a report
+(JSON-ready dict) and as rich tables; plus the batch-size sweep for talks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mpsimpact.errors import UsageError
+from mpsimpact.planner import estimate_peak_bytes, largest_safe_batch, per_text_calls, plan_at, predict
+
+SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
+SWEEP_BATCHES = (256, 512, 1024, 1365, 1366, 2048, 3072, 4096, 5461, 5462, 8192, 16384, 21845, 21846, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What `mpsimpact plan` was asked; embedded in its JSON."""
+
+    scenario: str
+    batch_size: int | None = None
+    max_length: int | None = None
+    model: str | None = None
+    backward: bool = False
+    index_bits: int = 32
+    sweep: bool = False
+    figure: str | None = None
+
+
+def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
+    first = call.fault.first_bad_batch
+    text_head = divmod(first, heads) if first is not None and call.family == "bmm" and call.a.shape[0] == batch * heads else None
+    return {
+        "index": call.index, "phase": call.phase, "where": call.module, "op": call.op,
+        "a": list(call.a.shape), "b": list(call.b.shape), "a_numel": call.a.numel, "b_numel": call.b.numel,
+        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule, "first_bad_batch": first,
+        "first_bad_text": text_head[0] if text_head else None, "first_bad_head": text_head[1] if text_head else None,
+    }
+
+
+def build_plan_report(config: PlanConfig) -> dict[str, Any]:
+    """Traces the scenario's model on meta (config only) and predicts everything `plan` prints."""
+    from mpsimpact.scenario import get_scenario
+
+    scenario_cls = get_scenario(config.scenario)
+    batch = config.batch_size or scenario_cls.default_batch_size
+    length = config.max_length or scenario_cls.default_max_length
+    if batch < 1 or length < 1:
+        raise UsageError(f"--batch-size and --max-length must be >= 1, got {batch} and {length}.")
+    scenario = scenario_cls(model=config.model)
+    model_config = scenario.load_config()
+    positions = model_config.max_position_embeddings - (model_config.pad_token_id + 1 if model_config.model_type == "roberta" else 0)
+    if length > positions:
+        raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
+    meta = scenario.meta_module(model_config)
+    heads = model_config.num_attention_heads
+    calls = per_text_calls(meta, length, backward=config.backward)
+    plan = plan_at(calls, batch, config.index_bits)
+    forward = predict(plan, batch, heads, "forward")
+    safe = {L: largest_safe_batch(per_text_calls(meta, L, backward=config.backward), heads, config.index_bits) for L in SAFE_TABLE_LENGTHS if L <= positions}
+    safe[length] = largest_safe_batch(calls, heads, config.index_bits)
+    report = {
+        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
+        "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
+        "calls_traced": len(plan.calls),
+        "faulting_calls": [_call_row(c, heads, batch) for c in plan.faults],
+        "prediction": forward.to_json(),
+        "largest_safe_batch": safe[length],
+        "largest_safe_batch_by_length": dict(sorted(safe.items())),
+        "estimated_peak_gib": round(estimate_peak_bytes(model_config, batch, length) / 2**30, 1),
+        "guard_advice": guard_advice(plan),
+    }
+    if config.backward:
+        report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+    if config.sweep:
+        report["sweep"] = sweep(meta, heads, positions, config.index_bits, config.backward)
+        if config.figure:
+            write_sweep_figure(report["sweep"], config.figure, report["model"])
+    return report
+
+
+def guard_advice(plan) -> str:
+    if not plan.faults:
+        return "Nothing crosses a limit: no guard needed."
+    stop = plan.first_stop
+    first = plan.faults[0]
+    stops = f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase})"
+    extra = f"; unguarded, MPS would {'abort' if stop.fault.kind == 'abort' else 'raise'} at call {stop.index}" if stop else ""
+    return f"guard 'chunk' makes all {len(plan.faults)} faulting calls safe; {stops}{extra}."
+
+
+def sweep(meta, heads: int, positions: int, index_bits: int, backward: bool) -> dict[str, list[dict[str, Any]]]:
+    """Predicted corrupted fraction (or stop) over SWEEP_BATCHES, for each table length."""
+    table = {}
+    for length in (L for L in SAFE_TABLE_LENGTHS if L <= positions):
+        calls = per_text_calls(meta, length, backward=backward)
+        rows = []
+        for batch in SWEEP_BATCHES:
+            p = predict(plan_at(calls, batch, index_bits), batch, heads)
+            rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch, "stops": p.stop.fault.kind if p.stop else None})
+        table[str(length)] = rows
+    return table
+
+
+def write_sweep_figure(table: dict, path: str, model: str) -> None:
+    from mpsimpact.figures import sweep_figure
+    from mpsimpact.report import atomic_write_bytes
+
+    atomic_write_bytes(path, sweep_figure(table, f"{model}: predicted corrupted fraction (MPS, eager attention)"))
+
+
+def print_plan(report: dict[str, Any]) -> None:
+    """The plan as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cfg, pred = report["config"], report["prediction"]
+    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm calls traced on meta (shapes only).")
+    table = Table(title="calls that hit a rule")
+    for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (text, head)"):
+        table.add_column(title)
+    for row in report["faulting_calls"]:
+        first = f"{row['first_bad_batch']} ({row['first_bad_text']}, {row['first_bad_head']})" if row["first_bad_text"] is not None else str(row["first_bad_batch"] if row["first_bad_batch"] is not None else "-")
+        where = row["where"].replace("encoder.encoder.", "").replace("model.roberta.encoder.", "") + (" (bwd)" if row["phase"] == "backward" else "")
+        shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
+        table.add_row(str(row["index"]), where, shapes, _count(row["out_numel"]), f"{row['kind']} ({row['rule']})", first)
+    console.print(table if report["faulting_calls"] else "No call crosses a limit.")
+    if pred["stops"]:
+        console.print(f"MPS would [bold red]{'abort the process' if pred['stops']['kind'] == 'abort' else 'raise'}[/] at call {pred['stops']['call']['index']}: {pred['stops']['message']}")
+    else:
+        console.print(f"Predicted: first corrupted text {pred['first_corrupted_text']} (head {pred['first_corrupted_head']}); {pred['corrupted_count']} of {cfg['batch_size']} texts ({pred['corrupted_fraction']:.2%}) silently wrong.")
+    safe = Table(title="largest safe batch")
+    safe.add_column("max length")
+    safe.add_column("texts")
+    for length, value in report["largest_safe_batch_by_length"].items():
+        safe.add_row(str(length), str(value))
+    console.print(safe)
+    console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB. {report['guard_advice']}")
+    if "sweep" in report:
+        _print_sweep(console, report["sweep"])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
+def _print_sweep(console, table: dict) -> None:
+    from rich.table import Table
+
+    out = Table(title="predicted corrupted fraction by batch size")
+    out.add_column("batch")
+    for length in table:
+        out.add_column(f"L={length}", justify="right")
+    for i, row in enumerate(next(iter(table.values()))):
+        cells = [table[length][i] for length in table]
+        out.add_row(str(row["batch"]), *[c["stops"] or f"{c['corrupted_fraction']:.1%}" for c in cells])
+    console.print(out)

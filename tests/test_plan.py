@@ -1,0 +1,98 @@
+"""`mpsimpact plan`: shape-only predictions against the published figures and against emulated runs."""
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from mpsimpact.cli import app
+from mpsimpact.emulator import emulate
+from mpsimpact.planner import largest_safe_batch, per_text_calls, plan_at, predict, trace_classifier
+from tiny import tiny_bert, token_batch
+
+runner = CliRunner()
+ROBERTA = Path(__file__).parent / "data" / "twitter-roberta-base-sentiment-latest"
+
+
+def plan_json(*args):
+    result = runner.invoke(app, ["plan", "sentiment", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_embedded_model_at_4096_by_512_matches_the_published_arithmetic():
+    report = plan_json("--batch-size", "4096", "--max-length", "512")
+    pred = report["prediction"]
+    # divmod(2**32 // 512**2, 12) = (1365, 4); 4096 - 1365 = 2731 texts.
+    assert (pred["first_corrupted_text"], pred["first_corrupted_head"], pred["corrupted_count"]) == (1365, 4, 2731)
+    assert [(c["op"], c["a"], c["kind"]) for c in report["faulting_calls"]] == [("bmm", [49152, 512, 512], "wrong_tail")] * 6
+    # floor(2**32 / (12 * L**2)) texts: the text the wrap starts in counts as unsafe.
+    assert report["largest_safe_batch_by_length"] == {"128": 21845, "256": 5461, "384": 2427, "512": 1365}
+    assert report["largest_safe_batch"] == 1365
+
+
+def test_plan_runs_in_a_small_process():
+    code = "from mpsimpact.cli import app; app(['plan', 'sentiment', '--batch-size', '4096', '--max-length', '512'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "first corrupted text 1365" in done.stdout
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert peak_rss_gib < 1.5, f"peak RSS {peak_rss_gib:.2f} GiB"
+
+
+def test_published_roberta_config_predicts_the_feed_forward_abort():
+    # 5462 * 256 * 3072 = 4,295,491,584 >= 2**32: the FFN's addmm aborts the process on MPS.
+    report = plan_json("--model", str(ROBERTA), "--batch-size", "5462", "--max-length", "256")
+    stop = report["prediction"]["stops"]
+    assert stop["kind"] == "abort" and "Encode failed" in stop["message"]
+    assert "intermediate" in stop["call"]["module"] and stop["call"]["out_numel"] == 5462 * 256 * 3072
+    assert report["prediction"]["corrupted_count"] == 0  # no silent outputs: the process dies
+    assert report["largest_safe_batch_by_length"]["512"] == 1365
+    clean = plan_json("--model", str(ROBERTA), "--batch-size", "1365", "--max-length", "512")
+    assert clean["faulting_calls"] == [] and clean["prediction"]["corrupted_count"] == 0
+
+
+def test_scaled_plan_equals_a_direct_trace():
+    from mpsimpact.classifier import meta_classifier
+    from transformers import AutoConfig
+
+    meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
+    direct = trace_classifier(meta, 1400, 512)
+    scaled = plan_at(per_text_calls(meta, 512), 1400)
+    assert [(c.op, c.a, c.b, c.fault) for c in direct.calls] == [(c.op, c.a, c.b, c.fault) for c in scaled.calls]
+
+
+def test_plan_predicts_the_emulated_corrupted_set_on_a_tiny_model():
+    meta, model = tiny_bert("meta"), tiny_bert()
+    calls = per_text_calls(meta, 64)
+    # P per text 4 * 64 * 64 = 16384; at 2**16 the wrap starts at row 16 = text 4.
+    assert largest_safe_batch(calls, heads=4, index_bits=16) == 4
+    for batch in (4, 5, 10):
+        prediction = predict(plan_at(calls, batch, 16), batch, 4)
+        ids = token_batch(batch, 64)
+        with torch.inference_mode():
+            ref = model(input_ids=ids).last_hidden_state
+            with emulate(index_bits=16):
+                got = model(input_ids=ids).last_hidden_state
+        err = (got - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
+        corrupted = set(torch.nonzero(err > 1e-3).flatten().tolist())
+        expected = set(range(prediction.first_corrupted_text, batch)) if prediction.first_corrupted_text is not None else set()
+        assert corrupted == expected, batch
+
+
+def test_backward_plan_lists_gradient_products():
+    report = plan_json("--batch-size", "4096", "--max-length", "512", "--backward")
+    assert report["backward_faulting_calls"] > 0
+    assert any(c["phase"] == "backward" and c["kind"] == "error" for c in report["faulting_calls"])
+
+
+def test_sweep_table_and_figure(tmp_path):
+    figure = tmp_path / "sweep.png"
+    report = plan_json("--batch-size", "1024", "--max-length", "128", "--sweep", "--figure", str(figure))
+    row = {r["batch"]: r["corrupted_fraction"] for r in report["sweep"]["512"]}
+    assert row[1365] == 0 and row[1366] == 1 / 1366 and abs(row[4096] - 2731 / 4096) < 1e-12
+    assert figure.stat().st_size > 0
