@@ -5,8 +5,9 @@ Run: python benchmarks/guard_overhead.py [--steps 2000 --reps 5]
     MSE to itself, 2000 steps.
 (2) big forward: q (8, 32, 1024, 128) fp32 on CPU (the study: (64, 32, 1024, 128) fp16 on a GPU);
     w = (q @ q^T).softmax(-1); o = w @ q; 5 repetitions.
-(3) chunk: workload (2) under emulate(index_bits=26), where w (256, 1024, 1024) = 268M elements
-    wraps in `w @ q`; guard "chunk" against the same batch split by hand into the same chunks.
+(3) chunk: workload (2) under emulate(index_bits=26), where q @ q^T (output 268M > 2**26, a transposed
+    operand: wrong_all) and w @ q (w, 268M elements, wraps) both fault; guard "chunk" against the
+    same batch split by hand into the same chunks.
 Each condition's time is the median of interleaved rounds. The baseline guard is the study's: a
 TorchDispatchMode that checks the numel of every input and output of every op.
 """
@@ -69,13 +70,19 @@ def big_forward(q: torch.Tensor, reps: int) -> torch.Tensor:
     return o
 
 
-def big_forward_by_hand(q: torch.Tensor, reps: int, chunk: int) -> torch.Tensor:
+def big_forward_by_hand(q: torch.Tensor, reps: int, chunks: tuple[int, int]) -> torch.Tensor:
+    """Workload (2) with both products split by hand into the chunks the guard chose."""
     flat = q.reshape(-1, *q.shape[2:])  # (256, 1024, 128)
+    scores_chunk, out_chunk = chunks
     for _ in range(reps):
-        w = (flat @ flat.transpose(-1, -2)).softmax(-1)
+        s = flat.new_empty(flat.shape[0], flat.shape[1], flat.shape[1])  # (256, 1024, 1024)
+        for start in range(0, flat.shape[0], scores_chunk):
+            part = flat[start : start + scores_chunk]
+            s[start : start + scores_chunk] = torch.bmm(part, part.transpose(-1, -2))
+        w = s.softmax(-1)
         o = torch.empty_like(flat)
-        for start in range(0, flat.shape[0], chunk):
-            o[start : start + chunk] = torch.bmm(w[start : start + chunk], flat[start : start + chunk])
+        for start in range(0, flat.shape[0], out_chunk):
+            o[start : start + out_chunk] = torch.bmm(w[start : start + out_chunk], flat[start : start + out_chunk])
     return o.view_as(q)
 
 
@@ -109,13 +116,13 @@ def main() -> None:
     fwd = ratios(lambda: big_forward(q, args.reps), args.rounds)
     print(f"(2) big forward x{args.reps}: off {fwd['off_s']:.2f}s  ours raise {fwd['ours_raise']:.3f}x  baseline {fwd['baseline']:.3f}x")
     chunked, by_hand = [], []
-    big_forward_by_hand(q, 1, 64)  # warm-up
+    big_forward_by_hand(q, 1, (64, 64))  # warm-up
     for _ in range(args.rounds):
         with torch.inference_mode(), emulate(index_bits=26), guard("chunk") as g:
             chunked.append(timed(lambda: big_forward(q, args.reps)))
-        chunk = g.chunk_sizes[0]
-        by_hand.append(timed(lambda: big_forward_by_hand(q, args.reps, chunk)))
-    print(f"(3) chunk under emulate(26): guard chunk {statistics.median(chunked):.2f}s  by hand {statistics.median(by_hand):.2f}s  ratio {statistics.median(chunked) / statistics.median(by_hand):.3f} (chunk {chunk} of 256 batches)")
+        chunks = (g.chunk_sizes[0], g.chunk_sizes[1])  # q @ q^T (wrong_all), then w @ q (wrap)
+        by_hand.append(timed(lambda: big_forward_by_hand(q, args.reps, chunks)))
+    print(f"(3) chunk under emulate(26): guard chunk {statistics.median(chunked):.2f}s  by hand {statistics.median(by_hand):.2f}s  ratio {statistics.median(chunked) / statistics.median(by_hand):.3f} (chunks {chunks} of 256 batches)")
 
 
 if __name__ == "__main__":

@@ -208,3 +208,27 @@ def plan(
         typer.echo(json.dumps(report, indent=2, default=str))
     else:
         print_plan(report)
+
+
+@app.command()
+@reports_errors
+def sweep(
+    device: str = typer.Option("auto", "--device", help="auto, mps, cuda or cpu."),
+    emulate: bool = typer.Option(None, "--emulate/--no-emulate", help="Emulate MPS's rules [default: on unless the device is mps]."),
+    index_bits: int = typer.Option(32, "--index-bits", help="Index width (the emulator's, and where cells are placed); 32 is MPS."),
+    quick: bool = typer.Option(True, "--quick/--full", help="quick: fp32 for every family, other dtypes for one; full: every dtype everywhere."),
+    dtypes: str = typer.Option("fp32,fp16,bf16", "--dtypes", help="Comma-separated: fp32, fp16, bf16."),
+    layouts: str = typer.Option(",".join(("contiguous", "a_transposed", "b_transposed", "both_sliced")), "--layouts", help="Comma-separated layouts."),
+    out: str = typer.Option(None, "--out", help="Folder for sweep.jsonl, summary.json, outcome_map.png [default: outputs/sweep-<timestamp>/]."),
+    expect_fixed: bool = typer.Option(False, "--expect-fixed", help="Expect every cell ok (a release that claims a fix)."),
+    in_process: bool = typer.Option(False, "--in-process", help="Run real-device cells in this process (no crash isolation)."),
+) -> None:
+    """Re-measure the bmm fault map on a device and check it against the fault model."""
+    from mpsimpact.sweep_report import SweepConfig, run_sweep
+
+    config = SweepConfig(device, emulate, index_bits, quick, tuple(dtypes.split(",")), tuple(layouts.split(",")), out, expect_fixed, in_process)
+    summary = run_sweep(config)
+    bad = summary["not_ok"] if expect_fixed else summary["disagree"]
+    if bad:
+        typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.", err=True)
+        raise typer.Exit(1)

@@ -112,3 +112,33 @@ def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return _png(fig)
+
+
+OUTCOME_COLORS = {"ok": "#4daf4a", "wrong_tail": "#ff7f00", "wrong_all": "#e41a1c", "wrong_other": "#984ea3",
+                  "error": "#377eb8", "crash": "#000000", "skipped_memory": "#dddddd"}
+
+
+def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
+    """One panel per shape family: batch size (x) by layout and dtype (y), coloured by outcome;
+    a black cross marks a cell that disagrees with the fault model."""
+    plt = _pyplot()
+    families = sorted({(r["cell"]["m"], r["cell"]["k"], r["cell"]["n"]) for r in rows})
+    fig, axes = plt.subplots(len(families), 1, figsize=(10, 2.2 * len(families)), squeeze=False)
+    for ax, family in zip(axes[:, 0], families):
+        cells = [r for r in rows if (r["cell"]["m"], r["cell"]["k"], r["cell"]["n"]) == family]
+        ys = sorted({f"{r['cell']['layout']} {r['cell']['dtype']}" for r in cells})
+        xs = sorted({r["cell"]["batch"] for r in cells})
+        for r in cells:
+            x, y = xs.index(r["cell"]["batch"]), ys.index(f"{r['cell']['layout']} {r['cell']['dtype']}")
+            ax.scatter(x, y, s=90, marker="s", color=OUTCOME_COLORS.get(r["observed"], "gray"))
+            if r["agree"] is False:
+                ax.scatter(x, y, s=60, marker="x", color="black")
+        ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=60, fontsize=6)
+        ax.set_yticks(range(len(ys)), ys, fontsize=6)
+        ax.set_title(f"M={family[0]} K={family[1]} N={family[2]}", fontsize=8)
+    handles = [plt.Line2D([], [], marker="s", linestyle="", color=c, label=k) for k, c in OUTCOME_COLORS.items()]
+    handles.append(plt.Line2D([], [], marker="x", linestyle="", color="black", label="disagrees with model"))
+    fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=7, bbox_to_anchor=(0.5, 1.02))
+    fig.suptitle(title, y=1.06, fontsize=9)
+    fig.tight_layout()
+    return _png(fig)

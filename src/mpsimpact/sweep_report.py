@@ -1,0 +1,91 @@
+"""`mpsimpact sweep`: validates its config, runs the grid, prints the summary table and writes
+sweep.jsonl, summary.json and the outcome map (atomically, into a fresh folder)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """What `mpsimpact sweep` was asked; embedded in summary.json."""
+
+    device: str = "auto"
+    emulate: bool | None = None
+    index_bits: int = 32
+    quick: bool = True
+    dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
+    layouts: tuple[str, ...] = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
+    out: str | None = None
+    expect_fixed: bool = False
+    in_process: bool = False
+
+    def validate(self) -> None:
+        from mpsimpact.sweep import DTYPES, LAYOUTS
+
+        for name, values, allowed in (("--dtypes", self.dtypes, DTYPES), ("--layouts", self.layouts, LAYOUTS)):
+            unknown = [v for v in values if v not in allowed]
+            if unknown:
+                raise UsageError(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}.")
+        if not 10 <= self.index_bits <= 32:
+            raise UsageError(f"--index-bits must be in 10..32, got {self.index_bits}.")
+
+
+def run_sweep(config: SweepConfig) -> dict[str, Any]:
+    """Runs every cell; returns the summary (with "disagree" and "not_ok" counts)."""
+    from rich.console import Console
+
+    from mpsimpact.device import resolve_device
+    from mpsimpact.figures import outcome_map
+    from mpsimpact.report import atomic_write_bytes, atomic_write_text
+    from mpsimpact.sweep import grid, run_cells, summarize
+
+    config.validate()
+    device = resolve_device(config.device)
+    emulated = config.emulate if config.emulate is not None else device != "mps"
+    if emulated and device == "mps":
+        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the sweep measures the real thing.")
+    out = Path(config.out) if config.out else Path("outputs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"Output folder '{out}' already exists and is not empty; pass another --out.")
+    cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick)
+    console = Console()
+    mode = f"EMULATED MPS on {device}" if emulated else f"real {device}"
+    console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells")
+    rows = []
+    with console.status("sweeping") as status:
+        for row in run_cells(cells, device, emulated, config.index_bits, config.in_process):
+            rows.append(row)
+            status.update(f"{len(rows)}/{len(cells)} cells")
+    summary = summarize(rows) | {"mode": mode, "config": dataclasses.asdict(config), "not_ok": sum(r["observed"] != "ok" for r in rows)}
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(partial / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(partial / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_bytes(partial / "outcome_map.png", outcome_map(rows, f"{mode}, index bits {config.index_bits}"))
+    if out.exists():
+        out.rmdir()
+    os.replace(partial, out)
+    print_summary(console, summary, out)
+    return summary
+
+
+def print_summary(console, summary: dict[str, Any], out: Path) -> None:
+    from rich.table import Table
+
+    for key, title in (("by_class", "observed class"), ("by_layout", "layout")):
+        table = Table(title=f"agreement with the fault model, by {title}")
+        for column in (title, "agree", "disagree", "skipped"):
+            table.add_column(column)
+        for name, counts in sorted(summary[key].items()):
+            table.add_row(name, *map(str, counts))
+        console.print(table)
+    verdict = "[green]every cell agrees[/]" if not summary["disagree"] else f"[red]{summary['disagree']} cells disagree[/]"
+    console.print(f"{summary['mode']}: {summary['cells']} cells, {verdict}. Written to {out}/ (sweep.jsonl, summary.json, outcome_map.png)")
