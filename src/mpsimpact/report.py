@@ -131,6 +131,17 @@ def samples_jsonl(report: dict, arrays: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def logits_npz(arrays: dict) -> bytes:
+    """Full-precision logits: the reference and each completed condition (for comparisons)."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.savez(buffer, reference=arrays["reference"], gold=arrays["gold"], **{f"guard_{k}": v for k, v in arrays.get("logits", {}).items()})
+    return buffer.getvalue()
+
+
 def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
     """Writes report.json, samples.jsonl, report.md, report.html and the figures into a hidden
     partial folder, then renames it to `out`: an interrupted run leaves no complete-looking report."""
@@ -149,6 +160,7 @@ def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
         for name, data in figures.items():
             atomic_write_bytes(partial / name, data)
         atomic_write_text(partial / "samples.jsonl", samples_jsonl(report, arrays))
+        atomic_write_bytes(partial / "logits.npz", logits_npz(arrays))
         atomic_write_text(partial / "report.md", render_markdown(report))
         atomic_write_text(partial / "report.html", render_html(report, figures))
         atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")

@@ -147,6 +147,8 @@ def _condition(geometry: Geometry, plan, guard_mode: str):
 
 def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
     """One forward pass of the whole batch under one guard condition."""
+    if geometry.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
     state: dict[str, Any] = {}
@@ -160,6 +162,8 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         result.update(status="error", message=str(error).splitlines()[0])
     emu, g = state.get("emu"), state.get("guard")
     result["wall_s"] = time.perf_counter() - start
+    if geometry.device == "cuda":
+        result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
     result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
     result["wrong_values_before_stop"] = len([r for r in (emu.records if emu else []) if r.fault.is_silent])

@@ -52,7 +52,8 @@ class Cell:
     def bytes_needed(self) -> int:
         a, b = self.specs()
         out = self.batch * self.m * self.n
-        return (a.numel + b.numel + out + a.per_batch + b.per_batch) * DTYPES[self.dtype].itemsize
+        size = DTYPES[self.dtype].itemsize  # inputs are drawn in fp32, then cast
+        return (a.numel + b.numel + a.per_batch + b.per_batch) * (4 + size) + out * size
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,7 +89,7 @@ def make_operands(cell: Cell, device: str, generator: torch.Generator) -> tuple[
     extra = 1 if cell.layout == "both_sliced" else 0
 
     def rand(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
 
     if cell.layout == "a_transposed":
         return rand(cell.batch, cell.k, cell.m).transpose(1, 2), rand(cell.batch, cell.k, cell.n)
@@ -115,7 +116,7 @@ def observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[st
     from mpsimpact.emulator import emulate
 
     predicted = classify_bmm(*cell.specs(), index_bits=index_bits)
-    a, b = make_operands(cell, device, torch.Generator().manual_seed(0))
+    a, b = make_operands(cell, device, torch.Generator(device=device).manual_seed(0))
     try:
         with emulate(index_bits=index_bits) if emulated else contextlib.nullcontext():
             out = torch.bmm(a, b)

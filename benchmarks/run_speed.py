@@ -1,0 +1,63 @@
+"""Speed of the main command, as ratios measured in one run.
+
+Run: python benchmarks/run_speed.py [--batch 4096]
+Measures, in this order: one plain eager forward pass of the same texts as one batch at the same
+length the command runs at (no emulation, no guard); the whole `mpsimpact run sentiment` command
+in a subprocess with an empty reference cache (start-up, three guard conditions, reference,
+reports); the same command again with the reference cached. Prints both ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import time
+
+import torch
+
+
+def plain_forward_seconds(batch: int) -> tuple[float, int]:
+    from mpsimpact.classifier import load_embedded_classifier
+    from mpsimpact.dataset import load_embedded
+    from mpsimpact.runner import CPU_FULL_SCALE_MAX, Geometry, build_batch, tokenize
+
+    model = load_embedded_classifier()
+    data = load_embedded("heldout")
+    texts, _, _ = build_batch(data.texts, data.labels, batch)
+    geometry = Geometry("cpu", False, batch, 512, CPU_FULL_SCALE_MAX)
+    inputs, _ = tokenize(model.tokenizer, texts, geometry)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.module(**inputs)
+        return time.perf_counter() - start, geometry.run_length
+
+
+def command_seconds(batch: int, cache: str) -> float:
+    out = tempfile.mkdtemp()
+    start = time.perf_counter()
+    subprocess.run(
+        ["mpsimpact", "run", "sentiment", "--batch-size", str(batch), "--out", f"{out}/run"],
+        check=True, env={**__import__("os").environ, "MPSIMPACT_CACHE": cache}, capture_output=True,
+    )
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(out)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=4096)
+    args = parser.parse_args()
+    plain, length = plain_forward_seconds(args.batch)
+    cache = tempfile.mkdtemp()
+    cold = command_seconds(args.batch, cache)
+    warm = command_seconds(args.batch, cache)
+    shutil.rmtree(cache)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, run length {length}")
+    print(f"plain forward {plain:.1f}s; command cold {cold:.1f}s ({cold / plain:.2f}x); command with cached reference {warm:.1f}s ({warm / plain:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
