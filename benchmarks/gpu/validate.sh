@@ -17,5 +17,5 @@ if [ -n "${ROBERTA:-}" ]; then
   python3 benchmarks/gpu/random_roberta.py /tmp/roberta-random
   run roberta-random-emulated-2048 --emulate --batch-size 2048 --model /tmp/roberta-random --reference-device device --expect corrupted
 fi
-tar -czf $OUT/gpu-runs.tar.gz -C $runs $(cd $runs && ls -d */ | sed 's#/##') --exclude samples.jsonl --exclude report.html
+tar -czf $OUT/gpu-runs.tar.gz --exclude samples.jsonl --exclude report.html -C $runs .
 ls -la $OUT

@@ -113,6 +113,22 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
 
 def observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[str, Any]:
     """Runs one cell and classifies what came back: ok, error, wrong_all or wrong_tail."""
+    from mpsimpact.device import device_memory
+
+    if cell.bytes_needed() > device_memory(device):
+        return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": None}
+    try:
+        return _observe(cell, device, emulated, index_bits)
+    except torch.OutOfMemoryError as error:
+        return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": str(error).splitlines()[0]}
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()  # cells differ in size: give cached blocks back
+        elif device == "mps":
+            torch.mps.empty_cache()
+
+
+def _observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[str, Any]:
     from mpsimpact.emulator import emulate
 
     predicted = classify_bmm(*cell.specs(), index_bits=index_bits)
@@ -122,6 +138,8 @@ def observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[st
             out = torch.bmm(a, b)
         if device == "mps":
             torch.mps.synchronize()
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as error:
         return {"observed": "error", "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
     batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
@@ -144,8 +162,9 @@ def _classify_bad(bad: list[int], judged: list[int]) -> str:
 
 
 def agrees(row: dict[str, Any]) -> bool:
-    """Whether an observed cell matches the fault model's prediction for it."""
-    pred, seen = row["prediction"], row["observed"]
+    """Whether an observed cell matches what is expected of it: the fault model's prediction on
+    MPS or under emulation; "ok" on any other device (the control)."""
+    pred, seen = row["expected"], row["observed"]
     if seen != pred["kind"]:
         return False
     if seen == "wrong_tail":
@@ -157,32 +176,25 @@ def agrees(row: dict[str, Any]) -> bool:
 
 def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, in_process: bool) -> Iterator[dict[str, Any]]:
     """Yields one result row per cell; real devices go through a crash-tolerant worker."""
-    from mpsimpact.device import device_memory
-
-    budget = device_memory(device)
-    pending = []
-    for cell in cells:
-        if cell.bytes_needed() > budget:
-            yield _row(cell, {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": None}, device, index_bits)
-        else:
-            pending.append(cell)
+    control = not emulated and device != "mps"
     if in_process or emulated:
-        for cell in pending:
-            yield _row(cell, observe(cell, device, emulated, index_bits), device, index_bits)
+        for cell in cells:
+            yield _row(cell, observe(cell, device, emulated, index_bits), device, index_bits, control)
         return
-    yield from _worker_rows(pending, device, index_bits)
+    yield from _worker_rows(cells, device, index_bits, control)
 
 
-def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int) -> dict[str, Any]:
+def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool) -> dict[str, Any]:
     a, b = cell.specs()
-    prediction = classify_bmm(a, b, index_bits=index_bits)
+    prediction = classify_bmm(a, b, index_bits=index_bits).to_json()
+    expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
     row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device, "index_bits": index_bits,
-           "torch": torch.__version__, "prediction": prediction.to_json(), **seen}
+           "torch": torch.__version__, "prediction": prediction, "expected": expected, **seen}
     row["agree"] = None if seen["observed"] == "skipped_memory" else agrees(row)
     return row
 
 
-def _worker_rows(cells: list[Cell], device: str, index_bits: int) -> Iterator[dict[str, Any]]:
+def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool) -> Iterator[dict[str, Any]]:
     """Runs cells in a subprocess; a cell whose process dies is recorded as a crash."""
     start = 0
     while start < len(cells):
@@ -192,12 +204,12 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int) -> Iterator[di
         proc.stdin.close()
         done = 0
         for line in proc.stdout:
-            yield _row(cells[start + done], json.loads(line), device, index_bits)
+            yield _row(cells[start + done], json.loads(line), device, index_bits, control)
             done += 1
         code = proc.wait()
         start += done
         if code != 0 and start < len(cells):
-            yield _row(cells[start], {"observed": "crash", "message": f"exit code {code}", "first_bad_batch": None, "max_rel_error": None}, device, index_bits)
+            yield _row(cells[start], {"observed": "crash", "message": f"exit code {code}", "first_bad_batch": None, "max_rel_error": None}, device, index_bits, control)
             start += 1
 
 
