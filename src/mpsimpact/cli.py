@@ -98,6 +98,8 @@ def run(
     reference_device: str = typer.Option("cpu", "--reference-device", help="cpu (fp32, cached), or device: chunked on the device itself, spot-checked on the CPU (big GPUs)."),
     run_length: int = typer.Option(None, "--run-length", help="Force the length the device passes run at (the plan stays at --max-length)."),
     index_bits: int = typer.Option(32, "--index-bits", help="Index width of the emulated rules; 32 is MPS. Smaller widths show the fault on small batches."),
+    steps: int = typer.Option(1, "--steps", help="Training scenarios: optimiser steps on the oversized batch."),
+    lr: float = typer.Option(1e-4, "--lr", help="Training scenarios: Adam learning rate."),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     from rich.console import Console
@@ -109,7 +111,7 @@ def run(
     config = RunConfig(
         scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
         guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
-        reference_device=reference_device, run_length=run_length, index_bits=index_bits,
+        reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps, lr=lr,
     )
     config.validate()
     folder = prepare_out_dir(config)
@@ -130,6 +132,9 @@ def _print_summary(report: dict, folder) -> None:
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
     console.print(f"[{style}]{geometry['mode']}[/]")
+    if report.get("kind") == "training":
+        _print_training(console, report, folder)
+        return
     table = Table(title=f"{report['config']['scenario']}: batch {geometry['batch_size']}, max length {geometry['max_length']}")
     for title in ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall"):
         table.add_column(title, justify="right")
@@ -155,6 +160,28 @@ def _print_summary(report: dict, folder) -> None:
     console.print(f"Reports written to {folder}/ (report.json, report.md, report.html, samples.jsonl, figures)")
 
 
+def _print_training(console, report: dict, folder) -> None:
+    from rich.table import Table
+
+    from mpsimpact.report import columns, condition_rows
+
+    geometry = report["geometry"]
+    table = Table(title=f"{report['config']['scenario']}: batch {geometry['batch_size']}, max length {geometry['max_length']}, {report['config']['steps']} step(s)")
+    for _, title in columns(report):
+        table.add_column(title, justify="right")
+    for row in condition_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    for condition in report["conditions"]:
+        for op in condition.get("faulted_ops", []):
+            console.print(f"guard {condition['guard']}: {op['op']} {op['a']} @ {op['b']}: {op['kind']} in {' and '.join(op['phases'])}")
+        if condition.get("message"):
+            console.print(f"guard {condition['guard']}: {condition['status']} in {condition['phase']}: {condition['message']}", soft_wrap=True)
+    for note in report["notes"][1:]:
+        console.print(f"note: {note}", soft_wrap=True)
+    console.print(f"Reports written to {folder}/ (report.json, report.md, report.html, gradients.json, figures)")
+
+
 def _check_expectation(report: dict, expect: str | None) -> None:
     if expect is None:
         return
@@ -162,7 +189,7 @@ def _check_expectation(report: dict, expect: str | None) -> None:
     if off is None:
         typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
         raise typer.Exit(2)
-    corrupted = off["status"] != "completed" or off["corrupted_count"] > 0
+    corrupted = off["status"] != "completed" or off.get("corrupted_count", 0) > 0 or off.get("corrupted_gradient_tensors", 0) > 0
     if corrupted != (expect == "corrupted"):
         typer.echo(f"expectation failed: --expect {expect}, but guard off was {'corrupted' if corrupted else 'clean'}.", err=True)
         raise typer.Exit(1)

@@ -121,7 +121,10 @@ class EmulateMode(TorchDispatchMode):
         fault, wraps = self._decide(index, family, func, a, b)
         if fault.is_ok:
             return func(*args, **kwargs)
-        record = CallRecord(index, op_name(func), TensorSpec.of(a), TensorSpec.of(b), fault, current_phase())
+        # Under a plan the record (and any error text) shows the full-scale call MPS would see.
+        planned = self.plan.calls[index] if self.plan is not None else None
+        spec_a, spec_b = (planned.a, planned.b) if planned else (TensorSpec.of(a), TensorSpec.of(b))
+        record = CallRecord(index, op_name(func), spec_a, spec_b, fault, current_phase())
         self.records.append(record)
         if fault.kind in ("error", "abort"):
             raise EmulatedMpsError(

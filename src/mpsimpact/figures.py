@@ -142,3 +142,46 @@ def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
     fig.suptitle(title, y=1.06, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def gradient_error_by_layer(errors: dict[str, dict[str, float]], title: str) -> bytes:
+    """Relative gradient error of every parameter tensor, in model order, per guard condition."""
+    plt = _pyplot()
+    names = list(next(iter(errors.values())))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for guard_mode, per_tensor in errors.items():
+        ax.plot(range(len(names)), [max(per_tensor[n], 1e-9) for n in names], marker="o", markersize=3, linewidth=1, label=f"guard {guard_mode}")
+    ax.axhline(1e-3, color="black", linestyle=":", linewidth=1, label="wrong above 1e-3")
+    ticks = [i for i, n in enumerate(names) if n.endswith("query.weight") or "embeddings.word" in n or n.startswith("head")]
+    ax.set_xticks(ticks, [names[i].replace("encoder.encoder.", "").replace(".attention.self.query.weight", " attn") for i in ticks], rotation=45, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("max |g - g_ref| / max |g_ref|  (floored at 1e-9)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def eval_changes(changes: dict[str, np.ndarray], title: str) -> bytes:
+    """Which evaluation texts the device-trained model predicts differently from the reference-trained one."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(changes)))
+    for row, (guard_mode, changed) in enumerate(changes.items()):
+        xs = np.flatnonzero(changed)
+        ax.scatter(xs, np.full(xs.size, row), marker="|", s=120, color="tab:red")
+        ax.text(len(changed) + 2, row, f"{xs.size} changed", va="center", fontsize=8)
+    ax.set_yticks(range(len(changes)), [f"guard {g}" for g in changes])
+    ax.set_xlim(-1, len(next(iter(changes.values()))) + 60)
+    ax.set_xlabel("evaluation text")
+    ax.set_title(title)
+    return _png(fig)
+
+
+def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, bytes]:
+    """The figures of a training run, by file name."""
+    tag = "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+    figures = {}
+    if arrays["gradient_errors"]:
+        figures["gradient_error_by_layer.png"] = gradient_error_by_layer(arrays["gradient_errors"], f"{tag}: gradient error per parameter tensor, step 1")
+    if arrays["eval_changes"]:
+        figures["eval_changes.png"] = eval_changes(arrays["eval_changes"], f"{tag}: evaluation predictions after training, device vs reference")
+    return figures

@@ -46,9 +46,20 @@ CONDITION_COLUMNS = (
 )
 
 
+TRAINING_COLUMNS = (
+    ("guard", "guard"), ("status", "status"), ("phase", "stopped in"), ("corrupted_count", "corrupted logits"),
+    ("corrupted_gradient_tensors", "wrong gradient tensors"), ("max_gradient_rel_error", "max gradient error"),
+    ("update_rel_error", "update error"), ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"),
+)
+
+
+def columns(run: dict) -> tuple[tuple[str, str], ...]:
+    return TRAINING_COLUMNS if run.get("kind") == "training" else CONDITION_COLUMNS
+
+
 def condition_rows(run: dict) -> list[list[str]]:
     """The summary table: one row per guard condition."""
-    return [[_fmt(c.get(key)) for key, _ in CONDITION_COLUMNS] for c in run["conditions"]]
+    return [[_fmt(c.get(key)) for key, _ in columns(run)] for c in run["conditions"]]
 
 
 def render_markdown(run: dict) -> str:
@@ -65,12 +76,14 @@ def render_markdown(run: dict) -> str:
         f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} (head {_fmt(p['first_corrupted_head'])}), "
         f"{p['corrupted_count']} of {g['batch_size']} texts.",
         "",
-        "| " + " | ".join(title for _, title in CONDITION_COLUMNS) + " |",
-        "|" + "---|" * len(CONDITION_COLUMNS),
+        "| " + " | ".join(title for _, title in columns(run)) + " |",
+        "|" + "---|" * len(columns(run)),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in condition_rows(run)]
     lines.append("")
     for c in run["conditions"]:
+        for op in c.get("faulted_ops", []):
+            lines.append(f"- guard {c['guard']}: {op['op']} {op['a']} @ {op['b']} was {op['kind']} in {' and '.join(op['phases'])}.")
         if c.get("collapse", {}).get("class"):
             col = c["collapse"]
             lines.append(
@@ -89,7 +102,7 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
     import html
 
     body = render_markdown(run)
-    head_row = "".join(f"<th>{html.escape(t)}</th>" for _, t in CONDITION_COLUMNS)
+    head_row = "".join(f"<th>{html.escape(t)}</th>" for _, t in columns(run))
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in condition_rows(run))
     notes = "".join(f"<li>{html.escape(line[2:])}</li>" for line in body.splitlines() if line.startswith("- "))
     images = "".join(
@@ -148,19 +161,23 @@ def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
     import json
     import shutil
 
-    from mpsimpact.figures import render_all
+    from mpsimpact.figures import render_all, render_training
 
     out = Path(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        figures = render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
+        if report.get("kind") == "training":
+            figures = render_training(report, arrays)
+            atomic_write_text(partial / "gradients.json", json.dumps(arrays["gradient_errors"], indent=1) + "\n")
+        else:
+            figures = render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
+            atomic_write_text(partial / "samples.jsonl", samples_jsonl(report, arrays))
+            atomic_write_bytes(partial / "logits.npz", logits_npz(arrays))
         report = report | {"figures": sorted(figures)}
         for name, data in figures.items():
             atomic_write_bytes(partial / name, data)
-        atomic_write_text(partial / "samples.jsonl", samples_jsonl(report, arrays))
-        atomic_write_bytes(partial / "logits.npz", logits_npz(arrays))
         atomic_write_text(partial / "report.md", render_markdown(report))
         atomic_write_text(partial / "report.html", render_html(report, figures))
         atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")

@@ -29,6 +29,8 @@ class RunConfig:
 
     scenario: str = "sentiment"
     batch_size: int | None = None
+    steps: int = 1
+    lr: float = 1e-4
     max_length: int | None = None
     device: str = "auto"
     emulate: bool | None = None
@@ -45,7 +47,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
-        for name in ("batch_size", "max_length", "run_length"):
+        for name in ("batch_size", "max_length", "run_length", "steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
@@ -135,13 +137,14 @@ def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> 
 
 
 @contextlib.contextmanager
-def _condition(geometry: Geometry, plan, guard_mode: str):
+def _condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
+    """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
     if not geometry.emulated:
         emulation = contextlib.nullcontext(None)
     else:
         emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits)
     guarding = guard(guard_mode, index_bits=geometry.index_bits) if guard_mode != "off" else contextlib.nullcontext(None)
-    with torch.inference_mode(), emulation as emu, guarding as g:
+    with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
         yield emu, g
 
 
@@ -248,7 +251,6 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     `progress(description, total)` returns a callable that advances that task (or None).
     """
     from mpsimpact.environment import collect_environment
-    from mpsimpact.metrics import relative_error, summarize
     from mpsimpact.scenario import get_scenario
 
     config.validate()
@@ -261,17 +263,46 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     scenario.load()
     model = scenario.model
     geometry = decide_geometry(config, model, device, batch, max_length)
-    texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, batch)
-    plan = trace_classifier(scenario.meta_module(), batch, max_length, index_bits=config.index_bits)
+    training = getattr(scenario_cls, "training", False)
+    plan = trace_classifier(scenario.meta_module(), batch, max_length, index_bits=config.index_bits, backward=training)
     prediction = predict(plan, batch, model.heads)
+    if training:
+        from mpsimpact.training import run_training
+
+        body, arrays = run_training(config, scenario, model, geometry, plan, progress)
+        body["backward_prediction"] = predict(plan, batch, model.heads, "backward").to_json()
+    else:
+        body, arrays = run_inference(config, scenario, model, geometry, plan, prediction, progress)
+    report = {
+        "schema_version": 1,
+        "kind": "training" if training else "inference",
+        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
+        "environment": collect_environment(),
+        "geometry": geometry.to_json(),
+        "model": model.name,
+        "label_names": list(model.label_names),
+        "data_source": scenario.data.source,
+        "prediction": prediction.to_json(),
+        **body,
+    }
+    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
+    return report, arrays
+
+
+def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plan, prediction, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One forward pass per guard condition against the reference; returns (report body, arrays)."""
+    from mpsimpact.metrics import relative_error, summarize
+
+    device = geometry.device
+    texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
     inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
     reference_info: dict[str, Any] = {"device": "cpu", "dtype": "float32"}
     if config.reference_device == "device" and device != "cpu":
         model.module.to(device)
-        ref, spot = device_reference(model, texts, geometry.run_length, device, prediction.first_corrupted_text, progress(f"reference ({device}, chunked)", batch))
+        ref, spot = device_reference(model, texts, geometry.run_length, device, prediction.first_corrupted_text, progress(f"reference ({device}, chunked)", len(texts)))
         reference_info.update(device=device, cached=False, cpu_spot_check=spot)
     else:
-        ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", batch))
+        ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", len(texts)))
         reference_info["cached"] = cached
     reference_info["accuracy"] = float((ref.argmax(1) == gold).mean())
     module = model.module.to(device)
@@ -289,22 +320,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
             arrays["preds"][guard_mode] = logits.argmax(axis=1)
             arrays.setdefault("logits", {})[guard_mode] = logits
         conditions.append(result)
-    report = {
-        "schema_version": 1,
-        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
-        "environment": collect_environment(),
-        "geometry": geometry.to_json(),
-        "model": model.name,
-        "label_names": list(model.label_names),
-        "data_source": scenario.data.source,
-        "repeated_texts": repeats,
-        "tokens": token_stats,
-        "reference": reference_info,
-        "prediction": prediction.to_json(),
-        "conditions": conditions,
-        "notes": run_notes(geometry, repeats, token_stats),
-    }
-    return report, arrays
+    return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
 
 
 def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:

@@ -1,0 +1,31 @@
+"""`mpsimpact run finetune` at a reduced index width (2**23, 16 texts at 256 tokens replayed at 64):
+what one oversized training step does under each guard condition."""
+
+import json
+
+from typer.testing import CliRunner
+
+from mpsimpact.cli import app
+
+runner = CliRunner()
+
+
+def test_training_step_under_each_guard(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ft"
+    args = ["run", "finetune", "--batch-size", "16", "--max-length", "256", "--index-bits", "23", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    off, stop, chunk = report["conditions"]
+    # Forward: P V wraps from text 10 (as in `run sentiment`). Backward: grad_V = P^T @ G reads P
+    # through a transposed view of 16*12*256*256 >= 2**22 elements: rule 2 raises, so on rule set B
+    # the step fails loudly instead of returning silently wrong gradients.
+    assert (off["status"], off["phase"], off["corrupted_count"]) == ("error", "backward", 6)
+    assert "does not support tensor dims larger than INT_MAX" in off["message"]
+    assert {(o["kind"], tuple(o["phases"])) for o in off["faulted_ops"]} == {("wrong_tail", ("forward",)), ("error", ("backward",))}
+    assert report["backward_prediction"]["stops"]["kind"] == "error"
+    assert (stop["status"], stop["phase"]) == ("stopped_by_guard", "forward") and "in forward" in stop["message"]
+    assert chunk["status"] == "completed" and chunk["corrupted_gradient_tensors"] == 0
+    assert chunk["max_gradient_rel_error"] < 1e-4 and chunk["eval_flips_after_training"] == 0
+    assert (out / "gradient_error_by_layer.png").stat().st_size > 0 and (out / "gradients.json").is_file()
