@@ -6,7 +6,6 @@ import warnings
 import pytest
 import torch
 
-import mpsimpact
 from mpsimpact.emulator import emulate
 from mpsimpact.errors import MpsImpactError, OversizedOpError
 from mpsimpact.guard import MpsImpactWarning, guard, install_guard, uninstall_guard

@@ -4,7 +4,6 @@ broken emulator caught, and the real-device path."""
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import mpsimpact.emulator

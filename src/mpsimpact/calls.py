@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.faults import Fault, TensorSpec, classify_bmm, classify_mm
 
@@ -81,3 +82,25 @@ def classify_call(family: str, a: Any, b: Any, index_bits: int) -> Fault:
 def current_phase() -> str:
     """"backward" while autograd's engine runs a node on this thread, else "forward"."""
     return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+
+class MatmulMode(TorchDispatchMode):
+    """A dispatch mode that sees every bmm/mm call with its real operands: it decomposes matmul and
+    linear (which reach it whole under inference mode) and hands each matmul call to
+    `on_matmul`; `on_other` sees every other op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in DECOMPOSED_OPS:
+            with self:
+                return func.decompose(*args, **kwargs)
+        if func in MATMUL_OPS:
+            family, a, b = operands(func, args)
+            return self.on_matmul(func, family, a, b, args, kwargs)
+        return self.on_other(func, args, kwargs)
+
+    def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):
+        return func(*args, **kwargs)
+
+    def on_other(self, func, args: tuple, kwargs: dict):
+        return func(*args, **kwargs)

@@ -10,17 +10,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.calls import (
-    DECOMPOSED_OPS,
-    MATMUL_OPS,
-    CallRecord,
-    classify_call,
-    current_phase,
-    op_name,
-    operands,
-)
+from mpsimpact.calls import CallRecord, MatmulMode, classify_call, current_phase, op_name
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, PlanMismatchError
 from mpsimpact.faults import Fault, TensorSpec, contiguous_strides, limits, wrap_start_batch
 
@@ -90,7 +81,7 @@ def wrong_bmm(a: torch.Tensor, b: torch.Tensor, fault: Fault, wraps: dict[str, i
     return out
 
 
-class EmulateMode(TorchDispatchMode):
+class EmulateMode(MatmulMode):
     """Applies the MPS fault rules to every bmm/mm call; records the calls it altered.
 
     With a `plan` (from `trace_faults` at full scale), each call takes the plan's decision
@@ -106,16 +97,9 @@ class EmulateMode(TorchDispatchMode):
         self.records: list[CallRecord] = []
         self._grouped = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS:
-            with self:
-                return func.decompose(*args, **kwargs)
-        if func not in MATMUL_OPS:
-            return func(*args, **kwargs)
+    def on_matmul(self, func, family, a, b, args, kwargs):
         if self._grouped and self.plan is not None:
             return func(*args, **kwargs)  # a guard's safe chunk of one planned call
-        family, a, b = operands(func, args)
         index = self.calls
         self.calls += 1
         fault, wraps = self._decide(index, family, func, a, b)

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact import emulator
-from mpsimpact.calls import DECOMPOSED_OPS, MATMUL_OPS, CallRecord, classify_call, current_phase, op_name, operands
+from mpsimpact.calls import MATMUL_OPS, CallRecord, MatmulMode, classify_call, current_phase, op_name
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.faults import Fault, TensorSpec, largest_safe_batch, limits
 
@@ -37,7 +36,7 @@ class MpsImpactWarning(UserWarning):
     """Emitted by guard mode "warn", once per op site, with the text the error would have."""
 
 
-class GuardMode(TorchDispatchMode):
+class GuardMode(MatmulMode):
     """The dispatch mode behind `guard()`."""
 
     def __init__(self, mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None):
@@ -54,13 +53,7 @@ class GuardMode(TorchDispatchMode):
         self._warned: set[tuple[str, int]] = set()
         self._check_cat = torch.__version__.split("+")[0] in _CAT_WRONG_VERSIONS
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS:
-            with self:
-                return func.decompose(*args, **kwargs)
-        if func in MATMUL_OPS:
-            return self._matmul(func, args, kwargs)
+    def on_other(self, func, args, kwargs):
         if self._check_cat and func is torch.ops.aten.cat.default:
             self._check_cat_size(args)
         return func(*args, **kwargs)
@@ -70,8 +63,7 @@ class GuardMode(TorchDispatchMode):
             return tensor.device.type in self.devices
         return tensor.device.type == "mps" or emulator.is_emulating()
 
-    def _matmul(self, func, args, kwargs):
-        family, a, b = operands(func, args)
+    def on_matmul(self, func, family, a, b, args, kwargs):
         if not self._applies(a):
             return func(*args, **kwargs)
         active = emulator.active_mode()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.faults import TensorSpec, classify_bmm, contiguous_strides
+from mpsimpact.faults import TensorSpec, classify_bmm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")

@@ -9,17 +9,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.calls import (
-    DECOMPOSED_OPS,
-    MATMUL_OPS,
-    CallRecord,
-    classify_call,
-    current_phase,
-    op_name,
-    operands,
-)
+from mpsimpact.calls import CallRecord, MatmulMode, classify_call, current_phase, op_name
 from mpsimpact.faults import TensorSpec
 
 
@@ -48,7 +39,7 @@ class FaultPlan:
         }
 
 
-class TraceMode(TorchDispatchMode):
+class TraceMode(MatmulMode):
     """Records every bmm/mm call with its predicted fault; computes nothing on meta tensors."""
 
     def __init__(self, index_bits: int = 32, module: torch.nn.Module | None = None) -> None:
@@ -58,25 +49,10 @@ class TraceMode(TorchDispatchMode):
         self._names: list[str] = []
         self._module = module
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS:
-            with self:
-                return func.decompose(*args, **kwargs)
-        if func in MATMUL_OPS:
-            family, a, b = operands(func, args)
-            phase = current_phase()
-            self.calls.append(
-                CallRecord(
-                    len(self.calls),
-                    op_name(func),
-                    TensorSpec.of(a),
-                    TensorSpec.of(b),
-                    classify_call(family, a, b, self.index_bits),
-                    phase,
-                    self._where(phase),
-                )
-            )
+    def on_matmul(self, func, family, a, b, args, kwargs):
+        phase = current_phase()
+        fault = classify_call(family, a, b, self.index_bits)
+        self.calls.append(CallRecord(len(self.calls), op_name(func), TensorSpec.of(a), TensorSpec.of(b), fault, phase, self._where(phase)))
         return func(*args, **kwargs)
 
     def _where(self, phase: str) -> str:
