@@ -106,3 +106,45 @@ def test_backward_wraps_the_incoming_gradient(dtype):
     torch.testing.assert_close(a.grad.double(), g @ b.detach().double().transpose(1, 2), **tol(dtype))
     torch.testing.assert_close(b.grad.double(), a.detach().double().transpose(1, 2) @ g, **tol(dtype))
     assert [r.phase for r in mode.records] == ["backward", "backward"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_wrong_all_reads_b_transposed_storage(dtype):
+    # grad_a = G @ b^T: output (17, 16, 16) = 4352 > 4096 elements with b^T a transposed view:
+    # rule 1, so b^T is read as if its storage (b, row-major (17, 16, 2)) were packed (17, 2, 16).
+    # Only a needs a gradient, so grad_b = a^T @ G (which would hit rule 2) is never computed.
+    a = torch.randn(17, 16, 16).to(dtype).requires_grad_()
+    b = torch.randn(17, 16, 2).to(dtype)
+    grad = torch.randn(17, 16, 2).to(dtype)
+    with emulate(index_bits=BITS) as mode:
+        torch.bmm(a, b).backward(grad)  # forward: a itself (4352 > 4096) wraps, rule 3
+    read = b.double().reshape(-1).reshape(17, 2, 16)  # strides ignored
+    torch.testing.assert_close(a.grad.double(), grad.double() @ read, **tol(dtype))
+    assert [(r.phase, r.fault.kind, r.fault.operand) for r in mode.records] == [
+        ("forward", "wrong_tail", "a"),
+        ("backward", "wrong_all", "b"),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_view_over_int_max_raises(dtype):
+    # grad_b = a^T @ G: a^T is a transposed view of 2 * 64 * 16 = 2048 = VIEW_LIMIT elements, the
+    # output (2, 16, 2) small: rule 2 raises in backward although the forward was correct.
+    a = torch.randn(2, 64, 16).to(dtype)
+    b = torch.randn(2, 16, 2).to(dtype).requires_grad_()
+    with emulate(index_bits=BITS):
+        out = torch.bmm(a, b)
+        with pytest.raises(RuntimeError, match="does not support tensor dims larger than INT_MAX"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_ok_is_plain(dtype):
+    a = torch.randn(4, 8, 4).to(dtype).requires_grad_()
+    b = torch.randn(4, 4, 8).to(dtype).requires_grad_()
+    with emulate(index_bits=BITS) as mode:
+        torch.bmm(a, b).sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    torch.bmm(a, b).sum().backward()
+    assert torch.equal(ga, a.grad) and torch.equal(gb, b.grad) and mode.records == []
