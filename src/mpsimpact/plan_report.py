@@ -54,11 +54,11 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    calls = per_text_calls(meta, length, backward=config.backward)
+    traced = {L: per_text_calls(meta, L, backward=config.backward) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
+    calls = traced[length]
     plan = plan_at(calls, batch, config.index_bits)
     forward = predict(plan, batch, heads, "forward")
-    safe = {L: largest_safe_batch(per_text_calls(meta, L, backward=config.backward), heads, config.index_bits) for L in SAFE_TABLE_LENGTHS if L <= positions}
-    safe[length] = largest_safe_batch(calls, heads, config.index_bits)
+    safe = {L: largest_safe_batch(c, heads, config.index_bits) for L, c in traced.items()}
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
         "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
@@ -73,7 +73,7 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.sweep:
-        report["sweep"] = sweep(meta, heads, positions, config.index_bits, config.backward)
+        report["sweep"] = sweep(traced, heads, config.index_bits)
         if config.figure:
             write_sweep_figure(report["sweep"], config.figure, report["model"])
     return report
@@ -89,11 +89,11 @@ def guard_advice(plan) -> str:
     return f"guard 'chunk' makes all {len(plan.faults)} faulting calls safe; {stops}{extra}."
 
 
-def sweep(meta, heads: int, positions: int, index_bits: int, backward: bool) -> dict[str, list[dict[str, Any]]]:
+def sweep(traced: dict, heads: int, index_bits: int) -> dict[str, list[dict[str, Any]]]:
     """Predicted corrupted fraction (or stop) over SWEEP_BATCHES, for each table length."""
     table = {}
-    for length in (L for L in SAFE_TABLE_LENGTHS if L <= positions):
-        calls = per_text_calls(meta, length, backward=backward)
+    for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
+        calls = traced[length]
         rows = []
         for batch in SWEEP_BATCHES:
             p = predict(plan_at(calls, batch, index_bits), batch, heads)
