@@ -3,8 +3,6 @@ registered with transformers' AttentionInterface, so a model opts in without a d
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from mpsimpact import emulator
@@ -26,10 +24,9 @@ def safe_text_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     batch, heads, length, dim = query.shape
     k_len = key.shape[2]
     bits = _index_bits()
-    view = lambda shape: dataclasses.replace(TensorSpec.contiguous(shape), storage_offset=1)  # noqa: E731
-    rows = batch * heads
-    scores = largest_safe_batch(view((rows, length, dim)), view((rows, dim, k_len)), index_bits=bits)
-    output = largest_safe_batch(view((rows, length, k_len)), view((rows, k_len, value.shape[-1])), index_bits=bits)
+    spec, rows = TensorSpec.contiguous, batch * heads
+    scores = largest_safe_batch(spec((rows, length, dim)), spec((rows, dim, k_len)), index_bits=bits, as_slices=True)
+    output = largest_safe_batch(spec((rows, length, k_len)), spec((rows, k_len, value.shape[-1])), index_bits=bits, as_slices=True)
     return max(1, min(scores, output) // heads)
 
 

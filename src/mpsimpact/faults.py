@@ -233,11 +233,12 @@ def classify_mm(a: Any, b: Any, *, index_bits: int = 32) -> Fault:
     return OK
 
 
-def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm") -> int:
+def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm", as_slices: bool = False) -> int:
     """The largest leading-dim chunk of this call for which every rule says "ok".
 
-    For bmm the chunk must keep views below VIEW_LIMIT and everything else at or below LIMIT,
-    whatever the layout; for mm the output must stay below LIMIT.
+    For bmm the chunk must keep views below VIEW_LIMIT and everything else at or below LIMIT; with
+    `as_slices` every operand counts as a view (a chunk s[i:j] of a tensor is one, offset != 0).
+    For mm the output must stay below LIMIT.
     """
     limit, view_limit = limits(index_bits)
     sa, sb = _spec(a), _spec(b)
@@ -246,7 +247,7 @@ def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm")
     per_out = sa.shape[1] * sb.shape[2]
     bounds = [limit // max(per_out, 1)]
     for s in (sa, sb):
-        cap = (view_limit - 1) if s.is_view else limit
+        cap = (view_limit - 1) if s.is_view or as_slices else limit
         bounds.append(cap // max(s.per_batch, 1))
     return max(1, min(bounds))
 

@@ -73,9 +73,9 @@ class GuardMode(MatmulMode):
         if fault.is_ok:
             return func(*args, **kwargs)
         bits = active.index_bits if active and active.plan is None else self.index_bits
-        chunk = _scaled_chunk(family, full_a, full_b, a, bits)
-        # Under plan replay the record shows the full-scale call MPS would see.
+        # Under plan replay the decision, the chunk and the record are those of the full-scale call.
         spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
+        chunk = _chunk_here(family, spec_a, spec_b, a, bits)
         record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
         if self.mode == "chunk":
             self.chunked.append(record)
@@ -115,15 +115,12 @@ def _user_site() -> tuple[str, int]:
     return "", 0
 
 
-def _scaled_chunk(family: str, full_a: Any, full_b: Any, a: torch.Tensor, index_bits: int) -> int:
-    # Chunks are slices, hence views: every operand of a chunk must stay below VIEW_LIMIT.
-    full = TensorSpec.of(full_a) if isinstance(full_a, torch.Tensor) else full_a
-    as_view = TensorSpec(full.shape, full.stride, 1, full.dtype)
-    fb = TensorSpec.of(full_b) if isinstance(full_b, torch.Tensor) else full_b
-    fb_view = TensorSpec(fb.shape, fb.stride, 1, fb.dtype)
-    chunk = largest_safe_batch(as_view, fb_view, index_bits=index_bits, op=family)
-    if family == "mm" and full.shape[0] != a.shape[0]:  # rows scale with the sequence length
-        chunk = max(1, chunk * a.shape[0] // full.shape[0])
+def _chunk_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> int:
+    """The safe chunk of the (full-scale) call, in this call's rows: bmm batches are the same at
+    both scales; mm rows scale with the sequence length."""
+    chunk = largest_safe_batch(full_a, full_b, index_bits=index_bits, op=family, as_slices=True)
+    if family == "mm" and full_a.shape[0] != a.shape[0]:
+        chunk = max(1, chunk * a.shape[0] // full_a.shape[0])
     return chunk
 
 
