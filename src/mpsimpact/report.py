@@ -35,7 +35,7 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.4f}"
+        return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
     return str(value)
 
 
