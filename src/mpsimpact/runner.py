@@ -169,7 +169,9 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
     result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
-    result["wrong_values_before_stop"] = len([r for r in (emu.records if emu else []) if r.fault.is_silent])
+    result["silent_faults_injected"] = len([r for r in (emu.records if emu else []) if r.fault.is_silent])
+    if result["status"] != "completed":
+        result["wrong_values_before_stop"] = result["silent_faults_injected"]
     return result
 
 
