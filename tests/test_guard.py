@@ -1,5 +1,5 @@
-"""The guard under the emulator (LIMIT 2**12 = 4096, VIEW_LIMIT 2048): every outcome class is
-stopped by raise, fixed by chunk, flagged once per site by warn."""
+"""The guard under the emulator (LIMIT 2**20 = 1,048,576, VIEW_LIMIT 524,288): every outcome class
+is stopped by raise, fixed by chunk, flagged once per site by warn."""
 
 import warnings
 
@@ -12,27 +12,31 @@ from mpsimpact.guard import MpsImpactWarning, guard, install_guard, uninstall_gu
 from mpsimpact.tracer import trace_module
 from tiny import tiny_bert, token_batch
 
-BITS = 12
+BITS = 20
 
 
 def case_wrong_tail():
-    return torch.bmm, (torch.randn(200, 8, 8), torch.randn(200, 8, 2))  # a 12800 > 4096 wraps
+    # a (200, 64, 128): 1,638,400 > 2**20 elements, contiguous: wraps from 2**20 / 8192 = 128.
+    return torch.bmm, (torch.randn(200, 64, 128), torch.randn(200, 128, 2))
 
 
 def case_wrong_all():
-    return torch.bmm, (torch.randn(17, 4, 16).transpose(1, 2), torch.randn(17, 4, 16))  # out 4352
+    # output 17 * 256 * 256 = 1,114,112 > 2**20 with a transposed: every batch wrong.
+    return torch.bmm, (torch.randn(17, 4, 256).transpose(1, 2), torch.randn(17, 4, 256))
 
 
 def case_error():
-    return torch.bmm, (torch.randn(2, 2, 16), torch.randn(2, 64, 16).transpose(1, 2))  # view 2048
+    # b a transposed view of 2 * 256 * 1024 = 524,288 = 2**19 elements, output 4096: raises.
+    return torch.bmm, (torch.randn(2, 2, 256), torch.randn(2, 1024, 256).transpose(1, 2))
 
 
 def case_abort():
-    return torch.nn.functional.linear, (torch.randn(64, 8), torch.randn(64, 8), torch.randn(64))  # out 4096
+    # a linear whose output has 1024 * 1024 = 2**20 elements: the process aborts on MPS.
+    return torch.nn.functional.linear, (torch.randn(1024, 8), torch.randn(1024, 8), torch.randn(1024))
 
 
 def case_baddbmm():
-    return (lambda a, b, c: torch.baddbmm(c, a, b, alpha=0.5)), (torch.randn(200, 8, 8), torch.randn(200, 8, 2), torch.randn(200, 8, 2))
+    return (lambda a, b, c: torch.baddbmm(c, a, b, alpha=0.5)), (torch.randn(200, 64, 128), torch.randn(200, 128, 2), torch.randn(200, 64, 2))
 
 
 CASES = {"wrong_tail": case_wrong_tail, "wrong_all": case_wrong_all, "error": case_error, "abort": case_abort, "baddbmm": case_baddbmm}
