@@ -96,6 +96,13 @@ def render_markdown(run: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _inline(text: str) -> str:
+    """Markdown's **bold** and `code` as HTML, in already-escaped text."""
+    import re
+
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text))
+
+
 def render_html(run: dict, figures: dict[str, bytes]) -> str:
     """report.html: self-contained (figures inlined), for talks."""
     import base64
@@ -104,7 +111,7 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
     body = render_markdown(run)
     head_row = "".join(f"<th>{html.escape(t)}</th>" for _, t in columns(run))
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in condition_rows(run))
-    notes = "".join(f"<li>{html.escape(line[2:])}</li>" for line in body.splitlines() if line.startswith("- "))
+    notes = "".join(f"<li>{_inline(html.escape(line[2:]))}</li>" for line in body.splitlines() if line.startswith("- "))
     images = "".join(
         f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(data).decode()}"><figcaption>{name}</figcaption></figure>'
         for name, data in figures.items()
