@@ -79,6 +79,8 @@ def test_reference_is_cached_between_runs(tmp_path):
         (["run", "sentiment", "--model", "no-such-org/no-such-model"], "Model 'no-such-org/no-such-model' could not be loaded"),
         (["run", "sentiment", "--batch-size", "100000000"], "This run needs about"),
         (["run", "sentiment", "--max-length", "384", "--batch-size", "8"], "power-of-two lengths"),
+        # Offline with an empty Hugging Face cache, as on CI.
+        (["run", "sentiment", "--dataset", "tweet_eval"], "Dataset 'tweet_eval' (sentiment, test) is not in the local cache"),
     ],
 )
 def test_bad_input_is_one_actionable_line_and_leaves_nothing(tmp_path, args, message):
