@@ -109,3 +109,17 @@ def test_sweep_table_and_figure(tmp_path):
     row = {r["batch"]: r["corrupted_fraction"] for r in report["sweep"]["512"]}
     assert row[1365] == 0 and row[1366] == 1 / 1366 and abs(row[4096] - 2731 / 4096) < 1e-12
     assert figure.stat().st_size > 0
+
+
+def test_run_on_real_mps_skips_a_predicted_process_abort():
+    from mpsimpact.classifier import meta_classifier
+    from mpsimpact.runner import Geometry, skipped_abort, would_abort
+    from transformers import AutoConfig
+
+    meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
+    prediction = predict(plan_at(per_text_calls(meta, 256), 5462), 5462, 12)
+    mac = Geometry("mps", False, 5462, 256, 256)
+    assert would_abort(mac, prediction, "off") and not would_abort(mac, prediction, "chunk")
+    assert not would_abort(Geometry("cpu", True, 5462, 256, 64), prediction, "off")  # emulated: raises instead
+    skipped = skipped_abort("off", prediction)
+    assert skipped["status"] == "skipped_predicted_abort" and "would abort the process on MPS" in skipped["message"]

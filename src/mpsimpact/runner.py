@@ -312,6 +312,9 @@ def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plan, 
     conditions, arrays = [], {"reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
     layers = model_layers(module)
     for guard_mode in config.guards:
+        if would_abort(geometry, prediction, guard_mode):
+            conditions.append(skipped_abort(guard_mode, prediction))
+            continue
         with layer_progress(layers, progress(f"device pass on {device}, guard {guard_mode} (layers)", len(layers))):
             result = device_pass(module, inputs, geometry, plan, guard_mode)
         logits = result.pop("logits")
@@ -323,6 +326,22 @@ def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plan, 
             arrays.setdefault("logits", {})[guard_mode] = logits
         conditions.append(result)
     return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
+
+
+def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
+    """On real MPS an unguarded call the plan says aborts would kill this process (and the report)."""
+    stop = prediction.stop
+    return geometry.device == "mps" and not geometry.emulated and guard_mode == "off" and stop is not None and stop.fault.kind == "abort"
+
+
+def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
+    call = prediction.stop
+    return {
+        "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0,
+        "predicted_first_corrupted_index": prediction.first_corrupted_text,
+        "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process on MPS "
+                   f"({call.fault.message}); see `mpsimpact plan`.",
+    }
 
 
 def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
