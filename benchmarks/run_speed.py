@@ -21,12 +21,12 @@ import torch
 def plain_forward_seconds(batch: int) -> tuple[float, int]:
     from mpsimpact.classifier import load_embedded_classifier
     from mpsimpact.dataset import load_embedded
-    from mpsimpact.runner import CPU_FULL_SCALE_MAX, Geometry, build_batch, tokenize
+    from mpsimpact.runner import REDUCED_LENGTH, Geometry, build_batch, tokenize
 
     model = load_embedded_classifier()
     data = load_embedded("heldout")
     texts, _, _ = build_batch(data.texts, data.labels, batch)
-    geometry = Geometry("cpu", False, batch, 512, CPU_FULL_SCALE_MAX)
+    geometry = Geometry("cpu", False, batch, 512, REDUCED_LENGTH)
     inputs, _ = tokenize(model.tokenizer, texts, geometry)
     with torch.inference_mode():
         start = time.perf_counter()

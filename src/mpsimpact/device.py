@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 
-from mpsimpact.errors import DeviceError, MemoryPreflightError
+from mpsimpact.errors import DeviceError, MemoryPreflightError, UsageError
 
 DEVICES = ("auto", "mps", "cuda", "cpu")
 GIB = 1 << 30
@@ -50,6 +50,14 @@ def resolve_device(requested: str) -> str:
             device=requested,
         )
     return requested
+
+
+def resolve_emulation(requested: bool | None, device: str) -> bool:
+    """--emulate/--no-emulate: emulate by default everywhere but on MPS, where the real fault runs."""
+    emulated = requested if requested is not None else device != "mps"
+    if emulated and device == "mps":
+        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the real fault runs. Use --no-emulate or --device cpu.")
+    return emulated
 
 
 def host_memory() -> tuple[int, int]:

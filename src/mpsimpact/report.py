@@ -3,8 +3,12 @@ self-contained report.html."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -29,6 +33,35 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def fresh_out_dir(out: str | None, default_prefix: str) -> Path:
+    """The report folder: `out`, or outputs/<prefix>-<timestamp>/; refuses one that already holds
+    files (nothing is overwritten)."""
+    from mpsimpact.errors import UsageError
+
+    folder = Path(out) if out else Path("outputs") / f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if folder.exists() and any(folder.iterdir()):
+        raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.")
+    return folder
+
+
+@contextlib.contextmanager
+def folder_written_atomically(out: Path) -> Iterator[Path]:
+    """Yields a hidden partial folder to fill; renames it to `out` only when the block completes,
+    and removes it otherwise: an interrupted run leaves no complete-looking report."""
+    out = Path(out)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        if out.exists():
+            out.rmdir()  # fresh_out_dir allowed only an empty folder
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _fmt(value) -> str:
@@ -166,15 +199,10 @@ def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
     """Writes report.json, samples.jsonl, report.md, report.html and the figures into a hidden
     partial folder, then renames it to `out`: an interrupted run leaves no complete-looking report."""
     import json
-    import shutil
 
     from mpsimpact.figures import render_all, render_training
 
-    out = Path(out)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with folder_written_atomically(out) as partial:
         if report.get("kind") == "training":
             figures = render_training(report, arrays)
             atomic_write_text(partial / "gradients.json", json.dumps(arrays["gradient_errors"], indent=1) + "\n")
@@ -188,10 +216,4 @@ def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
         atomic_write_text(partial / "report.md", render_markdown(report))
         atomic_write_text(partial / "report.html", render_html(report, figures))
         atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")
-        if out.exists():
-            out.rmdir()  # prepare_out_dir allowed only an empty folder
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return out
+    return Path(out)

@@ -12,15 +12,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.device import GIB, check_memory, device_memory, resolve_device
+from mpsimpact.device import GIB, check_memory, device_memory, resolve_device, resolve_emulation
 from mpsimpact.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, OversizedOpError, UsageError
 from mpsimpact.guard import guard
 from mpsimpact.planner import estimate_peak_bytes, predict, trace_classifier
+from mpsimpact.report import SCHEMA_VERSION
 
 GUARDS = ("off", "raise", "chunk")
-REDUCED_LENGTH = 64  # a power of two: the full-scale wrap period maps exactly (see emulator.replay_decision)
-CPU_FULL_SCALE_MAX = 64  # on a CPU, longer sequences run at REDUCED_LENGTH with the full-scale plan replayed
+# Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
+# full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
+REDUCED_LENGTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +97,7 @@ class Geometry:
 
 def decide_geometry(config: RunConfig, model: Any, device: str, batch: int, max_length: int) -> Geometry:
     """Picks emulation and the run length; checks memory before anything big is allocated."""
-    emulated = config.emulate if config.emulate is not None else device != "mps"
-    if emulated and device == "mps":
-        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the real fault runs. Use --no-emulate or --device cpu.")
+    emulated = resolve_emulation(config.emulate, device)
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
     full = estimate_peak_bytes(model.config, batch, max_length)
@@ -112,7 +112,7 @@ def decide_geometry(config: RunConfig, model: Any, device: str, batch: int, max_
             device=device, needed_bytes=full,
         )
     else:
-        run_length = min(max_length, CPU_FULL_SCALE_MAX if device == "cpu" else REDUCED_LENGTH)
+        run_length = min(max_length, REDUCED_LENGTH)
     geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
     if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
         raise UsageError(
@@ -176,11 +176,10 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
 
 
 def prepare_out_dir(config: RunConfig) -> Path:
-    """The final report folder; refuses one that already holds files (nothing is overwritten)."""
-    out = Path(config.out) if config.out else Path("outputs") / f"{config.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"Output folder '{out}' already exists and is not empty; pass another --out.")
-    return out
+    """The final report folder (see report.fresh_out_dir)."""
+    from mpsimpact.report import fresh_out_dir
+
+    return fresh_out_dir(config.out, config.scenario)
 
 
 def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -276,7 +275,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     else:
         body, arrays = run_inference(config, scenario, model, geometry, plan, prediction, progress)
     report = {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "kind": "training" if training else "inference",
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
         "environment": collect_environment(),

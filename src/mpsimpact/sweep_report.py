@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +40,15 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     """Runs every cell; returns the summary (with "disagree" and "not_ok" counts)."""
     from rich.console import Console
 
-    from mpsimpact.device import resolve_device
+    from mpsimpact.device import resolve_device, resolve_emulation
     from mpsimpact.figures import outcome_map
-    from mpsimpact.report import atomic_write_bytes, atomic_write_text
+    from mpsimpact.report import atomic_write_bytes, atomic_write_text, folder_written_atomically, fresh_out_dir
     from mpsimpact.sweep import grid, run_cells, summarize
 
     config.validate()
     device = resolve_device(config.device)
-    emulated = config.emulate if config.emulate is not None else device != "mps"
-    if emulated and device == "mps":
-        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the sweep measures the real thing.")
-    out = Path(config.out) if config.out else Path("outputs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"Output folder '{out}' already exists and is not empty; pass another --out.")
+    emulated = resolve_emulation(config.emulate, device)
+    out = fresh_out_dir(config.out, "sweep")
     cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick)
     console = Console()
     mode = f"EMULATED MPS on {device}" if emulated else f"real {device}"
@@ -65,14 +59,10 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
             rows.append(row)
             status.update(f"{len(rows)}/{len(cells)} cells")
     summary = summarize(rows) | {"mode": mode, "config": dataclasses.asdict(config), "not_ok": sum(r["observed"] != "ok" for r in rows)}
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    partial.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(partial / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    atomic_write_text(partial / "summary.json", json.dumps(summary, indent=2) + "\n")
-    atomic_write_bytes(partial / "outcome_map.png", outcome_map(rows, f"{mode}, index bits {config.index_bits}"))
-    if out.exists():
-        out.rmdir()
-    os.replace(partial, out)
+    with folder_written_atomically(out) as partial:
+        atomic_write_text(partial / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(partial / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_bytes(partial / "outcome_map.png", outcome_map(rows, f"{mode}, index bits {config.index_bits}"))
     print_summary(console, summary, out)
     return summary
 

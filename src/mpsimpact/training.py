@@ -4,6 +4,7 @@ trained models make on a held-out evaluation set."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -37,7 +38,8 @@ def train_steps(module, inputs, labels, steps: int, lr: float, geometry: Geometr
         held: dict[str, Any] = {}
         stage = "forward"
         try:
-            with (_condition(geometry, plan, guard_mode, training=True) if geometry else _plain()) as (emu, _g):
+            stepping = _condition(geometry, plan, guard_mode, training=True) if geometry else contextlib.nullcontext((None, None))
+            with stepping as (emu, _g):
                 held["emu"] = emu
                 logits = module(**inputs)
                 if step == 0:
@@ -57,14 +59,6 @@ def train_steps(module, inputs, labels, steps: int, lr: float, geometry: Geometr
         optimizer.step()
     out["wall_s"] = time.perf_counter() - start
     return out
-
-
-class _plain:
-    def __enter__(self):
-        return None, None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
