@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.emulator import emulate
-from mpsimpact.guard import guard
+from mpsimpact.safeguard import guard
 
 LIMIT = 2**32
 

@@ -8,7 +8,7 @@ import torch
 
 from mpsimpact.emulator import emulate
 from mpsimpact.errors import MpsImpactError, OversizedOpError
-from mpsimpact.guard import MpsImpactWarning, guard, install_guard, uninstall_guard
+from mpsimpact.safeguard import MpsImpactWarning, guard, install_guard, uninstall_guard
 from mpsimpact.tracer import trace_module
 from tiny import tiny_bert, token_batch
 

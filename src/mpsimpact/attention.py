@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from mpsimpact import emulator
+from mpsimpact.calls import active_emulator
 from mpsimpact.faults import TensorSpec, largest_safe_batch
 
 NAME = "mps_safe_eager"
 
 
 def _index_bits() -> int:
-    active = emulator.active_mode()
+    active = active_emulator()
     return active.index_bits if active is not None and active.plan is None else 32
 
 

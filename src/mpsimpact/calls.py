@@ -3,8 +3,11 @@ record of one call that the emulator, the tracer and the guard share."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,6 +85,60 @@ def classify_call(family: str, a: Any, b: Any, index_bits: int) -> Fault:
 def current_phase() -> str:
     """"backward" while autograd's engine runs a node on this thread, else "forward"."""
     return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+
+class ActiveEmulator(Protocol):
+    """What the guard needs from an active emulator: its width, its plan, and its decisions."""
+
+    index_bits: int
+    plan: Any
+
+    def peek(self, family: str, func: Any, a: Any, b: Any) -> tuple[Fault, Any, Any]:
+        """The decision the next call would get, and the operands it was decided on."""
+
+    def as_one_call(self) -> contextlib.AbstractContextManager[None]:
+        """Counts the calls made inside as the one call they split."""
+
+
+# The active modes of this thread, by role ("emulator", "guard"), innermost last. One registry, so
+# the emulator and the guard can find each other without importing each other.
+_LOCAL = threading.local()
+
+
+def _stack(role: str) -> list[Any]:
+    stacks = _LOCAL.__dict__.setdefault("stacks", {})
+    return stacks.setdefault(role, [])
+
+
+def push_active(role: str, mode: Any) -> None:
+    """Registers `mode` as the innermost active mode of `role` on this thread."""
+    _stack(role).append(mode)
+
+
+def remove_active(role: str, mode: Any) -> None:
+    """Unregisters `mode` (wherever it is in the stack)."""
+    _stack(role).remove(mode)
+
+
+@contextlib.contextmanager
+def activated(role: str, mode: Any) -> Iterator[Any]:
+    """Registers `mode` under `role` for the duration of the block."""
+    push_active(role, mode)
+    try:
+        yield mode
+    finally:
+        remove_active(role, mode)
+
+
+def innermost(role: str) -> Any | None:
+    """The innermost active mode of `role` on this thread, or None."""
+    stack = _stack(role)
+    return stack[-1] if stack else None
+
+
+def active_emulator() -> ActiveEmulator | None:
+    """The innermost active emulator on this thread, or None."""
+    return innermost("emulator")
 
 
 class MatmulMode(TorchDispatchMode):

@@ -11,25 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpsimpact.calls import CallRecord, MatmulMode, classify_call, current_phase, op_name
+from mpsimpact.calls import CallRecord, MatmulMode, activated, classify_call, current_phase, innermost, op_name
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, PlanMismatchError
 from mpsimpact.faults import Fault, TensorSpec, contiguous_strides, limits, wrap_start_batch
 
 if TYPE_CHECKING:
     from mpsimpact.tracer import FaultPlan
-
-_ACTIVE: list[EmulateMode] = []
-
-
-def is_emulating() -> bool:
-    """True while an `emulate()` context is active on this thread."""
-    return bool(_ACTIVE)
-
-
-def active_mode() -> EmulateMode | None:
-    """The innermost active EmulateMode on this thread, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
 
 def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
     """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""
@@ -207,18 +194,12 @@ def emulate(index_bits: int = 32, plan: FaultPlan | None = None) -> Iterator[Emu
     Yields:
         The active `EmulateMode`; its `records` list every call it altered.
     """
-    from mpsimpact.guard import is_guarding
-
-    if is_guarding():
+    if innermost("guard") is not None:
         raise MpsImpactError(
             "emulate() was entered inside an active guard, so the guard would never see the "
             "emulated faults; enter emulate() first and guard() inside it."
         )
     mode = EmulateMode(index_bits, plan)
-    _ACTIVE.append(mode)
-    try:
-        with mode:
-            yield mode
-    finally:
-        _ACTIVE.remove(mode)
+    with activated("emulator", mode), mode:
+        yield mode
     mode.check_plan_consumed()

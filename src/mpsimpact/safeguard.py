@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from mpsimpact import emulator
-from mpsimpact.calls import MATMUL_OPS, CallRecord, MatmulMode, classify_call, current_phase, op_name
+from mpsimpact.calls import (
+    MATMUL_OPS, CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, op_name, push_active,
+    remove_active,
+)
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.faults import Fault, TensorSpec, largest_safe_batch, limits
 
 GUARD_MODES = ("raise", "warn", "chunk")
-_ACTIVE: list[GuardMode] = []
 _INSTALLED: list[GuardMode] = []
 # torch.cat with an output above 2**31 elements was silently wrong on MPS in 2.13.0 (pytorch#189960).
 _CAT_WRONG_VERSIONS = ("2.13.0",)
@@ -29,7 +30,7 @@ _CAT_WRONG_VERSIONS = ("2.13.0",)
 
 def is_guarding() -> bool:
     """True while a guard is active on this thread."""
-    return bool(_ACTIVE)
+    return innermost("guard") is not None
 
 
 class MpsImpactWarning(UserWarning):
@@ -61,12 +62,12 @@ class GuardMode(MatmulMode):
     def _applies(self, tensor: torch.Tensor) -> bool:
         if self.devices is not None:
             return tensor.device.type in self.devices
-        return tensor.device.type == "mps" or emulator.is_emulating()
+        return tensor.device.type == "mps" or active_emulator() is not None
 
     def on_matmul(self, func, family, a, b, args, kwargs):
         if not self._applies(a):
             return func(*args, **kwargs)
-        active = emulator.active_mode()
+        active = active_emulator()
         fault, full_a, full_b = (
             active.peek(family, func, a, b) if active else (classify_call(family, a, b, self.index_bits), a, b)
         )
@@ -177,12 +178,8 @@ def guard(mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...]
         The active `GuardMode`; `stopped` and `chunked` list the calls it acted on.
     """
     mode_obj = GuardMode(mode, index_bits=index_bits, devices=devices)
-    _ACTIVE.append(mode_obj)
-    try:
-        with mode_obj:
-            yield mode_obj
-    finally:
-        _ACTIVE.remove(mode_obj)
+    with activated("guard", mode_obj), mode_obj:
+        yield mode_obj
 
 
 def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
@@ -196,7 +193,7 @@ def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
         return None
     mode_obj = GuardMode(mode, **options)
     mode_obj.__enter__()
-    _ACTIVE.append(mode_obj)
+    push_active("guard", mode_obj)
     _INSTALLED.append(mode_obj)
     return mode_obj
 
@@ -205,6 +202,6 @@ def uninstall_guard() -> None:
     """Removes the guard `install_guard()` installed last; does nothing if none is installed."""
     if _INSTALLED:
         mode_obj = _INSTALLED.pop()
-        _ACTIVE.remove(mode_obj)
+        remove_active("guard", mode_obj)
         mode_obj.__exit__(None, None, None)
 
