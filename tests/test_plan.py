@@ -113,7 +113,8 @@ def test_sweep_table_and_figure(tmp_path):
 
 def test_run_on_real_mps_skips_a_predicted_process_abort():
     from mpsimpact.classifier import meta_classifier
-    from mpsimpact.runner import Geometry, skipped_abort, would_abort
+    from mpsimpact.runner import skipped_abort, would_abort
+    from mpsimpact.workload import Geometry
     from transformers import AutoConfig
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
@@ -123,3 +124,16 @@ def test_run_on_real_mps_skips_a_predicted_process_abort():
     assert not would_abort(Geometry("cpu", True, 5462, 256, 64), prediction, "off")  # emulated: raises instead
     skipped = skipped_abort("off", prediction)
     assert skipped["status"] == "skipped_predicted_abort" and "would abort the process on MPS" in skipped["message"]
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert"])
+def test_plan_and_run_agree_on_the_usable_length(tmp_path, model_type):
+    from mpsimpact.classifier import usable_positions
+
+    config = json.loads((ROBERTA / "config.json").read_text()) | {"model_type": model_type}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # 514 positions, of which padding_idx + 1 = 2 are reserved: 512 usable, by the same function run uses.
+    assert usable_positions(type("C", (), config)) == 512
+    result = runner.invoke(app, ["plan", "sentiment", "--model", str(tmp_path), "--batch-size", "2", "--max-length", "513"])
+    assert result.exit_code == 2 and "--max-length 513 exceeds the model's 512 positions." in result.stderr
+    assert plan_json("--model", str(tmp_path), "--batch-size", "2", "--max-length", "512")["config"]["max_length"] == 512

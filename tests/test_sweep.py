@@ -51,7 +51,7 @@ def test_a_broken_emulator_is_caught(monkeypatch):
 
 def test_unknown_layout_is_refused(tmp_path):
     result = runner.invoke(app, ["sweep", "--device", "cpu", "--layouts", "diagonal", "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "--layouts: unknown diagonal" in result.output
+    assert result.exit_code == 2 and "--layouts must be one of contiguous, a_transposed, b_transposed, both_sliced; got 'diagonal'." in result.output
 
 
 def test_real_cpu_cells_run_in_a_worker_and_are_clean():

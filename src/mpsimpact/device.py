@@ -9,8 +9,7 @@ import subprocess
 import torch
 
 from mpsimpact.errors import DeviceError, MemoryPreflightError, UsageError
-
-DEVICES = ("auto", "mps", "cuda", "cpu")
+from mpsimpact.option import DEVICES
 GIB = 1 << 30
 
 

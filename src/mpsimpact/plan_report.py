@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.errors import UsageError
+from mpsimpact.option import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, option, validate
 from mpsimpact.planner import estimate_peak_bytes, largest_safe_batch, per_text_calls, plan_at, predict
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
@@ -18,13 +19,17 @@ class PlanConfig:
     """What `mpsimpact plan` was asked; embedded in its JSON."""
 
     scenario: str
-    batch_size: int | None = None
-    max_length: int | None = None
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
     model: str | None = None
     backward: bool = False
-    index_bits: int = 32
+    index_bits: int = option(32, INDEX_BITS)
     sweep: bool = False
     figure: str | None = None
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
 
 
 def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
@@ -40,16 +45,16 @@ def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
 
 def build_plan_report(config: PlanConfig) -> dict[str, Any]:
     """Traces the scenario's model on meta (config only) and predicts everything `plan` prints."""
+    from mpsimpact.classifier import usable_positions
     from mpsimpact.scenario import get_scenario
 
+    config.validate()
     scenario_cls = get_scenario(config.scenario)
     batch = config.batch_size or scenario_cls.default_batch_size
     length = config.max_length or scenario_cls.default_max_length
-    if batch < 1 or length < 1:
-        raise UsageError(f"--batch-size and --max-length must be >= 1, got {batch} and {length}.")
     scenario = scenario_cls(model=config.model)
     model_config = scenario.load_config()
-    positions = model_config.max_position_embeddings - (model_config.pad_token_id + 1 if model_config.model_type == "roberta" else 0)
+    positions = usable_positions(model_config)
     if length > positions:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)

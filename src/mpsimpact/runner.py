@@ -12,17 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.device import GIB, check_memory, device_memory, resolve_device, resolve_emulation
-from mpsimpact.emulator import emulate
-from mpsimpact.errors import MemoryPreflightError, OversizedOpError, UsageError
-from mpsimpact.guard import guard
-from mpsimpact.planner import estimate_peak_bytes, predict, trace_classifier
+from mpsimpact.device import GIB, resolve_device
+from mpsimpact.errors import OversizedOpError
+from mpsimpact.option import BATCH_SIZE, DEVICE, INDEX_BITS, MAX_LENGTH, Check, option, validate
+from mpsimpact.planner import predict, trace_classifier
 from mpsimpact.report import SCHEMA_VERSION
+from mpsimpact.workload import Geometry, build_batch, condition, decide_geometry, tokenize
 
 GUARDS = ("off", "raise", "chunk")
-# Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
-# full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
-REDUCED_LENGTH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,122 +27,30 @@ class RunConfig:
     """Everything `mpsimpact run` was asked; embedded in every report."""
 
     scenario: str = "sentiment"
-    batch_size: int | None = None
-    steps: int = 1
-    lr: float = 1e-4
-    max_length: int | None = None
-    device: str = "auto"
+    batch_size: int | None = option(None, BATCH_SIZE)
+    steps: int = option(1, Check("--steps", low=1))
+    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
+    max_length: int | None = option(None, MAX_LENGTH)
+    device: str = option("auto", DEVICE)
     emulate: bool | None = None
-    guard: str = "all"
+    guard: str = option("all", Check("--guard", choices=(*GUARDS, "all")))
     out: str | None = None
     seed: int = 0
-    expect: str | None = None
+    expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
     model: str | None = None
     dataset: str | None = None
-    threshold: float = 1e-3
-    reference_device: str = "cpu"
-    run_length: int | None = None
-    index_bits: int = 32
+    threshold: float = option(1e-3, Check("--threshold", 0, 1, inclusive=False))
+    reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
+    run_length: int | None = option(None, Check("--run-length", low=1))
+    index_bits: int = option(32, INDEX_BITS)
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
-        for name in ("batch_size", "max_length", "run_length", "steps"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
-        if self.guard not in (*GUARDS, "all"):
-            raise UsageError(f"--guard must be one of off, raise, chunk, all; got '{self.guard}'.")
-        if self.expect not in (None, "clean", "corrupted"):
-            raise UsageError(f"--expect must be clean or corrupted, got '{self.expect}'.")
-        if not 8 <= self.index_bits <= 32:
-            raise UsageError(f"--index-bits must be in 8..32 (32 is MPS), got {self.index_bits}.")
-        if self.reference_device not in ("cpu", "device"):
-            raise UsageError(f"--reference-device must be cpu or device, got '{self.reference_device}'.")
-        if not 0 < self.threshold < 1:
-            raise UsageError(f"--threshold must be in (0, 1), got {self.threshold}.")
+        validate(self)
 
     @property
     def guards(self) -> tuple[str, ...]:
         return GUARDS if self.guard == "all" else (self.guard,)
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Where and at what size the device passes run, and how MPS is (or is not) emulated."""
-
-    device: str
-    emulated: bool
-    batch_size: int
-    max_length: int
-    run_length: int
-    index_bits: int = 32
-
-    @property
-    def replayed(self) -> bool:
-        return self.emulated and self.run_length < self.max_length
-
-    @property
-    def mode(self) -> str:
-        if not self.emulated:
-            return "real MPS" if self.device == "mps" else f"{self.device} control (no emulation)"
-        scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
-        return f"EMULATED MPS on {self.device} {scale}"
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
-
-
-def decide_geometry(config: RunConfig, model: Any, device: str, batch: int, max_length: int) -> Geometry:
-    """Picks emulation and the run length; checks memory before anything big is allocated."""
-    emulated = resolve_emulation(config.emulate, device)
-    if max_length > model.max_positions:
-        raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
-    full = estimate_peak_bytes(model.config, batch, max_length)
-    if config.run_length:
-        run_length = min(config.run_length, max_length)
-    elif device != "cpu" and full <= device_memory(device):
-        run_length = max_length
-    elif device == "mps" or (not emulated and device != "cpu"):
-        raise MemoryPreflightError(
-            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
-            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
-            device=device, needed_bytes=full,
-        )
-    else:
-        run_length = min(max_length, REDUCED_LENGTH)
-    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
-    if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
-        raise UsageError(
-            f"--max-length {max_length} cannot be emulated exactly at reduced length {run_length}: the wrap "
-            "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
-            "or a device with enough memory for the full scale."
-        )
-    check_memory(
-        device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
-        "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
-    )
-    return geometry
-
-
-def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:
-    """The first `batch` texts in the data's fixed order, repeated if there are too few; returns
-    (texts, gold labels, how many positions are repeats)."""
-    reps = -(-batch // len(texts))
-    picked = (list(texts) * reps)[:batch]
-    gold = np.array((list(labels) * reps)[:batch])
-    return picked, gold, max(0, batch - len(texts))
-
-
-@contextlib.contextmanager
-def _condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
-    """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
-    if not geometry.emulated:
-        emulation = contextlib.nullcontext(None)
-    else:
-        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits)
-    guarding = guard(guard_mode, index_bits=geometry.index_bits) if guard_mode != "off" else contextlib.nullcontext(None)
-    with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
-        yield emu, g
 
 
 def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
@@ -156,7 +61,7 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
     state: dict[str, Any] = {}
     try:
-        with _condition(geometry, plan, guard_mode) as (emu, g):
+        with condition(geometry, plan, guard_mode) as (emu, g):
             state.update(emu=emu, guard=g)
             result["logits"] = module(**inputs).float().cpu().numpy()
     except OversizedOpError as error:
@@ -180,20 +85,6 @@ def prepare_out_dir(config: RunConfig) -> Path:
     from mpsimpact.report import fresh_out_dir
 
     return fresh_out_dir(config.out, config.scenario)
-
-
-def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Pads every text to the run length; reports which texts a reduced length truncates."""
-    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length", return_tensors="pt")
-    lengths = np.array([len(ids) for ids in tokenizer(texts, truncation=False)["input_ids"]])
-    reduced = np.flatnonzero((lengths > geometry.run_length) & (geometry.run_length < geometry.max_length))
-    stats = {
-        "truncated_at_max_length": int((lengths > geometry.max_length).sum()),
-        "truncated_by_reduced_length": reduced.tolist(),
-        "truncated_by_reduced_length_fraction": reduced.size / len(texts),
-        "mean_tokens": float(lengths.mean()),
-    }
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, stats
 
 
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:

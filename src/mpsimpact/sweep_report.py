@@ -9,31 +9,27 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.errors import UsageError
+from mpsimpact.option import DEVICE, INDEX_BITS, Check, option, validate
+from mpsimpact.sweep import DTYPES, LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
     """What `mpsimpact sweep` was asked; embedded in summary.json."""
 
-    device: str = "auto"
+    device: str = option("auto", DEVICE)
     emulate: bool | None = None
-    index_bits: int = 32
+    index_bits: int = option(32, INDEX_BITS)
     quick: bool = True
-    dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
-    layouts: tuple[str, ...] = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
+    dtypes: tuple[str, ...] = option(tuple(DTYPES), Check("--dtypes", choices=tuple(DTYPES)))
+    layouts: tuple[str, ...] = option(LAYOUTS, Check("--layouts", choices=LAYOUTS))
     out: str | None = None
     expect_fixed: bool = False
     in_process: bool = False
 
     def validate(self) -> None:
-        from mpsimpact.sweep import DTYPES, LAYOUTS
-
-        for name, values, allowed in (("--dtypes", self.dtypes, DTYPES), ("--layouts", self.layouts, LAYOUTS)):
-            unknown = [v for v in values if v not in allowed]
-            if unknown:
-                raise UsageError(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}.")
-        if not 10 <= self.index_bits <= 32:
-            raise UsageError(f"--index-bits must be in 10..32, got {self.index_bits}.")
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
 
 
 def run_sweep(config: SweepConfig) -> dict[str, Any]:
@@ -50,6 +46,11 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     emulated = resolve_emulation(config.emulate, device)
     out = fresh_out_dir(config.out, "sweep")
     cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick)
+    if not cells:
+        raise UsageError(
+            f"At --index-bits {config.index_bits} no batch size of the sweep's shape families sits at a "
+            "threshold (their matrices have 8192 elements or more); use a larger --index-bits, e.g. 20."
+        )
     console = Console()
     mode = f"EMULATED MPS on {device}" if emulated else f"real {device}"
     console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.runner import Geometry, _condition, build_batch, tokenize
+from mpsimpact.workload import Geometry, build_batch, condition, tokenize
 
 GRADIENT_THRESHOLD = 1e-3
 
@@ -38,7 +38,7 @@ def train_steps(module, inputs, labels, steps: int, lr: float, geometry: Geometr
         held: dict[str, Any] = {}
         stage = "forward"
         try:
-            stepping = _condition(geometry, plan, guard_mode, training=True) if geometry else contextlib.nullcontext((None, None))
+            stepping = condition(geometry, plan, guard_mode, training=True) if geometry else contextlib.nullcontext((None, None))
             with stepping as (emu, _g):
                 held["emu"] = emu
                 logits = module(**inputs)

@@ -1,0 +1,115 @@
+"""One device pass's workload: the batch (texts, tokens), its geometry (device, emulation, run
+length, checked against memory before anything big is allocated), and the emulation-and-guard
+condition it runs under. Shared by the inference and training runners."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpsimpact.device import GIB, check_memory, device_memory, resolve_emulation
+from mpsimpact.emulator import emulate
+from mpsimpact.errors import MemoryPreflightError, UsageError
+from mpsimpact.planner import estimate_peak_bytes
+from mpsimpact.safeguard import guard
+
+# Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
+# full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
+REDUCED_LENGTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where and at what size the device passes run, and how MPS is (or is not) emulated."""
+
+    device: str
+    emulated: bool
+    batch_size: int
+    max_length: int
+    run_length: int
+    index_bits: int = 32
+
+    @property
+    def replayed(self) -> bool:
+        return self.emulated and self.run_length < self.max_length
+
+    @property
+    def mode(self) -> str:
+        if not self.emulated:
+            return "real MPS" if self.device == "mps" else f"{self.device} control (no emulation)"
+        scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
+        return f"EMULATED MPS on {self.device} {scale}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
+
+
+def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int) -> Geometry:
+    """Picks emulation and the run length; checks memory before anything big is allocated."""
+    emulated = resolve_emulation(config.emulate, device)
+    if max_length > model.max_positions:
+        raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
+    full = estimate_peak_bytes(model.config, batch, max_length)
+    if config.run_length:
+        run_length = min(config.run_length, max_length)
+    elif device != "cpu" and full <= device_memory(device):
+        run_length = max_length
+    elif device == "mps" or (not emulated and device != "cpu"):
+        raise MemoryPreflightError(
+            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
+            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
+            device=device, needed_bytes=full,
+        )
+    else:
+        run_length = min(max_length, REDUCED_LENGTH)
+    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
+    if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
+        raise UsageError(
+            f"--max-length {max_length} cannot be emulated exactly at reduced length {run_length}: the wrap "
+            "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
+            "or a device with enough memory for the full scale."
+        )
+    check_memory(
+        device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
+        "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
+    )
+    return geometry
+
+
+def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:
+    """The first `batch` texts in the data's fixed order, repeated if there are too few; returns
+    (texts, gold labels, how many positions are repeats)."""
+    reps = -(-batch // len(texts))
+    picked = (list(texts) * reps)[:batch]
+    gold = np.array((list(labels) * reps)[:batch])
+    return picked, gold, max(0, batch - len(texts))
+
+
+@contextlib.contextmanager
+def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
+    """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
+    if not geometry.emulated:
+        emulation = contextlib.nullcontext(None)
+    else:
+        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits)
+    guarding = guard(guard_mode, index_bits=geometry.index_bits) if guard_mode != "off" else contextlib.nullcontext(None)
+    with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
+        yield emu, g
+
+
+def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Pads every text to the run length; reports which texts a reduced length truncates."""
+    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length", return_tensors="pt")
+    lengths = np.array([len(ids) for ids in tokenizer(texts, truncation=False)["input_ids"]])
+    reduced = np.flatnonzero((lengths > geometry.run_length) & (geometry.run_length < geometry.max_length))
+    stats = {
+        "truncated_at_max_length": int((lengths > geometry.max_length).sum()),
+        "truncated_by_reduced_length": reduced.tolist(),
+        "truncated_by_reduced_length_fraction": reduced.size / len(texts),
+        "mean_tokens": float(lengths.mean()),
+    }
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, stats
