@@ -1,5 +1,6 @@
 """Scenario `sentiment`: a 3-class tweet sentiment classifier, one oversized eager-attention
-batch; the published downstream demo (FAULT-MODEL.md section 4) on an embedded default model."""
+batch; the published downstream demo (docs/fault-model.md, "The published downstream demo") on an
+embedded default model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fault rules against every published case of shared/FAULT-MODEL.md, on meta tensors at the
+"""The fault rules against every published case of docs/fault-model.md, on meta tensors at the
 real sizes (free on `meta`)."""
 
 import pytest

@@ -40,6 +40,16 @@ def case_baddbmm():
 
 
 CASES = {"wrong_tail": case_wrong_tail, "wrong_all": case_wrong_all, "error": case_error, "abort": case_abort, "baddbmm": case_baddbmm}
+# largest_safe_batch(..., as_slices=True): a chunk s[i:j] is a view, so each operand must stay
+# below VIEW_LIMIT (<= 2**19 - 1 = 524,287 elements) and the bmm output at or below 2**20; mm rows
+# keep the output below 2**20.
+SAFE_CHUNK = {
+    "wrong_tail": 63,  # min(2**20 // (64*2) = 8192, 524287 // (64*128) = 63, 524287 // (128*2) = 2047)
+    "wrong_all": 16,  # min(2**20 // (256*256) = 16, 524287 // (256*4) = 511 for a and for b)
+    "error": 1,  # min(2**20 // (2*1024) = 512, 524287 // (2*256) = 1023, 524287 // (256*1024) = 1)
+    "abort": 1023,  # addmm (1024, 8) @ (8, 1024): (2**20 - 1) // 1024 = 1023 rows
+    "baddbmm": 63,  # the bmm of wrong_tail
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -48,7 +58,7 @@ def test_raise_stops_every_outcome_before_it_runs(name):
     with emulate(index_bits=BITS) as emu, guard("raise") as g, pytest.raises(OversizedOpError) as info:
         op(*args)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, MpsImpactError)
-    assert "largest safe chunk" in str(info.value) and info.value.fields["safe_chunk"] >= 1
+    assert "largest safe chunk" in str(info.value) and info.value.fields["safe_chunk"] == SAFE_CHUNK[name]
     assert emu.records == [] and len(g.stopped) == 1  # the emulator never computed a wrong value
 
 

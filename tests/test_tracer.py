@@ -55,7 +55,7 @@ def test_replayed_plan_reproduces_the_full_scale_corrupted_set():
             replayed = model(input_ids=short).last_hidden_state
         # Uniform scaling (16 bits -> 12 for L 64 -> 16) is not faithful: the FFN output
         # (10*16, 32) = 5120 elements now crosses the scaled 2-D limit 4096, which at full scale
-        # (10*64*32 = 20480 < 65536) it does not. See FAULT-MODEL.md section 5.
+        # (10*64*32 = 20480 < 65536) it does not. See docs/fault-model.md, "Geometry scaling".
         with emulate(index_bits=BITS - 4), pytest.raises(RuntimeError, match="Encode failed"):
             model(input_ids=short)
     assert corrupted_texts(replayed, ref_short) == corrupted_texts(full, ref_full) == set(range(4, 10))

@@ -13,7 +13,7 @@ from typing import Any, Literal
 # Note [MPS 32-bit index faults]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # PyTorch's MPS backend indexes bmm operands with 32-bit arithmetic (torch 2.4.1 .. 2.14.0; the
-# facts are in shared/FAULT-MODEL.md, from arXiv 2609.22991 and pytorch#197636). For
+# facts are in docs/fault-model.md, from arXiv 2609.22991 and pytorch#197636). For
 # a (B, M, K) @ b (B, K, N) with LIMIT = 2**index_bits and VIEW_LIMIT = 2**(index_bits - 1), the
 # first rule that applies decides ("rule set B", torch 2.13/2.14):
 #   1. output numel > LIMIT: a transposed-view operand is read as if its storage were packed
@@ -254,7 +254,7 @@ def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm",
 
 @dataclasses.dataclass(frozen=True)
 class FaultProfile:
-    """How one range of torch releases behaves on MPS (FAULT-MODEL.md section 3)."""
+    """How one range of torch releases behaves on MPS (docs/fault-model.md, "Per-release differences")."""
 
     name: str
     versions: str

@@ -1,0 +1,94 @@
+"""`mpsimpact doctor`, `list` and `train-head` through the CLI: exit codes, the key lines, the
+files train-head writes, and its bad inputs."""
+
+import hashlib
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mpsimpact.classifier import head_files
+from mpsimpact.cli import app
+from mpsimpact.faults import profile_for
+from mpsimpact.scenario import available
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}  # rich wraps at the terminal width; keep each table row on one line
+
+
+def invoke(args, env=None):
+    result = runner.invoke(app, args, env={**WIDE, **(env or {})})
+    return result, result.output + (result.stderr if result.stderr_bytes else "")
+
+
+def stderr_of(result):
+    return result.stderr if result.stderr_bytes else result.output
+
+
+def test_doctor_prints_versions_profile_and_the_fallback_line():
+    result, text = invoke(["doctor"], env={"PYTORCH_ENABLE_MPS_FALLBACK": "1"})
+    assert result.exit_code == 0, text
+    assert re.search(rf"│ torch\s+│ {re.escape(torch.__version__)}\s", text), text
+    profile = profile_for(torch.__version__)
+    assert re.search(rf"│ fault_profile\s+│ {re.escape(profile.name)}\s", text), text
+    assert re.search(rf"│ fault_profile_versions\s+│ {re.escape(profile.versions)}\s", text), text
+    emulate_line = "No MPS here: mpsimpact will emulate MPS's faults (said in every result)."
+    assert (emulate_line in text) is (not torch.backends.mps.is_available())
+    assert "PYTORCH_ENABLE_MPS_FALLBACK='1': it only reroutes ops MPS does not implement;" in text
+
+
+def test_doctor_without_the_fallback_variable():
+    result, text = invoke(["doctor"], env={"PYTORCH_ENABLE_MPS_FALLBACK": None})
+    assert result.exit_code == 0, text
+    assert "PYTORCH_ENABLE_MPS_FALLBACK=None: it only reroutes ops" in text
+
+
+def test_list_names_both_scenarios_with_their_descriptions():
+    result, text = invoke(["list"])
+    assert result.exit_code == 0, text
+    lines = text.splitlines()
+    scenarios = available()
+    assert set(scenarios) == {"sentiment", "finetune"}
+    for name, cls in scenarios.items():
+        assert cls.description  # a blank description would pass the line check below
+        assert f"{name:<12} {cls.description}" in lines
+    assert len(lines) == 2
+
+
+def test_train_head_writes_the_head_and_its_metadata(tmp_path):
+    packaged = [path.read_bytes() for path in head_files(None)]
+    out = tmp_path / "head"
+    result, text = invoke(["train-head", "--limit", "200", "--out", str(out)])
+    assert result.exit_code == 0, text
+    with np.load(out / "sentiment_head.npz") as arrays:
+        assert arrays["weight"].shape == (3, 384)  # 3 classes x MiniLM's 384-dim embedding
+        assert arrays["bias"].shape == (3,)
+        assert arrays["weight"].dtype == arrays["bias"].dtype == np.float32
+    metadata = json.loads((out / "sentiment_head.json").read_text())
+    assert (metadata["train_texts"], metadata["heldout_texts"]) == (200, 200)
+    assert metadata["labels"] == ["negative", "neutral", "positive"]
+    accuracy = metadata["heldout_accuracy"]
+    assert 0.5 < accuracy <= 1.0  # chance is about 1/3 for three classes
+    assert f"held-out accuracy {accuracy:.4f} on 200 texts (trained on 200)" in text
+    # --out is honoured: the installed head is untouched
+    assert [hashlib.sha256(path.read_bytes()).digest() for path in head_files(None)] == [
+        hashlib.sha256(data).digest() for data in packaged
+    ]
+
+
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_train_head_refuses_a_limit_below_one(tmp_path, limit):
+    out = tmp_path / "head"
+    result, text = invoke(["train-head", "--limit", limit, "--out", str(out)])
+    assert result.exit_code == 2, text
+    assert stderr_of(result).strip() == f"error: --limit must be >= 1, got {limit}."
+    assert not out.exists()
+
+
+def test_train_head_refuses_a_limit_that_is_not_a_number(tmp_path):
+    result, text = invoke(["train-head", "--limit", "many", "--out", str(tmp_path / "head")])
+    assert result.exit_code == 2
+    assert "Invalid value for '--limit'" in text
