@@ -205,8 +205,11 @@ def train_head_command(
     """Retrain the embedded classifier's head reproducibly (logistic regression on MiniLM embeddings)."""
     from pathlib import Path
 
+    from mpsimpact.errors import UsageError
     from mpsimpact.head import train_head
 
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {limit}.")
     metadata = train_head(Path(out) if out else None, limit=limit)
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts (trained on {metadata['train_texts']})")
 
@@ -258,4 +261,31 @@ def sweep(
     bad = summary["not_ok"] if expect_fixed else summary["disagree"]
     if bad:
         typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+@reports_errors
+def compare(
+    old: str = typer.Argument(..., help="Run (or sweep) folder from before the upgrade."),
+    new: str = typer.Argument(..., help="The same kind of folder from after it."),
+    out: str = typer.Option(None, "--out", help="Also write compare.md, compare.html and compare.json here (must not exist or be empty)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Compare two run (or sweep) folders across an upgrade; exit 1 when something that matters changed."""
+    import json
+
+    from mpsimpact.comparison import compare_folders
+    from mpsimpact.comparison_report import print_comparison, write_comparison_folder
+    from mpsimpact.report import fresh_out_dir
+
+    folder = fresh_out_dir(out, "compare") if out else None
+    comparison = compare_folders(old, new)
+    if folder is not None:
+        write_comparison_folder(folder, comparison)
+    if as_json:
+        typer.echo(json.dumps(comparison.to_json(), indent=2, default=str))
+    else:
+        print_comparison(comparison, folder)
+    if comparison.changed:
         raise typer.Exit(1)
