@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mpsimpact.classifier import head_files
 from mpsimpact.cli import app
-from mpsimpact.faults import profile_for
+from mpsimpact.release import profile_for
 from mpsimpact.scenario import available
 
 runner = CliRunner()
@@ -33,8 +33,8 @@ def test_doctor_prints_versions_profile_and_the_fallback_line():
     assert result.exit_code == 0, text
     assert re.search(rf"│ torch\s+│ {re.escape(torch.__version__)}\s", text), text
     profile = profile_for(torch.__version__)
-    assert re.search(rf"│ fault_profile\s+│ {re.escape(profile.name)}\s", text), text
-    assert re.search(rf"│ fault_profile_versions\s+│ {re.escape(profile.versions)}\s", text), text
+    assert re.search(rf"│ fault_profile\s+│ {re.escape(profile.label)}\s", text), text
+    assert re.search(rf"│ fault_profile_group\s+│ {re.escape(profile.group)}\s", text), text
     emulate_line = "No MPS here: mpsimpact will emulate MPS's faults (said in every result)."
     assert (emulate_line in text) is (not torch.backends.mps.is_available())
     assert "PYTORCH_ENABLE_MPS_FALLBACK='1': it only reroutes ops MPS does not implement;" in text

@@ -10,7 +10,7 @@ import torch
 
 from mpsimpact import __version__
 from mpsimpact.device import host_memory, machine_name
-from mpsimpact.faults import profile_for
+from mpsimpact.release import profile_for
 
 
 def collect_environment() -> dict[str, Any]:
@@ -30,10 +30,9 @@ def collect_environment() -> dict[str, Any]:
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "host_memory_gib": round(total / 2**30, 1),
         "host_memory_available_gib": round(available / 2**30, 1),
-        "fault_profile": profile.name,
-        "fault_profile_versions": profile.versions,
-        "fault_profile_summary": profile.summary,
-        "fault_profile_modelled_exactly": profile.modelled,
+        "fault_profile": profile.label,
+        "fault_profile_group": profile.group,
+        "fault_profile_measured": profile.measured,
         "mps_fallback_env": os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK"),
     }
     if env["mps_available"]:
