@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.faults import Fault, TensorSpec, classify_bmm, classify_mm
+from mpsimpact.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa
 
 aten = torch.ops.aten
 
@@ -26,7 +26,10 @@ MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
 
 # CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
 # torch.inference_mode(); decomposing them exposes the real bmm/mm operands.
-DECOMPOSED_OPS = frozenset({aten.matmul.default, aten.linear.default})
+DECOMPOSED_OPS = frozenset({
+    aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default, aten.bilinear.default,
+    aten._scaled_dot_product_attention_math.default,
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +43,23 @@ class CallRecord:
     fault: Fault
     phase: str = "forward"
     module: str = ""
+    needs_grad: bool = False  # sdpa: whether it needed gradients (which decides its path)
+    within: int | None = None  # a call of an sdpa's math path: the index of that sdpa call
 
     @property
     def family(self) -> str:
-        return "mm" if self.op in ("mm", "addmm") else "bmm"
+        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa"}.get(self.op, "bmm")
 
     @property
     def out_numel(self) -> int:
+        """Output elements; for sdpa, the score elements B*H*Lq*Lk."""
+        if self.family == "sdpa":
+            return self.a.numel // self.a.shape[-1] * self.b.shape[-2]
         return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
 
     def describe(self) -> str:
+        if self.family == "sdpa":
+            return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
         return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
 
     def to_json(self) -> dict[str, Any]:
@@ -62,6 +72,8 @@ class CallRecord:
             "b": self.b.to_json(),
             "out_numel": self.out_numel,
             "fault": self.fault.to_json(),
+            **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
+            **({"within_sdpa": self.within} if self.within is not None else {}),
         }
 
 
@@ -75,11 +87,35 @@ def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
     return family, args[ia], args[ib]
 
 
-def classify_call(family: str, a: Any, b: Any, index_bits: int) -> Fault:
-    """The fault of one call, by family. See Note [MPS 32-bit index faults]."""
+def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
+    """The fault of one call, by family ("bmm", "mm", or "sdpa" with a = query, b = key; fused path).
+    See Note [MPS 32-bit index faults]."""
     if family == "bmm":
-        return classify_bmm(a, b, index_bits=index_bits)
-    return classify_mm(a, b, index_bits=index_bits)
+        return classify_bmm(a, b, index_bits=index_bits, profile=profile)
+    if family == "sdpa":
+        return classify_sdpa(a, b, index_bits=index_bits, profile=profile)
+    return classify_mm(a, b, index_bits=index_bits, profile=profile)
+
+
+def needs_grad(tensors: Any) -> bool:
+    """Whether autograd will record a call on these tensors."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def sdpa_operands(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, key, value) of a scaled_dot_product_attention call, positional or by keyword."""
+    names = ("query", "key", "value")
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))  # type: ignore[return-value]
+
+
+def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """SDPA computed by its math path (matmul, softmax, matmul), as MPS runs it with gradients and on
+    2.4.1, so a dispatch mode sees its bmm calls."""
+    query, key, value = sdpa_operands(args, kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
+    names = ("attn_mask", "dropout_p", "is_causal")
+    rest.update({name: value for name, value in zip(names, args[3:])})
+    return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
 
 
 def current_phase() -> str:
@@ -150,7 +186,9 @@ class MatmulMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in DECOMPOSED_OPS:
             with self:
-                return func.decompose(*args, **kwargs)
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if func in MATMUL_OPS:
             family, a, b = operands(func, args)
             return self.on_matmul(func, family, a, b, args, kwargs)

@@ -44,6 +44,11 @@ class EmulatedMpsError(MpsImpactError, RuntimeError):
     """
 
 
+class NotEmulatedError(MpsImpactError, RuntimeError):
+    """MPS returns wrong values for this call, but nobody characterised them, so the emulator will not
+    invent them (fused SDPA on 2.5.1 .. 2.12.1, 2.4.1's fp32 outputs, cat on 2.13.0)."""
+
+
 class OversizedOpError(MpsImpactError, RuntimeError):
     """The guard stopped an op that would fault on MPS. Subclasses RuntimeError too."""
 

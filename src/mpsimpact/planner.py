@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from mpsimpact.calls import CallRecord
+from mpsimpact.calls import CallRecord, classify_call
+from mpsimpact.faults import Profile
 from mpsimpact.tracer import FaultPlan, trace_module
 
 
@@ -31,15 +32,42 @@ class Prediction:
         return self.batch - self.first_corrupted_text
 
     @property
+    def uncharacterised(self) -> tuple[CallRecord, ...]:
+        """Silent faults whose wrong values (and so which texts) nobody characterised."""
+        return tuple(c for c in self.silent if c.fault.kind == "wrong_other")
+
+    @property
     def is_clean(self) -> bool:
         return self.stop is None and not self.silent
 
+    @property
+    def outcome(self) -> str:
+        """One word: clean, wrong (texts known), wrong_other (not characterised), error or abort."""
+        if self.stop is not None:
+            return self.stop.fault.kind
+        if self.first_corrupted_text is not None:
+            return "wrong"
+        return "wrong_other" if self.uncharacterised else "clean"
+
+    def describe(self) -> str:
+        """The outcome in words, for tables and slides."""
+        if self.stop is not None:
+            what = "process abort" if self.stop.fault.kind == "abort" else f"error: {self.stop.fault.message}"
+            return f"{what} (at {self.stop.describe()}, {self.stop.phase})"
+        if self.first_corrupted_text is not None:
+            return f"{self.corrupted_count} texts wrong from text {self.first_corrupted_text}"
+        if self.uncharacterised:
+            return "wrong (values and texts not characterised)"
+        return "clean"
+
     def to_json(self) -> dict[str, Any]:
         return {
+            "outcome": self.outcome,
             "first_corrupted_text": self.first_corrupted_text,
             "first_corrupted_head": self.first_corrupted_head,
             "corrupted_count": self.corrupted_count,
             "corrupted_fraction": self.corrupted_count / self.batch,
+            "uncharacterised_faults": len(self.uncharacterised),
             "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind, "message": self.stop.fault.message},
             "silent_faults": [call.to_json() for call in self.silent],
         }
@@ -49,9 +77,9 @@ def predict(plan: FaultPlan, batch: int, heads: int, phase: str = "forward") -> 
     """Translates a plan's faults into texts: a bmm over batch*heads rows wrong from row j
     corrupts texts j // heads onwards (attention mixes tokens within a text only)."""
     calls = [c for c in plan.calls if c.phase == phase or phase == "all"]
-    stop = next((c for c in calls if c.fault.kind in ("error", "abort")), None)
+    stop = next((c for c in calls if c.fault.is_stop), None)
     silent = tuple(c for c in calls if c.fault.is_silent and (stop is None or c.index < stop.index))
-    rows = [_first_bad_text(c, batch, heads) for c in silent]
+    rows = [_first_bad_text(c, batch, heads) for c in silent if c.fault.first_bad_batch is not None]
     first = min(rows, default=None, key=lambda r: r[0] * heads + r[1])
     return Prediction(batch, heads, first[0] if first else None, first[1] if first else None, stop, silent)
 
@@ -65,10 +93,11 @@ def _first_bad_text(call: CallRecord, batch: int, heads: int) -> tuple[int, int]
     return first // per_text, 0
 
 
-def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = 32) -> FaultPlan:
+def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = 32,
+                     profile: Profile = None) -> FaultPlan:
     """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
     ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits)
+    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile)
 
 
 def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> int:
@@ -111,23 +140,23 @@ TRACE_TEXTS = 2
 
 
 def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
-    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles."""
+    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles. Every call of the
+    trace is kept (SDPA and its math path): `plan_at` picks those a release makes."""
     two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward)
     four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward)
     return [
         PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
-        for c2, c4 in zip(two.calls, four.calls)
+        for c2, c4 in zip(two.trace, four.trace)
     ]
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32) -> bool:
-    """Whether every call is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
-    from mpsimpact.calls import classify_call
-
-    return all(classify_call(p.call.family, *p.at(batch), index_bits).is_ok for p in calls)
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> bool:
+    """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
+    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
 
 
-def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24) -> int:
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24,
+                       profile: Profile = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
     where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
     candidate sizes are checked."""
@@ -135,7 +164,10 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 3
     candidates = set()
     for p in calls:
         a, b = p.at(1)  # per-text shapes (only used for element counts)
-        out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
+        if p.call.family == "sdpa":
+            out = a.numel // a.shape[-1] * b.shape[-2]  # score elements
+        else:
+            out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
         for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
             for limit in limits_:
                 if per_text:
@@ -144,17 +176,15 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 3
             for spec in (a, b):
                 candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
     for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
-        if not is_safe(calls, batch, index_bits):
+        if not is_safe(calls, batch, index_bits, profile):
             return batch - 1
     return ceiling
 
 
-def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32) -> FaultPlan:
-    """The fault plan at `batch` texts, rebuilt from per-text calls by arithmetic alone."""
-    from mpsimpact.calls import classify_call
-
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> FaultPlan:
+    """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
     records = []
     for p in calls:
         a, b = p.at(batch)
-        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits)))
-    return FaultPlan(tuple(records), index_bits)
+        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits, profile)))
+    return FaultPlan.from_trace(tuple(records), index_bits, profile)

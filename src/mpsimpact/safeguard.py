@@ -1,7 +1,9 @@
-"""The guard: stops (raise), flags (warn) or safely splits (chunk) every matrix-multiply call that
-would fault on MPS, deciding through the same fault rules as the emulator.
+"""The guard: stops (raise), flags (warn) or safely splits (chunk) every matrix-multiply, SDPA and cat
+call that would fault on MPS under a torch release's profile, deciding through the same fault rules
+as the emulator, at near-zero cost for every other op.
 
-See Note [MPS 32-bit index faults] in mpsimpact/faults.py.
+See Note [MPS 32-bit index faults] in mpsimpact/faults.py and Note [Entry points and the dispatch
+mode] in mpsimpact/entrypoint.py.
 """
 
 from __future__ import annotations
@@ -10,22 +12,23 @@ import contextlib
 import os
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from mpsimpact.calls import (
-    MATMUL_OPS, CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, op_name, push_active,
-    remove_active,
+    CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, needs_grad, op_name,
+    push_active, remove_active, sdpa_math, sdpa_operands,
 )
+from mpsimpact.chunker import cat_in_place, entry_sizes, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
+from mpsimpact.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.faults import Fault, TensorSpec, largest_safe_batch, limits
+from mpsimpact.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, may_fault, sdpa_path
+from mpsimpact.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
 _INSTALLED: list[GuardMode] = []
-# torch.cat with an output above 2**31 elements was silently wrong on MPS in 2.13.0 (pytorch#189960).
-_CAT_WRONG_VERSIONS = ("2.13.0",)
 
 
 def is_guarding() -> bool:
@@ -38,9 +41,12 @@ class MpsImpactWarning(UserWarning):
 
 
 class GuardMode(MatmulMode):
-    """The dispatch mode behind `guard()`."""
+    """What `guard()` activates: an entry-point handler that answers small calls at once, and the
+    dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
+    `everywhere`: under an emulator, or strict)."""
 
-    def __init__(self, mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None):
+    def __init__(self, mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+                 profile: Profile = None, strict: bool = False):
         super().__init__()
         if mode not in GUARD_MODES:
             raise UsageError(f"Guard mode must be one of {', '.join(GUARD_MODES)}, got '{mode}'.", mode=mode)
@@ -48,64 +54,114 @@ class GuardMode(MatmulMode):
         self.mode = mode
         self.index_bits = index_bits
         self.devices = devices
+        self.profile = resolve_profile(profile)
+        self.everywhere = strict or active_emulator() is not None
         self.stopped: list[CallRecord] = []
         self.chunked: list[CallRecord] = []
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self._warned: set[tuple[str, int]] = set()
-        self._check_cat = torch.__version__.split("+")[0] in _CAT_WRONG_VERSIONS
-
-    def on_other(self, func, args, kwargs):
-        if self._check_cat and func is torch.ops.aten.cat.default:
-            self._check_cat_size(args)
-        return func(*args, **kwargs)
 
     def _applies(self, tensor: torch.Tensor) -> bool:
         if self.devices is not None:
             return tensor.device.type in self.devices
         return tensor.device.type == "mps" or active_emulator() is not None
 
+    # Entry points (Python level): see Note [Entry points and the dispatch mode].
+    def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if name == "sdpa":
+            return self._on_sdpa(proceed, args, kwargs)
+        if self.everywhere or self._quick_pass(name, args, kwargs):
+            return proceed(*args, **kwargs)
+        return self._through_dispatch(proceed, args, kwargs)
+
+    def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
+        first = args[0][0] if name == "cat" and args and args[0] else args[0] if args else None
+        if not isinstance(first, torch.Tensor) or not self._applies(first):
+            return True
+        return not may_fault(entry_sizes(name, args, kwargs), self.index_bits)
+
+    def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call that may cross a limit: its bmm/mm calls, and its backward's, decided one by one."""
+        if needs_grad(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+            return run_with_backward_under(self, fn, args, kwargs)
+        with self:
+            return fn(*args, **kwargs)
+
+    def _on_sdpa(self, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        query, key, value = sdpa_operands(args, kwargs)
+        if not self._applies(query):
+            return proceed(*args, **kwargs)
+        active = active_emulator()
+        if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
+            if self.everywhere:
+                return proceed(*args, **kwargs)  # the emulator runs the math path; our dispatch mode sees it
+            if not may_fault(entry_sizes("sdpa", args, kwargs) + [query.numel() // query.shape[-1] * key.shape[-2]], self.index_bits):
+                return proceed(*args, **kwargs)
+            return self._through_dispatch(sdpa_math, args, kwargs)
+        fault, full_q, full_k = (
+            active.peek("sdpa", None, query, key) if active else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
+        )
+        if fault.is_ok:
+            return proceed(*args, **kwargs)
+        spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
+        rows = sdpa_chunk(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active))
+        record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
+        return self._act(record, fault, rows, lambda: run_sdpa_chunked(proceed, args, kwargs, rows, self._copies(active)),
+                         lambda: proceed(*args, **kwargs), active)
+
+    # Dispatch level: one bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
         if not self._applies(a):
             return func(*args, **kwargs)
         active = active_emulator()
         fault, full_a, full_b = (
-            active.peek(family, func, a, b) if active else (classify_call(family, a, b, self.index_bits), a, b)
+            active.peek(family, func, a, b) if active else (classify_call(family, a, b, self.index_bits, self.profile), a, b)
         )
         if fault.is_ok:
             return func(*args, **kwargs)
-        bits = active.index_bits if active and active.plan is None else self.index_bits
         # Under plan replay the decision, the chunk and the record are those of the full-scale call.
         spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
-        chunk = _chunk_here(family, spec_a, spec_b, a, bits)
+        chunk = _chunk_here(family, spec_a, spec_b, a, self._bits(active))
         record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
+        return self._act(record, fault, chunk, lambda: run_chunked(func, family, args, kwargs, chunk, self._copies(active)),
+                         lambda: func(*args, **kwargs), active)
+
+    def on_other(self, func, args, kwargs):
+        if func is torch.ops.aten.cat.default and args[0] and self._applies(args[0][0]):
+            active = active_emulator()
+            fault = classify_cat([t.numel() for t in args[0]], index_bits=self._bits(active), profile=active.profile if active else self.profile)
+            if not fault.is_ok:
+                spec = TensorSpec.of(args[0][0])
+                record = CallRecord(len(self.stopped) + len(self.chunked), "cat", spec, spec, fault, current_phase())
+                return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs), lambda: func(*args, **kwargs), active)
+        return func(*args, **kwargs)
+
+    def _act(self, record: CallRecord, fault: Fault, chunk: int, split: Callable[[], Any], unguarded: Callable[[], Any], active) -> Any:
+        """The one place a decision turns into raise, warn or chunk."""
         if self.mode == "chunk":
             self.chunked.append(record)
             self.chunk_sizes.append(chunk)
             with active.as_one_call() if active else contextlib.nullcontext():
-                return run_chunked(func, family, args, kwargs, chunk)
+                return split()
         message = describe_stop(record, fault, chunk)
         if self.mode == "warn":
             self._warn_once(message)
-            return func(*args, **kwargs)
+            return unguarded()
         self.stopped.append(record)
         raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase, safe_chunk=chunk)
+
+    def _bits(self, active) -> int:
+        return active.index_bits if active and active.plan is None else self.index_bits
+
+    def _copies(self, active) -> bool:
+        # Releases that count a slice's storage offset (2.5.1 .. 2.9.1) need pieces copied to offset 0.
+        return (active.profile if active else self.profile).slice_extent
 
     def _warn_once(self, message: str) -> None:
         site = _user_site()
         if site not in self._warned:
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
-
-    def _check_cat_size(self, args) -> None:
-        tensors = [t for t in args[0] if isinstance(t, torch.Tensor)]
-        total = sum(t.numel() for t in tensors)
-        if tensors and self._applies(tensors[0]) and total > limits(self.index_bits)[1]:
-            raise OversizedOpError(
-                f"mpsimpact guard: cat output of {total} elements exceeds 2^{self.index_bits - 1}; "
-                f"torch {torch.__version__} returns it silently wrong on MPS (pytorch#189960). "
-                "Concatenate smaller pieces or upgrade torch.",
-                op="cat", numel=total,
-            )
 
 
 def _user_site() -> tuple[str, int]:
@@ -130,55 +186,40 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
     what = {
         "wrong_all": "return wrong values in every batch",
         "wrong_tail": f"return wrong values from batch {fault.first_bad_batch} onward",
+        "truncated": "return a truncated result (mostly zeros)",
+        "wrong_other": "return wrong values (pattern not characterised)",
         "error": f"raise '{fault.message}'",
         "abort": "abort the process",
     }[fault.kind]
-    unit = "rows" if record.family == "mm" else "batches"
+    unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
+    release = f"MPS (torch {fault.release})" if fault.release else "MPS"
+    why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "") + (f"; {fault.message}" if fault.kind == "wrong_other" and fault.message else "")
     return (
         f"mpsimpact guard: {record.describe()} in {record.phase} (output {record.out_numel} elements, "
-        f"a {record.a.numel}, b {record.b.numel}) would {what} on MPS (rule {fault.rule}). "
+        f"a {record.a.numel}, b {record.b.numel}) would {what} on {release} ({why}). "
         f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode 'chunk'."
     )
 
 
-def run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int) -> torch.Tensor:
-    """Computes one bmm/baddbmm/mm/addmm in leading-dim chunks of at most `chunk`."""
-    _, ia, ib = MATMUL_OPS[func]
-    a, b = args[ia], args[ib]
-    rows = a.shape[0]
-    pieces = []
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        part = list(args)
-        part[ia] = a[start:stop]
-        if family == "bmm":
-            part[ib] = b[start:stop]
-        if ia == 1:  # baddbmm/addmm: slice the added input where it has this leading dim
-            base = args[0]
-            if base.dim() == a.dim() and base.shape[0] == rows:
-                part[0] = base[start:stop]
-        pieces.append((start, stop, func(*part, **kwargs)))
-    out = torch.empty((rows, *pieces[0][2].shape[1:]), dtype=pieces[0][2].dtype, device=a.device)
-    for start, stop, piece in pieces:
-        out[start:stop].copy_(piece)
-    return out
-
-
 @contextlib.contextmanager
-def guard(mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None) -> Iterator[GuardMode]:
-    """Guards every bmm/mm that would fault on MPS.
+def guard(mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+          profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
+    """Guards every bmm/mm/SDPA/cat call that would fault on MPS.
 
     Args:
         mode: "raise" (stop before the op runs with `OversizedOpError`), "warn" (warn once per op
             site, then run it) or "chunk" (split it into safe pieces; the result is correct).
         index_bits: index width of the rules (under `emulate()` the emulator's decisions are used).
         devices: device types to guard; None means MPS tensors, and any tensor under `emulate()`.
+        profile: the torch release whose faults to guard against ("2.12.1"); None: the installed one.
+        strict: look at every aten op through the dispatch mode (slower), also covering calls that
+            do not pass through Python entry points (TorchScript, names bound before the guard).
 
     Yields:
         The active `GuardMode`; `stopped` and `chunked` list the calls it acted on.
     """
-    mode_obj = GuardMode(mode, index_bits=index_bits, devices=devices)
-    with activated("guard", mode_obj), mode_obj:
+    mode_obj = GuardMode(mode, index_bits=index_bits, devices=devices, profile=profile, strict=strict)
+    with activated("guard", mode_obj), handling(mode_obj), (mode_obj if mode_obj.everywhere else contextlib.nullcontext()):
         yield mode_obj
 
 
@@ -192,8 +233,10 @@ def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
     if mode == "off":
         return None
     mode_obj = GuardMode(mode, **options)
-    mode_obj.__enter__()
+    if mode_obj.everywhere:
+        mode_obj.__enter__()
     push_active("guard", mode_obj)
+    push_handler(mode_obj)
     _INSTALLED.append(mode_obj)
     return mode_obj
 
@@ -202,6 +245,7 @@ def uninstall_guard() -> None:
     """Removes the guard `install_guard()` installed last; does nothing if none is installed."""
     if _INSTALLED:
         mode_obj = _INSTALLED.pop()
+        remove_handler(mode_obj)
         remove_active("guard", mode_obj)
-        mode_obj.__exit__(None, None, None)
-
+        if mode_obj.everywhere:
+            mode_obj.__exit__(None, None, None)
