@@ -4,6 +4,7 @@ the same way, before anything is loaded. Options several commands share are defi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.errors import UsageError
@@ -24,9 +25,16 @@ class Check:
     inclusive: bool = True
     choices: tuple[str, ...] | None = None
     hint: str = ""
+    parse: Callable[[Any], Any] | None = None  # raises ValueError on a bad value
 
     def __call__(self, value: Any) -> None:
         if value is None:
+            return
+        if self.parse is not None:
+            try:
+                self.parse(value)
+            except ValueError as error:
+                raise UsageError(f"{self.flag}: {error}{self.hint}.", option=self.flag) from None
             return
         if self.choices is not None:
             for item in value if isinstance(value, tuple) else (value,):
@@ -65,3 +73,15 @@ BATCH_SIZE = Check("--batch-size", low=1)
 MAX_LENGTH = Check("--max-length", low=1)
 INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=" (32 is MPS)")
 DEVICE = Check("--device", choices=DEVICES)
+
+
+def _parse_release(value: str) -> None:
+    from mpsimpact.release import profile_for
+
+    profile_for(value)
+
+
+TORCH_PROFILE = Check(
+    "--torch-profile", parse=_parse_release,
+    hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively) or 'conservative'",
+)
