@@ -55,8 +55,8 @@ class SentimentScenario(Scenario):
                 f"({type(error).__name__}). Download it once with network access, or pass a local directory."
             ) from None
 
-    def meta_module(self, config: Any | None = None) -> torch.nn.Module:
-        """The classifier built on `meta`, for the shape-only tracer."""
+    def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
+        """The classifier built on `meta` with an attention implementation, for the shape-only tracer."""
         from mpsimpact.classifier import meta_classifier
 
-        return meta_classifier(config if config is not None else self.model.config, self.is_embedded)
+        return meta_classifier(config if config is not None else self.model.config, self.is_embedded, attention)

@@ -48,18 +48,22 @@ class CallRecord:
 
     @property
     def family(self) -> str:
-        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa"}.get(self.op, "bmm")
+        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa", "cat": "cat"}.get(self.op, "bmm")
 
     @property
     def out_numel(self) -> int:
         """Output elements; for sdpa, the score elements B*H*Lq*Lk."""
         if self.family == "sdpa":
             return self.a.numel // self.a.shape[-1] * self.b.shape[-2]
+        if self.family == "cat":
+            return self.a.numel  # a: the output
         return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
 
     def describe(self) -> str:
         if self.family == "sdpa":
             return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
+        if self.family == "cat":
+            return f"cat to {self.a.numel} elements ({self.a.dtype})"
         return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
 
     def to_json(self) -> dict[str, Any]:

@@ -158,11 +158,20 @@ def usable_positions(config: Any) -> int:
     return positions
 
 
-def meta_classifier(config: Any, embedded: bool) -> nn.Module:
+def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn.Module:
     """The same classifier built on `meta` from its config: no weights, nothing allocated."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     with torch.device("meta"):
         if embedded:
-            return SentenceClassifier(AutoModel.from_config(config, attn_implementation="eager")).eval()
-        return SequenceClassifier(AutoModelForSequenceClassification.from_config(config, attn_implementation="eager")).eval()
+            return SentenceClassifier(AutoModel.from_config(config, attn_implementation=attention)).eval()
+        return SequenceClassifier(AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)).eval()
+
+
+def use_attention(module: nn.Module, attention: str) -> None:
+    """Switches every Hugging Face model inside `module` to an attention implementation (eager, sdpa)."""
+    from transformers import PreTrainedModel
+
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and sub.config._attn_implementation != attention:
+            sub.set_attn_implementation(attention)

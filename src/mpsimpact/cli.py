@@ -100,6 +100,8 @@ def run(
     index_bits: int = typer.Option(32, "--index-bits", help="Index width of the emulated rules; 32 is MPS. Smaller widths show the fault on small batches."),
     steps: int = typer.Option(1, "--steps", help="Training scenarios: optimiser steps on the oversized batch."),
     lr: float = typer.Option(1e-4, "--lr", help="Training scenarios: Adam learning rate."),
+    torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose MPS faults are emulated (on a Mac: guarded and planned), e.g. 2.12.1 [default: the installed one]."),
+    attention: str = typer.Option("eager", "--attention", help="eager, sdpa, or both (side by side)."),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     from rich.console import Console
@@ -112,6 +114,7 @@ def run(
         scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
         guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
         reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps, lr=lr,
+        torch_profile=torch_profile, attention=attention,
     )
     config.validate()
     folder = prepare_out_dir(config)
@@ -141,7 +144,8 @@ def _print_summary(report: dict, folder) -> None:
     for c in report["conditions"]:
         done = c["status"] == "completed"
         table.add_row(
-            c["guard"], {"completed": "completed", "stopped_by_guard": "stopped"}.get(c["status"], c["status"]),
+            c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}, {c['guard']}",
+            {"completed": "completed", "stopped_by_guard": "stopped"}.get(c["status"], c["status"]),
             f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
             f"{c['first_corrupted_index'] if c['first_corrupted_index'] is not None else '-'} ({c['predicted_first_corrupted_index']})" if done else "-",
             str(c["flips"]) if done else "-",
@@ -226,11 +230,17 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     sweep: bool = typer.Option(False, "--sweep", help="Also tabulate the corrupted fraction over batch sizes for lengths 128..512."),
     figure: str = typer.Option(None, "--figure", help="With --sweep: write the sweep as a PNG figure to this path."),
+    torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose MPS faults decide, e.g. 2.12.1 [default: the installed one]."),
+    versions: bool = typer.Option(False, "--versions", help="Also the outcome on every torch release, per attention (eager, sdpa) and phase; written as versions.md/.png."),
+    out: str = typer.Option(None, "--out", help="Write plan.json (and versions.md/.png) here [default with --versions: outputs/plan-<timestamp>/]."),
 ) -> None:
     """Predict from shapes alone (no weights, nothing big allocated) which calls fault and which outputs go wrong."""
-    from mpsimpact.plan_report import PlanConfig, build_plan_report, print_plan
+    from mpsimpact.plan_report import PlanConfig, build_plan_report, print_plan, write_plan_folder
+    from mpsimpact.report import fresh_out_dir
 
-    config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure)
+    config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure, torch_profile, versions, out)
+    config.validate()
+    folder = fresh_out_dir(out, "plan") if out or versions else None
     report = build_plan_report(config)
     if as_json:
         import json
@@ -238,6 +248,9 @@ def plan(
         typer.echo(json.dumps(report, indent=2, default=str))
     else:
         print_plan(report)
+    if folder is not None:
+        write_plan_folder(report, folder)
+        typer.echo(f"Written to {folder}/", err=as_json)
 
 
 @app.command()
@@ -252,11 +265,13 @@ def sweep(
     out: str = typer.Option(None, "--out", help="Folder for sweep.jsonl, summary.json, outcome_map.png [default: outputs/sweep-<timestamp>/]."),
     expect_fixed: bool = typer.Option(False, "--expect-fixed", help="Expect every cell ok (a release that claims a fix)."),
     in_process: bool = typer.Option(False, "--in-process", help="Run real-device cells in this process (no crash isolation)."),
+    torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose rules predict (and, emulated, produce) each cell [default: the installed one]."),
 ) -> None:
     """Re-measure the bmm fault map on a device and check it against the fault model."""
     from mpsimpact.sweep_report import SweepConfig, run_sweep
 
-    config = SweepConfig(device, emulate, index_bits, quick, tuple(dtypes.split(",")), tuple(layouts.split(",")), out, expect_fixed, in_process)
+    config = SweepConfig(device, emulate, index_bits, quick, tuple(dtypes.split(",")), tuple(layouts.split(",")), out, expect_fixed,
+                         in_process, torch_profile)
     summary = run_sweep(config)
     bad = summary["not_ok"] if expect_fixed else summary["disagree"]
     if bad:
@@ -289,3 +304,38 @@ def compare(
         print_comparison(comparison, folder)
     if comparison.changed:
         raise typer.Exit(1)
+
+
+@app.command()
+@reports_errors
+def check(
+    model: str = typer.Argument(..., help="A hub id (offline Hugging Face cache only), a local model folder or a config.json."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Samples in the batch."),
+    seq_len: int = typer.Option(None, "--seq-len", help="Tokens per sample (the prompt, for causal LMs) [default: the model's maximum]."),
+    target_len: int = typer.Option(None, "--target-len", help="Encoder-decoders: decoder tokens [default: --seq-len]."),
+    task: str = typer.Option("auto", "--task", help="auto (from the config's architectures), base, sequence-classification, token-classification, causal-lm or seq2seq."),
+    attention: str = typer.Option("default", "--attention", help="eager, sdpa, or default (what this transformers picks for the model)."),
+    phase: str = typer.Option("inference", "--phase", help="inference (one forward pass) or training (one step: forward and backward)."),
+    torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose MPS rules decide, e.g. 2.12.1 [default: the installed one]."),
+    index_bits: int = typer.Option(32, "--index-bits", help="Index width of the rules; 32 is MPS."),
+    as_json: bool = typer.Option(False, "--json", help="Print the check as one JSON object."),
+    out: str = typer.Option(None, "--out", help="Also write check.json and check.md here (must not exist or be empty)."),
+) -> None:
+    """Is my model affected? Any Hugging Face architecture, from its config alone (meta tensors, no weights)."""
+    from mpsimpact.diagnosis import CheckConfig, build_check_report
+    from mpsimpact.diagnosis_report import print_check, write_check_folder
+    from mpsimpact.report import fresh_out_dir
+
+    config = CheckConfig(model, batch_size, seq_len, target_len, task, attention, phase, torch_profile, index_bits, out)
+    config.validate()
+    folder = fresh_out_dir(out, "check") if out else None
+    report = build_check_report(config)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(report, indent=2, default=str))
+    else:
+        print_check(report)
+    if folder is not None:
+        write_check_folder(folder, report)
+        typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)

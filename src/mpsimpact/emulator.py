@@ -159,7 +159,7 @@ class EmulateMode(MatmulMode):
         if func is torch.ops.aten.cat.default and args[0]:
             fault = classify_cat([t.numel() for t in args[0]], index_bits=self._cat_bits(), profile=self.profile)
             if not fault.is_ok:
-                spec = TensorSpec.of(args[0][0])
+                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
                 record = CallRecord(self.calls, "cat", spec, spec, fault, current_phase())
                 self.records.append(record)
                 self._refuse(record)

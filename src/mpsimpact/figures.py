@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,16 +18,16 @@ def _pyplot():
     return plt
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=130, bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return buffer.getvalue()
 
 
 def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:
     """Relative logit error per batch position, one series per completed guard condition."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     floor = 1e-9
     styles = {"off": ("tab:red", 3, "guard off"), "chunk": ("tab:green", 2, "guard chunk"), "raise": ("tab:blue", 2, "guard raise")}
@@ -42,12 +42,12 @@ def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, thre
     ax.set_ylabel("max |logit - ref| / max |ref|  (floored at 1e-9)")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8, markerscale=4)
-    return _png(fig)
+    return png(fig)
 
 
 def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
     """Bars: the corrupted texts' predicted classes on the device vs in the reference."""
-    plt = _pyplot()
+    plt = pyplot()
     labels = list(counts["device"])
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -60,12 +60,12 @@ def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
     ax.set_ylabel("corrupted texts")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: tuple[str, ...], title: str) -> bytes:
     """Confusion matrix: rows reference prediction, columns device prediction."""
-    plt = _pyplot()
+    plt = pyplot()
     n = len(label_names)
     matrix = np.zeros((n, n), dtype=int)
     np.add.at(matrix, (reference_pred, device_pred), 1)
@@ -79,7 +79,7 @@ def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: 
     ax.set_xlabel("device prediction")
     ax.set_ylabel("reference prediction")
     ax.set_title(title)
-    return _png(fig)
+    return png(fig)
 
 
 def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray], reference_pred: np.ndarray) -> dict[str, bytes]:
@@ -98,7 +98,7 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
 
 def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
     """Predicted corrupted fraction vs batch size, one line per max length; stops marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     for length, rows in table.items():
         batches = [r["batch"] for r in rows]
@@ -111,7 +111,7 @@ def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
     ax.set_ylabel("fraction of texts silently wrong")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 OUTCOME_COLORS = {"ok": "#4daf4a", "wrong_tail": "#ff7f00", "wrong_all": "#e41a1c", "wrong_other": "#984ea3",
@@ -121,7 +121,7 @@ OUTCOME_COLORS = {"ok": "#4daf4a", "wrong_tail": "#ff7f00", "wrong_all": "#e41a1
 def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
     """One panel per shape family: batch size (x) by layout and dtype (y), coloured by outcome;
     a black cross marks a cell that disagrees with the fault model."""
-    plt = _pyplot()
+    plt = pyplot()
     families = sorted({(r["cell"]["m"], r["cell"]["k"], r["cell"]["n"]) for r in rows})
     fig, axes = plt.subplots(len(families), 1, figsize=(10, 2.2 * len(families)), squeeze=False)
     for ax, family in zip(axes[:, 0], families):
@@ -141,12 +141,12 @@ def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=7, bbox_to_anchor=(0.5, 1.02))
     fig.suptitle(title, y=1.06, fontsize=9)
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def gradient_error_by_layer(errors: dict[str, dict[str, float]], title: str) -> bytes:
     """Relative gradient error of every parameter tensor, in model order, per guard condition."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(next(iter(errors.values())))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for guard_mode, per_tensor in errors.items():
@@ -158,12 +158,12 @@ def gradient_error_by_layer(errors: dict[str, dict[str, float]], title: str) -> 
     ax.set_ylabel("max |g - g_ref| / max |g_ref|  (floored at 1e-9)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def eval_changes(changes: dict[str, np.ndarray], title: str) -> bytes:
     """Which evaluation texts the device-trained model predicts differently from the reference-trained one."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(changes)))
     for row, (guard_mode, changed) in enumerate(changes.items()):
         xs = np.flatnonzero(changed)
@@ -173,7 +173,7 @@ def eval_changes(changes: dict[str, np.ndarray], title: str) -> bytes:
     ax.set_xlim(-1, len(next(iter(changes.values()))) + 60)
     ax.set_xlabel("evaluation text")
     ax.set_title(title)
-    return _png(fig)
+    return png(fig)
 
 
 def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, bytes]:

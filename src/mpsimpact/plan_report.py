@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.errors import UsageError
-from mpsimpact.option import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, option, validate
+from mpsimpact.option import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, option, validate
 from mpsimpact.planner import estimate_peak_bytes, largest_safe_batch, per_text_calls, plan_at, predict
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
@@ -26,6 +26,9 @@ class PlanConfig:
     index_bits: int = option(32, INDEX_BITS)
     sweep: bool = False
     figure: str | None = None
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    versions: bool = False
+    out: str | None = None
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -46,6 +49,7 @@ def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
 def build_plan_report(config: PlanConfig) -> dict[str, Any]:
     """Traces the scenario's model on meta (config only) and predicts everything `plan` prints."""
     from mpsimpact.classifier import usable_positions
+    from mpsimpact.release import resolve_profile
     from mpsimpact.scenario import get_scenario
 
     config.validate()
@@ -59,13 +63,15 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
+    profile = resolve_profile(config.torch_profile)
     traced = {L: per_text_calls(meta, L, backward=config.backward) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     calls = traced[length]
-    plan = plan_at(calls, batch, config.index_bits)
+    plan = plan_at(calls, batch, config.index_bits, profile)
     forward = predict(plan, batch, heads, "forward")
-    safe = {L: largest_safe_batch(c, heads, config.index_bits) for L, c in traced.items()}
+    safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
+        "profile": profile.to_json(),
         "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
         "calls_traced": len(plan.calls),
         "faulting_calls": [_call_row(c, heads, batch) for c in plan.faults],
@@ -77,8 +83,12 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
     }
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+    if config.versions:
+        from mpsimpact.versions import version_table
+
+        report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention), batch, length, heads, config.index_bits)
     if config.sweep:
-        report["sweep"] = sweep(traced, heads, config.index_bits)
+        report["sweep"] = sweep(traced, heads, config.index_bits, profile)
         if config.figure:
             write_sweep_figure(report["sweep"], config.figure, report["model"])
     return report
@@ -94,14 +104,14 @@ def guard_advice(plan) -> str:
     return f"guard 'chunk' makes all {len(plan.faults)} faulting calls safe; {stops}{extra}."
 
 
-def sweep(traced: dict, heads: int, index_bits: int) -> dict[str, list[dict[str, Any]]]:
+def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:
     """Predicted corrupted fraction (or stop) over SWEEP_BATCHES, for each table length."""
     table = {}
     for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
         calls = traced[length]
         rows = []
         for batch in SWEEP_BATCHES:
-            p = predict(plan_at(calls, batch, index_bits), batch, heads)
+            p = predict(plan_at(calls, batch, index_bits, profile), batch, heads)
             rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch, "stops": p.stop.fault.kind if p.stop else None})
         table[str(length)] = rows
     return table
@@ -121,7 +131,7 @@ def print_plan(report: dict[str, Any]) -> None:
 
     console = Console()
     cfg, pred = report["config"], report["prediction"]
-    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm calls traced on meta (shapes only).")
+    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), decided for MPS on torch {report['profile']['label']}.")
     table = Table(title="calls that hit a rule")
     for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (text, head)"):
         table.add_column(title)
@@ -144,6 +154,45 @@ def print_plan(report: dict[str, Any]) -> None:
     console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB. {report['guard_advice']}")
     if "sweep" in report:
         _print_sweep(console, report["sweep"])
+    if "versions" in report:
+        _print_versions(console, report["versions"], cfg)
+
+
+def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from mpsimpact.versions import ATTENTIONS, PHASES
+
+    table = Table(title=f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens (from shapes alone)", show_lines=True)
+    table.add_column("torch")
+    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
+    for attention, phase in columns:
+        table.add_column(f"{attention}, {phase}")
+    for release in dict.fromkeys(r["release"] for r in rows):
+        cells = {(r["attention"], r["phase"]): r["message"] for r in rows if r["release"] == release}
+        table.add_row(release, *[cells[c] for c in columns])
+    console.print(table)
+    for note in sorted({r["note"] for r in rows if r["note"]}):
+        console.print(f"note: {note}", soft_wrap=True)
+
+
+def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
+    """plan.json, and with --versions versions.md and versions.png, atomically into `folder` (from
+    report.fresh_out_dir, checked before any work)."""
+    import json
+
+    from mpsimpact.report import atomic_write_bytes, atomic_write_text, folder_written_atomically
+
+    with folder_written_atomically(folder) as partial:
+        atomic_write_text(partial / "plan.json", json.dumps(report, indent=2, default=str) + "\n")
+        if "versions" in report:
+            from mpsimpact.versions import heatmap, to_markdown
+
+            cfg = report["config"]
+            atomic_write_text(partial / "versions.md", to_markdown(report["versions"]))
+            title = f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by torch release (predicted from shapes)"
+            atomic_write_bytes(partial / "versions.png", heatmap(report["versions"], title))
+    return folder
 
 
 def _count(n: int) -> str:

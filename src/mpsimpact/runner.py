@@ -13,9 +13,11 @@ import numpy as np
 import torch
 
 from mpsimpact.device import GIB, resolve_device
-from mpsimpact.errors import OversizedOpError
-from mpsimpact.option import BATCH_SIZE, DEVICE, INDEX_BITS, MAX_LENGTH, Check, option, validate
+from mpsimpact.errors import NotEmulatedError, OversizedOpError, UsageError
+from mpsimpact.option import BATCH_SIZE, DEVICE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
+from mpsimpact.classifier import use_attention
 from mpsimpact.planner import predict, trace_classifier
+from mpsimpact.release import resolve_profile
 from mpsimpact.report import SCHEMA_VERSION
 from mpsimpact.workload import Geometry, build_batch, condition, decide_geometry, tokenize
 
@@ -43,6 +45,8 @@ class RunConfig:
     reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
     run_length: int | None = option(None, Check("--run-length", low=1))
     index_bits: int = option(32, INDEX_BITS)
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -52,6 +56,15 @@ class RunConfig:
     def guards(self) -> tuple[str, ...]:
         return GUARDS if self.guard == "all" else (self.guard,)
 
+    @property
+    def attentions(self) -> tuple[str, ...]:
+        return ("eager", "sdpa") if self.attention == "both" else (self.attention,)
+
+
+def condition_key(attention: str, guard_mode: str) -> str:
+    """How arrays and figures name a condition: the guard alone for eager attention (as always)."""
+    return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
+
 
 def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
     """One forward pass of the whole batch under one guard condition."""
@@ -59,6 +72,8 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
+    if geometry.attention != "eager":
+        result["attention"] = geometry.attention
     state: dict[str, Any] = {}
     try:
         with condition(geometry, plan, guard_mode) as (emu, g):
@@ -66,6 +81,8 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
             result["logits"] = module(**inputs).float().cpu().numpy()
     except OversizedOpError as error:
         result.update(status="stopped_by_guard", message=str(error))
+    except NotEmulatedError as error:  # wrong on MPS, but nobody characterised the values
+        result.update(status="not_emulated", message=error.message)
     except RuntimeError as error:  # MPS's own error, real or emulated
         result.update(status="error", message=str(error).splitlines()[0])
     emu, g = state.get("emu"), state.get("guard")
@@ -74,7 +91,7 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
     result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
-    result["silent_faults_injected"] = len([r for r in (emu.records if emu else []) if r.fault.is_silent])
+    result["silent_faults_injected"] = len([r for r in (emu.records if emu else []) if r.fault.kind in ("wrong_all", "wrong_tail", "truncated")])
     if result["status"] != "completed":
         result["wrong_values_before_stop"] = result["silent_faults_injected"]
     return result
@@ -154,9 +171,13 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
-    geometry = decide_geometry(config, model, device, batch, max_length)
     training = getattr(scenario_cls, "training", False)
-    plan = trace_classifier(scenario.meta_module(), batch, max_length, index_bits=config.index_bits, backward=training)
+    if training and config.attention != "eager":
+        raise UsageError(f"run {config.scenario} supports --attention eager only; `mpsimpact plan {config.scenario} --versions` predicts sdpa.")
+    geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length), profile=resolve_profile(config.torch_profile).release)
+    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits, backward=training,
+                                 profile=geometry.profile) for a in config.attentions}
+    plan = plans[config.attentions[0]]
     prediction = predict(plan, batch, model.heads)
     if training:
         from mpsimpact.training import run_training
@@ -164,7 +185,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
         body, arrays = run_training(config, scenario, model, geometry, plan, progress)
         body["backward_prediction"] = predict(plan, batch, model.heads, "backward").to_json()
     else:
-        body, arrays = run_inference(config, scenario, model, geometry, plan, prediction, progress)
+        body, arrays = run_inference(config, scenario, model, geometry, plans, progress)
     report = {
         "schema_version": SCHEMA_VERSION,
         "kind": "training" if training else "inference",
@@ -175,23 +196,25 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
         "prediction": prediction.to_json(),
+        "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
+        "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
         **body,
     }
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
     return report, arrays
 
 
-def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plan, prediction, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One forward pass per guard condition against the reference; returns (report body, arrays)."""
-    from mpsimpact.metrics import relative_error, summarize
-
+def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One forward pass per attention implementation and guard condition against the reference;
+    returns (report body, arrays)."""
     device = geometry.device
     texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
     inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
+    first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
     reference_info: dict[str, Any] = {"device": "cpu", "dtype": "float32"}
     if config.reference_device == "device" and device != "cpu":
         model.module.to(device)
-        ref, spot = device_reference(model, texts, geometry.run_length, device, prediction.first_corrupted_text, progress(f"reference ({device}, chunked)", len(texts)))
+        ref, spot = device_reference(model, texts, geometry.run_length, device, first.first_corrupted_text, progress(f"reference ({device}, chunked)", len(texts)))
         reference_info.update(device=device, cached=False, cpu_spot_check=spot)
     else:
         ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", len(texts)))
@@ -200,22 +223,44 @@ def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plan, 
     module = model.module.to(device)
     inputs = {k: v.to(device) for k, v in inputs.items()}
     conditions, arrays = [], {"reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
-    layers = model_layers(module)
-    for guard_mode in config.guards:
-        if would_abort(geometry, prediction, guard_mode):
-            conditions.append(skipped_abort(guard_mode, prediction))
-            continue
-        with layer_progress(layers, progress(f"device pass on {device}, guard {guard_mode} (layers)", len(layers))):
-            result = device_pass(module, inputs, geometry, plan, guard_mode)
-        logits = result.pop("logits")
-        result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
-        if logits is not None:
-            result.update(summarize(logits, ref, gold, model.label_names, config.threshold))
-            arrays["errors"][guard_mode] = relative_error(logits, ref)
-            arrays["preds"][guard_mode] = logits.argmax(axis=1)
-            arrays.setdefault("logits", {})[guard_mode] = logits
-        conditions.append(result)
+    for attention, plan in plans.items():
+        use_attention(module, attention)
+        prediction = predict(plan, geometry.batch_size, model.heads)
+        for guard_mode in config.guards:
+            result = _condition_pass(module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
+            _score(result, condition_key(attention, guard_mode), ref, gold, model.label_names, config.threshold, arrays)
+            conditions.append(result)
+    use_attention(module, "eager")
     return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
+
+
+def _condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
+    if would_abort(geometry, prediction, guard_mode):
+        return skipped_abort(guard_mode, prediction)
+    layers = model_layers(module)
+    label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
+    with layer_progress(layers, progress(label, len(layers))):
+        result = device_pass(module, inputs, geometry, plan, guard_mode)
+    result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
+    return result
+
+
+def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
+    from mpsimpact.metrics import relative_error, summarize
+
+    logits = result.pop("logits", None)
+    if logits is not None:
+        result.update(summarize(logits, ref, gold, label_names, threshold))
+        arrays["errors"][key] = relative_error(logits, ref)
+        arrays["preds"][key] = logits.argmax(axis=1)
+        arrays.setdefault("logits", {})[key] = logits
+
+
+def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> list[dict[str, Any]]:
+    """The version table at this run's full-scale geometry (see versions.version_table)."""
+    from mpsimpact.versions import version_table
+
+    return version_table(lambda attention: scenario.meta_module(attention=attention), batch, length, model.heads, index_bits)
 
 
 def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
@@ -239,7 +284,8 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
     if geometry.index_bits != 32:
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by 2^{32 - geometry.index_bits}.")
     if geometry.emulated:
-        notes.append("No Apple GPU was used: MPS's faults were emulated from the published fault model (rule set B, torch 2.13/2.14).")
+        release = resolve_profile(geometry.profile or None)
+        notes.append(f"No Apple GPU was used: MPS's faults were emulated from the published fault model for torch {release.label}.")
     if geometry.replayed:
         reduced = token_stats["truncated_by_reduced_length"]
         notes.append(

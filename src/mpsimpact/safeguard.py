@@ -75,8 +75,8 @@ class GuardMode(MatmulMode):
         return self._through_dispatch(proceed, args, kwargs)
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
-        first = args[0][0] if name == "cat" and args and args[0] else args[0] if args else None
-        if not isinstance(first, torch.Tensor) or not self._applies(first):
+        first = next((x for x in _flat(args) if isinstance(x, torch.Tensor)), None)
+        if first is None or not self._applies(first):
             return True
         return not may_fault(entry_sizes(name, args, kwargs), self.index_bits)
 
@@ -131,7 +131,7 @@ class GuardMode(MatmulMode):
             active = active_emulator()
             fault = classify_cat([t.numel() for t in args[0]], index_bits=self._bits(active), profile=active.profile if active else self.profile)
             if not fault.is_ok:
-                spec = TensorSpec.of(args[0][0])
+                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
                 record = CallRecord(len(self.stopped) + len(self.chunked), "cat", spec, spec, fault, current_phase())
                 return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs), lambda: func(*args, **kwargs), active)
         return func(*args, **kwargs)
@@ -162,6 +162,12 @@ class GuardMode(MatmulMode):
         if site not in self._warned:
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
+
+
+def _flat(args: tuple) -> Iterator[Any]:
+    # cat and einsum take their tensors in a list.
+    for arg in args:
+        yield from arg if isinstance(arg, (list, tuple)) else (arg,)
 
 
 def _user_site() -> tuple[str, int]:

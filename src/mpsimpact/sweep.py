@@ -111,14 +111,15 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
     return sorted(p for p in picks if 0 <= p < cell.batch)
 
 
-def observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[str, Any]:
-    """Runs one cell and classifies what came back: ok, error, wrong_all or wrong_tail."""
+def observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None = None) -> dict[str, Any]:
+    """Runs one cell and classifies what came back: ok, error, abort (emulated), wrong_all, wrong_tail,
+    truncated (bad values mostly zero), or wrong_other (wrong otherwise, or not emulated)."""
     from mpsimpact.device import device_memory
 
     if cell.bytes_needed() > device_memory(device):
         return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": None}
     try:
-        return _observe(cell, device, emulated, index_bits)
+        return _observe(cell, device, emulated, index_bits, profile)
     except torch.OutOfMemoryError as error:
         return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": str(error).splitlines()[0]}
     finally:
@@ -128,27 +129,42 @@ def observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[st
             torch.mps.empty_cache()
 
 
-def _observe(cell: Cell, device: str, emulated: bool, index_bits: int) -> dict[str, Any]:
+def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None) -> dict[str, Any]:
     from mpsimpact.emulator import emulate
+    from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
 
-    predicted = classify_bmm(*cell.specs(), index_bits=index_bits)
+    predicted = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
     a, b = make_operands(cell, device, torch.Generator(device=device).manual_seed(0))
     try:
-        with emulate(index_bits=index_bits) if emulated else contextlib.nullcontext():
+        with emulate(index_bits=index_bits, profile=profile) if emulated else contextlib.nullcontext():
             out = torch.bmm(a, b)
         if device == "mps":
             torch.mps.synchronize()
     except torch.OutOfMemoryError:
         raise
+    except NotEmulatedError as error:
+        return {"observed": "wrong_other", "message": error.message, "first_bad_batch": None, "max_rel_error": None, "emulated_values": False}
     except RuntimeError as error:
-        return {"observed": "error", "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
+        kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
+        return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
     batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
     index = torch.tensor(batches)
     ref = torch.bmm(a[index].double().cpu(), b[index].double().cpu())  # (S, M, N) in float64
     err = (out[index].double().cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
     bad = [batch for batch, e in zip(batches, err.tolist()) if not e <= TOLERANCE[cell.dtype]]
-    return {"observed": _classify_bad(bad, batches), "first_bad_batch": bad[0] if bad else None,
+    observed = _classify_bad(bad, batches)
+    if bad and _zero_share(out, bad, ref, batches) >= 0.9:
+        observed = "truncated"  # the study's criterion: at least 90% of the bad elements exactly 0
+    return {"observed": observed, "first_bad_batch": bad[0] if bad else None,
             "max_rel_error": float(err.max()), "judged_batches": len(batches), "message": None}
+
+
+def _zero_share(out: torch.Tensor, bad: list[int], ref: torch.Tensor, judged: list[int]) -> float:
+    """Of the wrong elements of the bad batches, the share that is exactly zero."""
+    rows = [judged.index(b) for b in bad]
+    got, want = out[torch.tensor(bad)].double().cpu(), ref[torch.tensor(rows)]
+    wrong = (got - want).abs() > TOLERANCE["fp32"] * want.abs().amax()
+    return float((got[wrong] == 0).double().mean()) if wrong.any() else 0.0
 
 
 def _classify_bad(bad: list[int], judged: list[int]) -> str:
@@ -165,28 +181,34 @@ def agrees(row: dict[str, Any]) -> bool:
     """Whether an observed cell matches what is expected of it: the fault model's prediction on
     MPS or under emulation; "ok" on any other device (the control)."""
     pred, seen = row["expected"], row["observed"]
+    if pred["kind"] == "abort" and seen == "crash":
+        return True  # a real abort ends the worker process
+    if pred["kind"] == "wrong_other" and row.get("device") == "mps":
+        return seen in ("wrong_all", "wrong_tail", "wrong_other", "truncated")  # pattern not characterised
     if seen != pred["kind"]:
         return False
     if seen == "wrong_tail":
         return row["first_bad_batch"] == pred["first_bad_batch"]
     if seen == "error":
-        return "does not support tensor dims larger than INT_MAX" in (row["message"] or "")
+        return pred["message"].split(" (")[0][:40] in (row["message"] or "")
     return True
 
 
-def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, in_process: bool) -> Iterator[dict[str, Any]]:
-    """Yields one result row per cell; real devices go through a crash-tolerant worker."""
+def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, in_process: bool,
+              profile: str | None = None) -> Iterator[dict[str, Any]]:
+    """Yields one result row per cell; real devices go through a crash-tolerant worker. `profile`:
+    the torch release whose rules predict (and, emulated, produce) each cell."""
     control = not emulated and device != "mps"
     if in_process or emulated:
         for cell in cells:
-            yield _row(cell, observe(cell, device, emulated, index_bits), device, index_bits, control)
+            yield _row(cell, observe(cell, device, emulated, index_bits, profile), device, index_bits, control, profile)
         return
-    yield from _worker_rows(cells, device, index_bits, control)
+    yield from _worker_rows(cells, device, index_bits, control, profile)
 
 
-def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool) -> dict[str, Any]:
+def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool, profile: str | None = None) -> dict[str, Any]:
     a, b = cell.specs()
-    prediction = classify_bmm(a, b, index_bits=index_bits).to_json()
+    prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
     expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
     row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device, "index_bits": index_bits,
            "torch": torch.__version__, "prediction": prediction, "expected": expected, **seen}
@@ -194,7 +216,7 @@ def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control
     return row
 
 
-def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool) -> Iterator[dict[str, Any]]:
+def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool, profile: str | None) -> Iterator[dict[str, Any]]:
     """Runs cells in a subprocess; a cell whose process dies is recorded as a crash."""
     start = 0
     while start < len(cells):
@@ -204,12 +226,13 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool)
         proc.stdin.close()
         done = 0
         for line in proc.stdout:
-            yield _row(cells[start + done], json.loads(line), device, index_bits, control)
+            yield _row(cells[start + done], json.loads(line), device, index_bits, control, profile)
             done += 1
         code = proc.wait()
         start += done
         if code != 0 and start < len(cells):
-            yield _row(cells[start], {"observed": "crash", "message": f"exit code {code}", "first_bad_batch": None, "max_rel_error": None}, device, index_bits, control)
+            crash = {"observed": "crash", "message": f"exit code {code}", "first_bad_batch": None, "max_rel_error": None}
+            yield _row(cells[start], crash, device, index_bits, control, profile)
             start += 1
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.errors import UsageError
-from mpsimpact.option import DEVICE, INDEX_BITS, Check, option, validate
+from mpsimpact.option import DEVICE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
 from mpsimpact.sweep import DTYPES, LAYOUTS
 
 
@@ -26,6 +26,7 @@ class SweepConfig:
     out: str | None = None
     expect_fixed: bool = False
     in_process: bool = False
+    torch_profile: str | None = option(None, TORCH_PROFILE)
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -37,6 +38,7 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     from rich.console import Console
 
     from mpsimpact.device import resolve_device, resolve_emulation
+    from mpsimpact.release import resolve_profile
     from mpsimpact.figures import outcome_map
     from mpsimpact.report import atomic_write_bytes, atomic_write_text, folder_written_atomically, fresh_out_dir
     from mpsimpact.sweep import grid, run_cells, summarize
@@ -52,14 +54,15 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
             "threshold (their matrices have 8192 elements or more); use a larger --index-bits, e.g. 20."
         )
     console = Console()
-    mode = f"EMULATED MPS on {device}" if emulated else f"real {device}"
+    profile = resolve_profile(config.torch_profile)
+    mode = f"EMULATED MPS (torch {profile.label}) on {device}" if emulated else f"real {device} (predicted as torch {profile.label})"
     console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells")
     rows = []
     with console.status("sweeping") as status:
-        for row in run_cells(cells, device, emulated, config.index_bits, config.in_process):
+        for row in run_cells(cells, device, emulated, config.index_bits, config.in_process, profile.release):
             rows.append(row)
             status.update(f"{len(rows)}/{len(cells)} cells")
-    summary = summarize(rows) | {"mode": mode, "config": dataclasses.asdict(config), "not_ok": sum(r["observed"] != "ok" for r in rows)}
+    summary = summarize(rows) | {"mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config), "not_ok": sum(r["observed"] != "ok" for r in rows)}
     with folder_written_atomically(out) as partial:
         atomic_write_text(partial / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         atomic_write_text(partial / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -32,6 +32,8 @@ class Geometry:
     max_length: int
     run_length: int
     index_bits: int = 32
+    profile: str = ""  # the torch release whose faults are emulated (or guarded and planned); "" = installed
+    attention: str = "eager"  # the attention implementation of the pass
 
     @property
     def replayed(self) -> bool:
@@ -39,10 +41,16 @@ class Geometry:
 
     @property
     def mode(self) -> str:
+        from mpsimpact.release import installed_profile, resolve_profile
+
+        release = resolve_profile(self.profile or None)
         if not self.emulated:
-            return "real MPS" if self.device == "mps" else f"{self.device} control (no emulation)"
+            if self.device != "mps":
+                return f"{self.device} control (no emulation)"
+            other = release.release != installed_profile().release
+            return f"real MPS (torch {installed_profile().label})" + (f", guarded and planned as torch {release.label}" if other else "")
         scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
-        return f"EMULATED MPS on {self.device} {scale}"
+        return f"EMULATED MPS (torch {release.label}) on {self.device} {scale}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
@@ -95,8 +103,9 @@ def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False)
     if not geometry.emulated:
         emulation = contextlib.nullcontext(None)
     else:
-        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits)
-    guarding = guard(guard_mode, index_bits=geometry.index_bits) if guard_mode != "off" else contextlib.nullcontext(None)
+        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits, profile=geometry.profile or None)
+    guarding = (guard(guard_mode, index_bits=geometry.index_bits, profile=geometry.profile or None)
+                if guard_mode != "off" else contextlib.nullcontext(None))
     with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
         yield emu, g
 
