@@ -48,6 +48,7 @@ class NumelCheckGuard(TorchDispatchMode):
 CONDITIONS = {
     "off": contextlib.nullcontext,
     "ours_raise": lambda: guard("raise", devices=("cpu",)),
+    "ours_strict": lambda: guard("raise", devices=("cpu",), strict=True),
     "baseline": NumelCheckGuard,
 }
 
@@ -113,10 +114,12 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     train = ratios(lambda: training_loop(args.steps), args.rounds)
-    print(f"(1) training loop {args.steps} steps: off {train['off_s']:.2f}s  ours raise {train['ours_raise']:.3f}x  baseline {train['baseline']:.3f}x")
+    print(f"(1) training loop {args.steps} steps: off {train['off_s']:.2f}s  ours raise {train['ours_raise']:.3f}x  "
+          f"ours strict (dispatch on every op) {train['ours_strict']:.3f}x  baseline {train['baseline']:.3f}x")
     q = torch.randn(8, 32, 1024, 128)
     fwd = ratios(lambda: big_forward(q, args.reps), args.rounds)
-    print(f"(2) big forward x{args.reps}: off {fwd['off_s']:.2f}s  ours raise {fwd['ours_raise']:.3f}x  baseline {fwd['baseline']:.3f}x")
+    print(f"(2) big forward x{args.reps}: off {fwd['off_s']:.2f}s  ours raise {fwd['ours_raise']:.3f}x  "
+          f"ours strict {fwd['ours_strict']:.3f}x  baseline {fwd['baseline']:.3f}x")
     chunked, by_hand = [], []
     big_forward_by_hand(q, 1, (64, 64))  # warm-up
     for _ in range(args.rounds):

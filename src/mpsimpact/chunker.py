@@ -108,13 +108,13 @@ def cat_in_place(tensors: Any, dim: int = 0) -> torch.Tensor:
 
 def entry_sizes(name: str, args: tuple, kwargs: dict) -> list[int]:
     """Element counts that decide whether an entry-point call could meet any rule: every tensor's
-    storage extent, and the logical operands and output of the matrix product (broadcast batch)."""
-    inputs = {k: v for k, v in kwargs.items() if k != "out"}
-    tensors = [x for x in tree_flatten((args, inputs))[0] if isinstance(x, torch.Tensor)]
+    storage extent, and the logical operands and output of the matrix product (broadcast batch).
+    On the guard's hot path: plain loops, no pytree."""
+    tensors = [x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)]
     sizes = [_extent(t) for t in tensors]
     if name == "cat":
         return [*sizes, sum(t.numel() for t in tensors)]
-    if name == "einsum":
+    if name == "einsum" or len(tensors) < 2:
         return [math.inf]  # its bmm operands are not known here: always look closer
     if name == "linear":
         x, w = tensors[0], tensors[1]
@@ -126,7 +126,18 @@ def entry_sizes(name: str, args: tuple, kwargs: dict) -> list[int]:
     return [*sizes, batch * m * k, batch * k * n, batch * m * n]
 
 
+def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """Positional and keyword arguments, lists and tuples opened one level (cat, einsum); not `out`."""
+    for arg in (*args, *(v for k, v in kwargs.items() if k != "out")):
+        if isinstance(arg, (list, tuple)):
+            yield from arg
+        else:
+            yield arg
+
+
 def _extent(t: torch.Tensor) -> int:
+    if t.is_contiguous():
+        return t.storage_offset() + t.numel()
     if t.numel() == 0:
         return 0
     return t.storage_offset() + 1 + sum((size - 1) * abs(step) for size, step in zip(t.shape, t.stride()))

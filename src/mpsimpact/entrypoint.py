@@ -74,9 +74,11 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        handlers = _handlers()
+        handlers = _LOCAL.__dict__.get("handlers")
         if not handlers:
             return original(*args, **kwargs)
+        if len(handlers) == 1:
+            return handlers[0].on_entry(name, original, args, kwargs)
         return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
     wrapped.__name__ = getattr(original, "__name__", name)

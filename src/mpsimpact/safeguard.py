@@ -21,7 +21,7 @@ from mpsimpact.calls import (
     CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
-from mpsimpact.chunker import cat_in_place, entry_sizes, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
+from mpsimpact.chunker import cat_in_place, entry_sizes, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
 from mpsimpact.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, may_fault, sdpa_path
@@ -75,7 +75,7 @@ class GuardMode(MatmulMode):
         return self._through_dispatch(proceed, args, kwargs)
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
-        first = next((x for x in _flat(args) if isinstance(x, torch.Tensor)), None)
+        first = next((x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
             return True
         return not may_fault(entry_sizes(name, args, kwargs), self.index_bits)
@@ -162,12 +162,6 @@ class GuardMode(MatmulMode):
         if site not in self._warned:
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
-
-
-def _flat(args: tuple) -> Iterator[Any]:
-    # cat and einsum take their tensors in a list.
-    for arg in args:
-        yield from arg if isinstance(arg, (list, tuple)) else (arg,)
 
 
 def _user_site() -> tuple[str, int]:
