@@ -4,6 +4,7 @@ Also: running a call with its backward pass under a dispatch mode (for the guard
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -106,24 +107,30 @@ def cat_in_place(tensors: Any, dim: int = 0) -> torch.Tensor:
     return out
 
 
-def entry_sizes(name: str, args: tuple, kwargs: dict) -> list[int]:
-    """Element counts that decide whether an entry-point call could meet any rule: every tensor's
-    storage extent, and the logical operands and output of the matrix product (broadcast batch).
-    On the guard's hot path: plain loops, no pytree."""
-    tensors = [x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)]
-    sizes = [_extent(t) for t in tensors]
+def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
+    """The largest element count that decides whether an entry-point call could meet any rule: every
+    tensor's storage extent, and the logical operands and output of the matrix product (broadcast
+    batch). On the guard's hot path: plain arithmetic, no pytree, no broadcast_shapes."""
+    if kwargs or name in ("cat", "einsum"):
+        tensors = [x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)]
+    else:
+        tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    bound = max(map(_extent, tensors), default=0)
     if name == "cat":
-        return [*sizes, sum(t.numel() for t in tensors)]
+        return max(bound, sum(t.numel() for t in tensors))
     if name == "einsum" or len(tensors) < 2:
-        return [math.inf]  # its bmm operands are not known here: always look closer
+        return math.inf  # its bmm operands are not known here: always look closer
     if name == "linear":
         x, w = tensors[0], tensors[1]
-        return [*sizes, x.numel() // max(x.shape[-1], 1) * w.shape[0]]
+        return max(bound, x.numel() // max(x.shape[-1], 1) * w.shape[0])
     a, b = tensors[-2], tensors[-1]  # the two matrix operands (baddbmm/addmm: after the input)
-    m, k = (a.shape[-2], a.shape[-1]) if a.dim() > 1 else (1, a.shape[-1])
-    n = b.shape[-1] if b.dim() > 1 else 1
-    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) if a.dim() > 2 or b.dim() > 2 else 1
-    return [*sizes, batch * m * k, batch * k * n, batch * m * n]
+    sa, sb = a.shape, b.shape
+    m, k = (sa[-2], sa[-1]) if len(sa) > 1 else (1, sa[-1])
+    n = sb[-1] if len(sb) > 1 else 1
+    batch = 1
+    for x, y in itertools.zip_longest(reversed(sa[:-2]), reversed(sb[:-2]), fillvalue=1):
+        batch *= max(x, y)
+    return max(bound, batch * max(m * k, k * n, m * n))
 
 
 def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
@@ -136,11 +143,9 @@ def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
 
 
 def _extent(t: torch.Tensor) -> int:
-    if t.is_contiguous():
-        return t.storage_offset() + t.numel()
-    if t.numel() == 0:
-        return 0
-    return t.storage_offset() + 1 + sum((size - 1) * abs(step) for size, step in zip(t.shape, t.stride()))
+    # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's
+    # numel; neither exceeds this.
+    return t.storage_offset() + t.numel()
 
 
 def run_with_backward_under(mode: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -364,14 +364,6 @@ def classify_sdpa(query: Any, key: Any, *, index_bits: int = 32, profile: Profil
     return OK
 
 
-def may_fault(sizes: Any, index_bits: int = 32) -> bool:
-    """Whether any rule could apply to a call whose operands, outputs and extents have these element
-    counts: every rule of every release needs one of them at VIEW_LIMIT or more. The guard's
-    cheap pre-check."""
-    view_limit = 1 << (index_bits - 1)
-    return any(size >= view_limit for size in sizes)
-
-
 def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm", as_slices: bool = False) -> int:
     """The largest leading-dim chunk of this call for which every rule says "ok".
 

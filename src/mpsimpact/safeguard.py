@@ -21,10 +21,10 @@ from mpsimpact.calls import (
     CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
-from mpsimpact.chunker import cat_in_place, entry_sizes, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
+from mpsimpact.chunker import cat_in_place, entry_bound, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
 from mpsimpact.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, may_fault, sdpa_path
+from mpsimpact.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, sdpa_path
 from mpsimpact.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -56,6 +56,8 @@ class GuardMode(MatmulMode):
         self.devices = devices
         self.profile = resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
+        # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
+        self._view_limit = limits(index_bits)[1]
         self.stopped: list[CallRecord] = []
         self.chunked: list[CallRecord] = []
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
@@ -64,7 +66,7 @@ class GuardMode(MatmulMode):
     def _applies(self, tensor: torch.Tensor) -> bool:
         if self.devices is not None:
             return tensor.device.type in self.devices
-        return tensor.device.type == "mps" or active_emulator() is not None
+        return tensor.is_mps or active_emulator() is not None
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -75,10 +77,26 @@ class GuardMode(MatmulMode):
         return self._through_dispatch(proceed, args, kwargs)
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
-        first = next((x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
+        """True when the call cannot meet any rule (or is not on a guarded device): the hot path."""
+        if name == "linear" and len(args) >= 2 and not kwargs:  # most calls of a transformer
+            x, w = args[0], args[1]
+            if not self._applies(x):
+                return True
+            nx, limit = x.numel(), self._view_limit
+            return x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit and nx // max(x.shape[-1], 1) * w.shape[0] < limit
+        if name in ("matmul", "bmm", "mm") and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
+            a, b = args
+            if not self._applies(a):
+                return True
+            sa, sb, na, limit = a.shape, b.shape, a.numel(), self._view_limit
+            if sa[:-2] == sb[:-2]:  # no broadcasting: the operands are what bmm sees, in size
+                out = na // max(sa[-2] * sa[-1], 1) * sa[-2] * sb[-1]
+                return a.storage_offset() + na < limit and b.storage_offset() + b.numel() < limit and out < limit
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
+            (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
             return True
-        return not may_fault(entry_sizes(name, args, kwargs), self.index_bits)
+        return entry_bound(name, args, kwargs) < self._view_limit
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A call that may cross a limit: its bmm/mm calls, and its backward's, decided one by one."""
@@ -95,7 +113,7 @@ class GuardMode(MatmulMode):
         if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
             if self.everywhere:
                 return proceed(*args, **kwargs)  # the emulator runs the math path; our dispatch mode sees it
-            if not may_fault(entry_sizes("sdpa", args, kwargs) + [query.numel() // query.shape[-1] * key.shape[-2]], self.index_bits):
+            if max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) < self._view_limit:
                 return proceed(*args, **kwargs)
             return self._through_dispatch(sdpa_math, args, kwargs)
         fault, full_q, full_k = (
