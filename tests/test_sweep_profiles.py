@@ -1,0 +1,48 @@
+"""The sweep under each release's profile: every emulated cell agrees with that release's rules,
+uncharacterised cells included (reported as wrong_other, not emulated)."""
+
+import collections
+
+import pytest
+
+from mpsimpact.release import group_representatives
+from mpsimpact.sweep import agrees, grid, run_cells
+
+LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
+
+
+def sweep(release, bits, families=None, dtypes=("fp32", "fp16")):
+    cells = [c for c in grid(bits, dtypes, LAYOUTS, True) if families is None or (c.m, c.k, c.n) in families]
+    return list(run_cells(cells, "cpu", True, bits, False, release))
+
+
+@pytest.mark.parametrize("release", ["2.4.1", "2.5.1", "2.9.1"])
+def test_the_releases_that_differ_most_agree_cell_by_cell(release):
+    # The study's two series ("out" 256x64x256, "in" 256x256x64) at index width 17.
+    rows = sweep(release, 17, {(256, 64, 256), (256, 256, 64)}, ("fp32",))
+    assert [r for r in rows if r["agree"] is False] == []
+    seen = collections.Counter(r["observed"] for r in rows)
+    expected = {"2.4.1": {"truncated", "wrong_other", "wrong_tail"}, "2.5.1": {"abort", "error", "wrong_all", "wrong_tail"},
+                "2.9.1": {"error", "wrong_all", "wrong_tail"}}[release]
+    assert expected <= set(seen), seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", [p.release for p in group_representatives()] + ["2.15.0"])
+def test_every_release_group_agrees_on_the_whole_quick_grid(release):
+    rows = sweep(release, 20)
+    assert rows and [r for r in rows if r["agree"] is False] == []
+
+
+def test_a_planted_off_by_one_is_caught(monkeypatch):
+    # The sweep is only worth something if it can disagree: emulate 2.5.1's abort band one element
+    # late, then judge the observations against the real rules.
+    import mpsimpact.faults as faults
+
+    real = faults._view_fault
+    monkeypatch.setattr(faults, "_view_fault", lambda name, s, limit, view_limit, prof: real(name, s, limit, view_limit + 1, prof))
+    cells = [c for c in grid(17, ("fp32",), ("a_transposed",), True) if (c.m, c.k, c.n) == (256, 256, 64)]
+    rows = list(run_cells(cells, "cpu", True, 17, False, "2.5.1"))
+    monkeypatch.undo()
+    judged = [row | {"expected": faults.classify_bmm(*cell.specs(), index_bits=17, profile="2.5.1").to_json()} for row, cell in zip(rows, cells)]
+    assert [row["cell"]["batch"] for row in judged if not agrees(row)] == [1]  # 65536 elements: abort, not ok

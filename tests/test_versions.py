@@ -1,0 +1,50 @@
+"""`plan --versions`: the outcome on every torch release, per attention implementation and phase, at
+the published demo's geometry (2048 x 512, all-MiniLM-L6-v2's 12 heads), from shapes alone."""
+
+import json
+
+from typer.testing import CliRunner
+
+from mpsimpact.cli import app
+
+runner = CliRunner()
+
+
+def cells(rows, attention, phase):
+    return {r["release"]: r for r in rows if r["attention"] == attention and r["phase"] == phase}
+
+
+def test_version_table_at_the_demo_geometry(tmp_path):
+    out = tmp_path / "plan"
+    result = runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--versions", "--json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["versions"]
+    assert set(rows[0]) == {"release", "attention", "phase", "outcome", "first_corrupted_text", "corrupted_count", "message", "note"}
+    releases = list(dict.fromkeys(r["release"] for r in rows))
+    assert releases == ["2.4.1", "2.5.1-2.8.0", "2.9.1-2.12.1", "2.13.0-2.14.0", "unmeasured newer"]
+    # Eager inference: P V wraps from batch-head 16384, divmod(16384, 12) = (1365, 4): 683 texts.
+    eager = cells(rows, "eager", "inference")
+    assert {(r["outcome"], r["first_corrupted_text"], r["corrupted_count"]) for r in eager.values()} == {("wrong", 1365, 683)}
+    assert "unexplained" in eager["2.4.1"]["note"]
+    # SDPA inference: the fused op is wrong above 2**32 score elements up to 2.12.1, texts unknown.
+    sdpa = cells(rows, "sdpa", "inference")
+    assert [sdpa[r]["outcome"] for r in releases] == ["wrong", "wrong_other", "wrong_other", "clean", "wrong"]
+    assert sdpa["2.9.1-2.12.1"]["first_corrupted_text"] is None and "not characterised" in sdpa["2.9.1-2.12.1"]["message"]
+    # One training step: logits wrong, then grad P^T @ dO reads P through a transposed view of
+    # 2048 * 12 * 512**2 > 2**31 elements: the INT_MAX error (misspelt on 2.9.1 .. 2.12.1); on
+    # 2.5.1 .. 2.8.0 a view above 2**32 wraps instead, silently.
+    train = cells(rows, "eager", "training")
+    assert train["2.13.0-2.14.0"]["outcome"] == "error" and "MPSGraph does not support" in train["2.13.0-2.14.0"]["message"]
+    assert train["2.9.1-2.12.1"]["outcome"] == "error" and "MPSGaph does not support" in train["2.9.1-2.12.1"]["message"]
+    assert train["2.5.1-2.8.0"]["outcome"] == "wrong" and "silently wrong in backward" in train["2.5.1-2.8.0"]["message"]
+    assert (out / "versions.md").read_text().startswith("| torch | eager, inference |")
+    assert (out / "versions.png").read_bytes()[:4] == b"\x89PNG" and json.loads((out / "plan.json").read_text())["versions"] == rows
+
+
+def test_the_profile_decides_the_plan_and_bad_profiles_are_refused(tmp_path):
+    result = runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--torch-profile", "2.5.1", "--json"])
+    report = json.loads(result.stdout)
+    assert report["profile"]["release"] == "2.5.1" and report["prediction"]["first_corrupted_text"] == 1365
+    result = runner.invoke(app, ["plan", "sentiment", "--torch-profile", "newest", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--torch-profile: 'newest' is not a torch release" in result.stderr
+    assert not (tmp_path / "x").exists()
