@@ -87,12 +87,15 @@ TRAINING_COLUMNS = (
 
 
 def columns(run: dict) -> tuple[tuple[str, str], ...]:
-    return TRAINING_COLUMNS if run.get("kind") == "training" else CONDITION_COLUMNS
+    base = TRAINING_COLUMNS if run.get("kind") == "training" else CONDITION_COLUMNS
+    if any("attention" in c for c in run["conditions"]):  # --attention sdpa or both
+        return (("attention", "attention"), *base)
+    return base
 
 
 def condition_rows(run: dict) -> list[list[str]]:
-    """The summary table: one row per guard condition."""
-    return [[_fmt(c.get(key)) for key, _ in columns(run)] for c in run["conditions"]]
+    """The summary table: one row per condition (attention implementation and guard)."""
+    return [[_fmt(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)] for c in run["conditions"]]
 
 
 def render_markdown(run: dict) -> str:
@@ -126,6 +129,10 @@ def render_markdown(run: dict) -> str:
         if c.get("message"):
             lines.append(f"- guard {c['guard']}: {c['status']}: `{c['message']}`")
     lines += ["", *[f"- {note}" for note in run["notes"]], "", *[f"![{name}]({name})" for name in run["figures"]]]
+    if run.get("versions"):
+        from mpsimpact.versions import to_markdown
+
+        lines += ["", "## On every torch release (predicted from shapes, full-scale geometry)", "", to_markdown(run["versions"])]
     return "\n".join(lines) + "\n"
 
 
@@ -160,8 +167,26 @@ img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
 <p class="banner">{html.escape(g['mode'])}</p>
 <p>Model <code>{html.escape(run['model'])}</code>; data: {html.escape(run['data_source'])}; batch {g['batch_size']}, max length {g['max_length']};
 torch {html.escape(run['environment']['torch'])} on {html.escape(run['environment']['machine'])}.</p>
-<table><tr>{head_row}</tr>{rows}</table><ul>{notes}</ul>{images}</body></html>
+<table><tr>{head_row}</tr>{rows}</table><ul>{notes}</ul>{images}{_versions_html(run)}</body></html>
 """
+
+
+def _versions_html(run: dict) -> str:
+    """The version table as an HTML table (empty when the report has none)."""
+    import html
+
+    rows = run.get("versions")
+    if not rows:
+        return ""
+    from mpsimpact.versions import ATTENTIONS, PHASES
+
+    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
+    head = "".join(f"<th>{a}, {p}</th>" for a, p in columns)
+    body = ""
+    for release in dict.fromkeys(r["release"] for r in rows):
+        cells = {(r["attention"], r["phase"]): r["message"] for r in rows if r["release"] == release}
+        body += f"<tr><th>{html.escape(release)}</th>" + "".join(f"<td>{html.escape(cells[c])}</td>" for c in columns) + "</tr>"
+    return f"<h2>On every torch release (predicted from shapes)</h2><table><tr><th>torch</th>{head}</tr>{body}</table>"
 
 
 def samples_jsonl(report: dict, arrays: dict) -> str:
