@@ -102,6 +102,7 @@ def run(
     lr: float = typer.Option(1e-4, "--lr", help="Training scenarios: Adam learning rate."),
     torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose MPS faults are emulated (on a Mac: guarded and planned), e.g. 2.12.1 [default: the installed one]."),
     attention: str = typer.Option("eager", "--attention", help="eager, sdpa, or both (side by side)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 (as published), float16 or bfloat16: the device passes' dtype; half precision is judged against a same-dtype reference."),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     from rich.console import Console
@@ -114,7 +115,7 @@ def run(
         scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
         guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
         reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps, lr=lr,
-        torch_profile=torch_profile, attention=attention,
+        torch_profile=torch_profile, attention=attention, dtype=dtype,
     )
     config.validate()
     folder = prepare_out_dir(config)
@@ -233,12 +234,13 @@ def plan(
     torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose MPS faults decide, e.g. 2.12.1 [default: the installed one]."),
     versions: bool = typer.Option(False, "--versions", help="Also the outcome on every torch release, per attention (eager, sdpa) and phase; written as versions.md/.png."),
     out: str = typer.Option(None, "--out", help="Write plan.json (and versions.md/.png) here [default with --versions: outputs/plan-<timestamp>/]."),
+    memory: str = typer.Option(None, "--memory", help="A Mac's unified memory (e.g. 32GB), or auto on a Mac: the smallest demo per dtype that shows the effect and fits, and the command to type."),
 ) -> None:
     """Predict from shapes alone (no weights, nothing big allocated) which calls fault and which outputs go wrong."""
     from mpsimpact.plan_report import PlanConfig, build_plan_report, print_plan, write_plan_folder
     from mpsimpact.report import fresh_out_dir
 
-    config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure, torch_profile, versions, out)
+    config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure, torch_profile, versions, out, memory)
     config.validate()
     folder = fresh_out_dir(out, "plan") if out or versions else None
     report = build_plan_report(config)
@@ -339,3 +341,31 @@ def check(
     if folder is not None:
         write_check_folder(folder, report)
         typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)
+
+
+@app.command()
+@reports_errors
+def matrix(
+    scenario: str = typer.Argument(..., help="Scenario name (see `mpsimpact list`); its model and default geometry."),
+    transformers: str = typer.Option(None, "--transformers", help="Comma-separated transformers releases, each probed in an environment of its own over the installed torch [default: 4.44.2,4.57.6,5.24.0]."),
+    model: str = typer.Option(None, "--model", help="Model id or local path; only its config is read [default: the scenario's]."),
+    batch_size: int = typer.Option(None, "--batch-size", help="Texts in the batch [default: the scenario's]."),
+    max_length: int = typer.Option(None, "--max-length", help="Sequence length [default: the scenario's]."),
+    out: str = typer.Option(None, "--out", help="Report folder [default: outputs/matrix-<timestamp>/]; must not exist or be empty."),
+    offline: bool = typer.Option(False, "--offline", help="Use only cached environments and say which are missing (automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),
+) -> None:
+    """Which attention each transformers release runs, what reaches MPS, and whether the guard still holds; exit 1 if not."""
+    from mpsimpact.matrix import MatrixConfig, build_matrix, split_versions
+    from mpsimpact.matrix_report import print_matrix, progress_bars, write_matrix_folder
+    from mpsimpact.report import fresh_out_dir
+
+    versions = {} if transformers is None else {"transformers": split_versions(transformers)}
+    config = MatrixConfig(scenario, model=model, batch_size=batch_size, max_length=max_length, out=out, offline=offline, **versions)
+    config.validate()
+    folder = fresh_out_dir(out, "matrix")
+    with progress_bars() as progress:
+        report = build_matrix(config, progress=progress)
+    write_matrix_folder(folder, report)
+    print_matrix(report, folder)
+    if not report["all_ok"]:
+        raise typer.Exit(1)

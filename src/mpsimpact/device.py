@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
 
 import torch
 
@@ -89,3 +91,17 @@ def check_memory(device: str, needed: int, what: str, advice: str) -> None:
             f"{offered / GIB:.1f} GiB. {advice}",
             device=device, needed_bytes=needed, offered_bytes=offered,
         )
+
+
+@contextlib.contextmanager
+def full_precision_reductions() -> Iterator[None]:
+    """On CUDA, half-precision matrix products accumulate in fp32 whatever the batch size (cuBLAS
+    otherwise may reduce in half precision, differently per shape), so a small-batch reference and a
+    big batch round alike. Elsewhere nothing to set."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_fp16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved

@@ -29,6 +29,7 @@ class PlanConfig:
     torch_profile: str | None = option(None, TORCH_PROFILE)
     versions: bool = False
     out: str | None = None
+    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -83,6 +84,8 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
     }
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+    if config.memory:
+        report["memory"] = memory_section(config, scenario_cls.name, traced, model_config, heads, safe, forward)
     if config.versions:
         from mpsimpact.versions import version_table
 
@@ -92,6 +95,17 @@ def build_plan_report(config: PlanConfig) -> dict[str, Any]:
         if config.figure:
             write_sweep_figure(report["sweep"], config.figure, report["model"])
     return report
+
+
+def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int, safe: dict, forward) -> dict[str, Any]:
+    """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
+    from mpsimpact.sizing import demo_options, mac_table, recommend, usable_bytes
+
+    budget, basis = usable_bytes(config.memory)
+    options = demo_options(traced, model_config, heads, safe, config.index_bits)
+    first = safe.get(512, 0) + 1
+    return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
+            "recommendation": recommend(options, budget, scenario), "mac_table": mac_table(model_config, first)}
 
 
 def guard_advice(plan) -> str:
@@ -156,6 +170,21 @@ def print_plan(report: dict[str, Any]) -> None:
         _print_sweep(console, report["sweep"])
     if "versions" in report:
         _print_versions(console, report["versions"], cfg)
+    if "memory" in report:
+        _print_memory(console, report["memory"])
+
+
+def _print_memory(console, memory: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"the smallest clear demo per dtype and length, against {memory['basis']}")
+    for title in ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"):
+        table.add_column(title)
+    for o in memory["options"]:
+        table.add_row(o["dtype"], str(o["max_length"]), str(o["batch_size"]), o["outcome"], f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no")
+    console.print(table)
+    rec = memory["recommendation"]
+    console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"] else f"[bold red]{rec['why']}[/]", soft_wrap=True)
 
 
 def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:

@@ -28,16 +28,18 @@ def run_chunked(
     chunk: int = CHUNK,
     advance: Callable[[int], None] | None = None,
     device: str = "cpu",
+    padding: str = "longest",
 ) -> np.ndarray:
     """`fn(input_ids, attention_mask)` over `texts` truncated at `max_length`, in chunks of
-    similar length; rows come back in the order of `texts`."""
+    similar length; rows come back in the order of `texts`. `padding="max_length"` pads every chunk
+    to `max_length`, exactly as the device pass does (the same-dtype reference of half precision)."""
     lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]]
     order = np.argsort(lengths, kind="stable")
     rows: list[np.ndarray] = [None] * len(texts)  # type: ignore[list-item]
     with torch.inference_mode():
         for start in range(0, len(texts), chunk):
             picked = order[start : start + chunk]
-            enc = tokenizer([texts[i] for i in picked], truncation=True, max_length=max_length, padding="longest", return_tensors="pt")
+            enc = tokenizer([texts[i] for i in picked], truncation=True, max_length=max_length, padding=padding, return_tensors="pt")
             out = fn(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu().numpy()
             for row, index in zip(out, picked):
                 rows[index] = row
@@ -84,3 +86,11 @@ def store_reference(key: str, logits: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, logits)
     atomic_write_bytes(cache_dir() / f"{key}.npy", buffer.getvalue())
+
+
+def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequence[str], run_length: int, device: str,
+                         advance: Callable[[int], None] | None = None) -> np.ndarray:
+    """Half precision's judge: the module as it is (dtype, device), over small batches of texts far
+    below every limit, padded to the run length exactly as the device pass is; no emulation, no
+    guard: an independent computation on the same kernels."""
+    return run_chunked(module, tokenizer, texts, run_length, advance=advance, device=device, padding="max_length")

@@ -195,7 +195,7 @@ def samples_jsonl(report: dict, arrays: dict) -> str:
 
     names, ref, gold = report["label_names"], arrays["reference"], arrays["gold"]
     ref_pred = ref.argmax(axis=1)
-    threshold = report["config"]["threshold"]
+    threshold = report["reference"].get("threshold", report["config"]["threshold"])
     lines = []
     for guard_mode, logits in arrays.get("logits", {}).items():
         err = arrays["errors"][guard_mode]

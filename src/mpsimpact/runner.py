@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.device import GIB, resolve_device
+from mpsimpact.device import GIB, full_precision_reductions, resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError, UsageError
 from mpsimpact.option import BATCH_SIZE, DEVICE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
 from mpsimpact.classifier import use_attention
@@ -22,6 +22,9 @@ from mpsimpact.report import SCHEMA_VERSION
 from mpsimpact.workload import Geometry, build_batch, condition, decide_geometry, tokenize
 
 GUARDS = ("off", "raise", "chunk")
+# Half precision: a text is corrupted above this relative difference from the same-dtype,
+# small-batch reference (see docs and benchmarks/README.md for the measured margins).
+HALF_THRESHOLD = 2e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,13 @@ class RunConfig:
     index_bits: int = option(32, INDEX_BITS)
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
+    dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
+
+    @property
+    def corruption_threshold(self) -> float:
+        """fp32: --threshold against the CPU fp32 reference. Half precision: against a same-dtype
+        reference, at least HALF_THRESHOLD (kernel-order rounding of clean texts stays below it)."""
+        return self.threshold if self.dtype == "float32" else max(self.threshold, HALF_THRESHOLD)
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -172,9 +182,11 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     scenario.load()
     model = scenario.model
     training = getattr(scenario_cls, "training", False)
-    if training and config.attention != "eager":
-        raise UsageError(f"run {config.scenario} supports --attention eager only; `mpsimpact plan {config.scenario} --versions` predicts sdpa.")
-    geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length), profile=resolve_profile(config.torch_profile).release)
+    if training and (config.attention != "eager" or config.dtype != "float32"):
+        raise UsageError(f"run {config.scenario} supports --attention eager and --dtype float32 only; "
+                         f"`mpsimpact plan {config.scenario} --versions` predicts sdpa.")
+    geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length),
+                                   profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits, backward=training,
                                  profile=geometry.profile) for a in config.attentions}
     plan = plans[config.attentions[0]]
@@ -207,6 +219,11 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
 def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
     """One forward pass per attention implementation and guard condition against the reference;
     returns (report body, arrays)."""
+    with full_precision_reductions():
+        return _run_inference(config, scenario, model, geometry, plans, progress)
+
+
+def _run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
     device = geometry.device
     texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
     inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
@@ -220,18 +237,35 @@ def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans:
         ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", len(texts)))
         reference_info["cached"] = cached
     reference_info["accuracy"] = float((ref.argmax(1) == gold).mean())
-    module = model.module.to(device)
+    module = model.module.to(device=device, dtype=getattr(torch, geometry.dtype))
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    conditions, arrays = [], {"reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
+    judge = ref if geometry.dtype == "float32" else _half_reference(module, model, texts, geometry, reference_info, progress)
+    reference_info["judged_against"] = "cpu float32" if geometry.dtype == "float32" else f"{device} {geometry.dtype}, small batches"
+    reference_info["threshold"] = config.corruption_threshold
+    conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
     for attention, plan in plans.items():
         use_attention(module, attention)
         prediction = predict(plan, geometry.batch_size, model.heads)
         for guard_mode in config.guards:
             result = _condition_pass(module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
-            _score(result, condition_key(attention, guard_mode), ref, gold, model.label_names, config.threshold, arrays)
+            _score(result, condition_key(attention, guard_mode), judge, gold, model.label_names, config.corruption_threshold, arrays)
+            if "flips" in result and geometry.dtype != "float32":
+                result["flips_vs_fp32"] = int((arrays["preds"][condition_key(attention, guard_mode)] != ref.argmax(1)).sum())
+                result["fp32_reference_accuracy"] = reference_info["accuracy"]
             conditions.append(result)
     use_attention(module, "eager")
+    model.module.to(dtype=torch.float32)
     return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
+
+
+def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):
+    """The same-dtype, small-batch reference that judges half precision (reference.same_dtype_reference)."""
+    from mpsimpact.reference import CHUNK, same_dtype_reference
+
+    judge = same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device,
+                                 progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts)))
+    info["same_dtype"] = {"device": geometry.device, "dtype": geometry.dtype, "batch": CHUNK}
+    return judge
 
 
 def _condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""Half precision and demo sizing: a bfloat16 run judged against a same-dtype small-batch reference,
+and `plan --memory` choosing the smallest clear demo that fits a Mac."""
+
+import json
+
+from typer.testing import CliRunner
+
+from mpsimpact.cli import app
+from mpsimpact.sizing import RECOMMENDED_SHARE, usable_bytes, visible_batch
+
+runner = CliRunner()
+
+
+def test_bfloat16_run_corrupts_the_same_texts_judged_against_a_same_dtype_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    # P (16*12, 256, 256): 2**23 / 65536 = 128 batch-heads -> divmod(128, 12) = text 10: 6 texts.
+    result = runner.invoke(app, ["run", "sentiment", "--batch-size", "16", "--max-length", "256", "--index-bits", "23",
+                                 "--dtype", "bfloat16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    off, stop, chunk = report["conditions"]
+    assert report["geometry"]["dtype"] == "bfloat16" and "bfloat16" in report["geometry"]["mode"]
+    assert report["reference"]["judged_against"] == "cpu bfloat16, small batches" and report["reference"]["threshold"] == 0.02
+    assert (off["corrupted_count"], off["first_corrupted_index"], off["corrupted_contiguous_to_end"]) == (6, 10, True)
+    assert stop["status"] == "stopped_by_guard" and (chunk["corrupted_count"], chunk["max_relative_error"]) == (0, 0.0)
+    assert "flips_vs_fp32" in off and off["fp32_reference_accuracy"] == report["reference"]["accuracy"]
+
+
+def test_memory_sizes_and_the_visible_margin():
+    assert usable_bytes("32GB")[0] == int(32 * 2**30 * RECOMMENDED_SHARE)  # about 21.3 GiB
+    # 1365 first corrupted: max(64, ceil(0.05 * 1365 / 0.95) = 72) more texts.
+    assert visible_batch(1365) == 1437
+
+
+def plan_memory(size):
+    result = runner.invoke(app, ["plan", "sentiment", "--memory", size, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["memory"]
+
+
+def test_32gb_gets_a_half_precision_demo_that_fits_and_corrupts_visibly():
+    memory = plan_memory("32GB")
+    rec = memory["recommendation"]
+    assert memory["budget_gib"] == 21.3 and rec["option"]["dtype"] in ("float16", "bfloat16")
+    assert rec["option"]["estimated_peak_gib"] <= 21.3 and rec["option"]["corrupted_count"] >= 64
+    assert rec["command"] == f"mpsimpact run sentiment --batch-size {rec['option']['batch_size']} --max-length 512 --dtype float16"
+    row = next(r for r in memory["mac_table"] if r["mac_gb"] == 32)
+    assert row["float32"]["corrupted_texts"] == 0 < row["float16"]["corrupted_texts"]
+
+
+def test_16gb_says_no_run_shows_the_effect_and_why():
+    rec = plan_memory("16GB")["recommendation"]
+    assert rec["command"] is None and "2 x 2^32 elements" in rec["why"] and "10.7 GiB" in rec["why"]
+
+
+def test_bad_memory_and_dtype_are_one_line(tmp_path):
+    result = runner.invoke(app, ["plan", "sentiment", "--memory", "lots"])
+    assert result.exit_code == 2 and "--memory must be a size such as 32GB, or auto; got 'lots'." in result.stderr
+    result = runner.invoke(app, ["run", "sentiment", "--dtype", "float8", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--dtype must be one of float32, float16, bfloat16; got 'float8'." in result.stderr
