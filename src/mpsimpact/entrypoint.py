@@ -58,6 +58,9 @@ _LOCAL = threading.local()
 _ORIGINALS: dict[tuple[Any, str], tuple[Any, bool]] = {}  # -> (callable, whether the owner defined it itself)
 
 
+_compiling = torch.compiler.is_compiling
+
+
 def _handlers() -> list[EntryHandler]:
     return _LOCAL.__dict__.setdefault("handlers", [])
 
@@ -74,8 +77,8 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        handlers = _LOCAL.__dict__.get("handlers")
-        if not handlers:
+        handlers = None if _compiling() else _LOCAL.__dict__.get("handlers")
+        if not handlers:  # also while torch.compile traces: the wrapper folds away there
             return original(*args, **kwargs)
         if len(handlers) == 1:
             return handlers[0].on_entry(name, original, args, kwargs)
