@@ -44,6 +44,11 @@ class EmulatedMpsError(MpsImpactError, RuntimeError):
     """
 
 
+class OverlayError(MpsImpactError):
+    """An overlay environment (`mpsimpact matrix`) could not be built, found in the cache, or probed;
+    the matrix shows its `message` as the row's reason."""
+
+
 class NotEmulatedError(MpsImpactError, RuntimeError):
     """MPS returns wrong values for this call, but nobody characterised them, so the emulator will not
     invent them (fused SDPA on 2.5.1 .. 2.12.1, 2.4.1's fp32 outputs, cat on 2.13.0)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.errors import MpsImpactError
+from mpsimpact.errors import OverlayError
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
 EXCLUDED = frozenset({"torch"})  # must come from the running interpreter, never from an overlay
@@ -28,11 +28,6 @@ PROBE_TIMEOUT_S = 600
 OFFLINE_VARIABLES = ("UV_OFFLINE", "PIP_NO_INDEX")
 
 Builder = Callable[[str, Path], dict[str, Any]]
-
-
-class OverlayError(MpsImpactError):
-    """An overlay environment could not be built, found in the cache, or probed; the matrix shows its
-    `message` as the row's reason."""
 
 
 @dataclasses.dataclass(frozen=True)
