@@ -3,8 +3,10 @@ takes K optimiser steps on one oversized batch; what the faults do to gradients 
 
 from __future__ import annotations
 
-from mpsimpact.scenario import register
 from mpsimpact.scenarios.sentiment import SentimentScenario
+
+from mpsimpact.scenario import register
+from mpsimpact.train_kind import TrainKind
 
 EVAL_TEXTS = 512
 
@@ -18,7 +20,7 @@ class FinetuneScenario(SentimentScenario):
     description = "One oversized training step of the sentiment classifier: gradients, update, predictions after."
     default_batch_size = 2048
     default_max_length = 512
-    training = True
+    kind = TrainKind()
 
     def load(self) -> None:
         from mpsimpact.dataset import LabelledTexts, load_embedded

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mpsimpact.classify_kind import ClassifyKind
 from mpsimpact.scenario import Scenario, register
 
 
@@ -21,13 +22,12 @@ class SentimentScenario(Scenario):
     description = "Tweet sentiment (MiniLM + linear head, or any HF classifier): one oversized eager batch."
     default_batch_size = 2048
     default_max_length = 512
+    kind = ClassifyKind()
 
     def __init__(self, model: str | None = None, dataset: str | None = None) -> None:
         super().__init__(model=model, dataset=dataset)
         self.model_name = model
         self.dataset_name = dataset
-        self.model = None
-        self.data = None
 
     @property
     def is_embedded(self) -> bool:

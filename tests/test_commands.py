@@ -46,16 +46,16 @@ def test_doctor_without_the_fallback_variable():
     assert "PYTORCH_ENABLE_MPS_FALLBACK=None: it only reroutes ops" in text
 
 
-def test_list_names_both_scenarios_with_their_descriptions():
+def test_list_names_every_scenario_with_its_description():
     result, text = invoke(["list"])
     assert result.exit_code == 0, text
     lines = text.splitlines()
     scenarios = available()
-    assert set(scenarios) == {"sentiment", "finetune"}
+    assert set(scenarios) == {"sentiment", "finetune", "retrieval"}
     for name, cls in scenarios.items():
         assert cls.description  # a blank description would pass the line check below
         assert f"{name:<12} {cls.description}" in lines
-    assert len(lines) == 2
+    assert len(lines) == 3
 
 
 def test_train_head_writes_the_head_and_its_metadata(tmp_path):

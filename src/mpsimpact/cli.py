@@ -130,61 +130,20 @@ def run(
 
 def _print_summary(report: dict, folder) -> None:
     from rich.console import Console
-    from rich.table import Table
 
+    from mpsimpact.run_kind import kind_of
+
+    kind = kind_of(report)
     console = Console()
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
     console.print(f"[{style}]{geometry['mode']}[/]")
-    if report.get("kind") == "training":
-        _print_training(console, report, folder)
-        return
-    table = Table(title=f"{report['config']['scenario']}: batch {geometry['batch_size']}, max length {geometry['max_length']}")
-    for title in ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall"):
-        table.add_column(title, justify="right")
-    for c in report["conditions"]:
-        done = c["status"] == "completed"
-        table.add_row(
-            c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}, {c['guard']}",
-            {"completed": "completed", "stopped_by_guard": "stopped"}.get(c["status"], c["status"]),
-            f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
-            f"{c['first_corrupted_index'] if c['first_corrupted_index'] is not None else '-'} ({c['predicted_first_corrupted_index']})" if done else "-",
-            str(c["flips"]) if done else "-",
-            f"{c['accuracy']:.3f} ({c['reference_accuracy']:.3f})" if done else "-",
-            f"{c['wall_s']:.1f}s",
-        )
-    console.print(table)
-    for condition in report["conditions"]:
-        if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
-            c = condition["collapse"]
-            console.print(f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device vs {c['reference_share']:.1%} in the reference")
-        if condition.get("message"):
-            console.print(f"guard {condition['guard']}: {condition['status']}: {condition['message']}", soft_wrap=True)
+    console.print(kind.console_table(report))
+    for line in kind.console_lines(report):
+        console.print(line, soft_wrap=True)
     for note in report["notes"][1:]:
         console.print(f"note: {note}", soft_wrap=True)
-    console.print(f"Reports written to {folder}/ (report.json, report.md, report.html, samples.jsonl, figures)")
-
-
-def _print_training(console, report: dict, folder) -> None:
-    from rich.table import Table
-
-    from mpsimpact.report import columns, condition_rows
-
-    geometry = report["geometry"]
-    table = Table(title=f"{report['config']['scenario']}: batch {geometry['batch_size']}, max length {geometry['max_length']}, {report['config']['steps']} step(s)")
-    for _, title in columns(report):
-        table.add_column(title, justify="right")
-    for row in condition_rows(report):
-        table.add_row(*row)
-    console.print(table)
-    for condition in report["conditions"]:
-        for op in condition.get("faulted_ops", []):
-            console.print(f"guard {condition['guard']}: {op['op']} {op['a']} @ {op['b']}: {op['kind']} in {' and '.join(op['phases'])}")
-        if condition.get("message"):
-            console.print(f"guard {condition['guard']}: {condition['status']} in {condition['phase']}: {condition['message']}", soft_wrap=True)
-    for note in report["notes"][1:]:
-        console.print(f"note: {note}", soft_wrap=True)
-    console.print(f"Reports written to {folder}/ (report.json, report.md, report.html, gradients.json, figures)")
+    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})")
 
 
 def _check_expectation(report: dict, expect: str | None) -> None:

@@ -185,3 +185,75 @@ def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, by
     if arrays["eval_changes"]:
         figures["eval_changes.png"] = eval_changes(arrays["eval_changes"], f"{tag}: evaluation predictions after training, device vs reference")
     return figures
+
+
+def run_tag(run: dict[str, Any]) -> str:
+    """How a figure title names where it ran."""
+    return "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+
+
+def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:
+    """1 - cosine to the reference vector per batch position, one series per completed condition."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    styles = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}
+    for key, cos in cosines.items():
+        color, size = styles.get(key, ("gray", 2))
+        distance = np.nan_to_num(1.0 - cos, nan=2.0)
+        ax.scatter(np.arange(cos.size), np.clip(distance, 1e-9, None), s=size, color=color, label=f"guard {key}", alpha=0.7, linewidths=0)
+    ax.axhline(1 - threshold, color="black", linestyle=":", linewidth=1, label=f"corrupted below cosine {threshold:g}")
+    if predicted is not None:
+        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5, label=f"predicted from shapes: text {predicted}")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in batch (corpus document)")
+    ax.set_ylabel("1 - cosine to reference  (floored at 1e-9)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8, markerscale=4)
+    return png(fig)
+
+
+def recall_per_query(recalls: dict[str, np.ndarray], title: str) -> bytes:
+    """Recall@10 of the device index against the reference index, per query and condition."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for row, (key, recall) in enumerate(recalls.items()):
+        ax.scatter(np.arange(recall.size), recall + 0.01 * row, s=6, label=f"guard {key} (mean {recall.mean():.3f})")
+    ax.set_ylim(-0.05, 1.1)
+    ax.set_xlabel("query")
+    ax.set_ylabel("recall@10 vs reference top 10")
+    ax.set_title(title)
+    ax.legend(fontsize=8, markerscale=2)
+    return png(fig)
+
+
+def top10_appearances(appearances: np.ndarray, corrupted: np.ndarray, title: str) -> bytes:
+    """How many queries' top-10 lists each document is in: corrupted vs clean documents."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bins = np.arange(0, max(int(appearances.max()), 1) + 2) - 0.5
+    for mask, label, color in ((~corrupted, "clean", "tab:gray"), (corrupted, "corrupted", "tab:red")):
+        if mask.any():
+            ax.hist(appearances[mask], bins=bins, alpha=0.6, color=color, density=True,
+                    label=f"{label} ({mask.sum()} docs, {appearances[mask].sum()} appearances)")
+    ax.set_xlabel("top-10 appearances over all queries")
+    ax.set_ylabel("share of documents")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarray]]) -> dict[str, bytes]:
+    """The figures of a retrieval run, by file name."""
+    tag, g = run_tag(run), run["geometry"]
+    threshold = run["reference"]["threshold"]
+    figures = {}
+    if per_text:
+        figures["cosine_by_position.png"] = cosine_by_position(
+            {k: v["cosine"] for k, v in per_text.items()}, run["prediction"]["first_corrupted_text"], threshold,
+            f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference")
+        figures["recall_per_query.png"] = recall_per_query({k: v["recall"] for k, v in per_text.items()}, f"{tag}: recall@10 per query")
+    if "off" in per_text:
+        off = per_text["off"]
+        figures["top10_appearances.png"] = top10_appearances(off["appearances"], ~(off["cosine"] >= threshold),
+                                                             f"{tag}, guard off: top-10 appearances, corrupted vs clean")
+    return figures

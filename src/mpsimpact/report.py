@@ -11,6 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# The conditions table lives with the run kinds; `columns` and `condition_rows` stay importable from here.
+from mpsimpact.run_kind import columns, condition_rows, kind_of
+from mpsimpact.run_kind import format_cell as _fmt
+
 SCHEMA_VERSION = 1
 
 
@@ -64,40 +68,6 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
         raise
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
-    return str(value)
-
-
-CONDITION_COLUMNS = (
-    ("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"), ("corrupted_fraction", "fraction"),
-    ("first_corrupted_index", "first corrupted"), ("predicted_first_corrupted_index", "predicted first"),
-    ("flips", "flips"), ("accuracy", "accuracy"), ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"),
-)
-
-
-TRAINING_COLUMNS = (
-    ("guard", "guard"), ("status", "status"), ("phase", "stopped in"), ("corrupted_count", "corrupted logits"),
-    ("corrupted_gradient_tensors", "wrong gradient tensors"), ("max_gradient_rel_error", "max gradient error"),
-    ("update_rel_error", "update error"), ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"),
-)
-
-
-def columns(run: dict) -> tuple[tuple[str, str], ...]:
-    base = TRAINING_COLUMNS if run.get("kind") == "training" else CONDITION_COLUMNS
-    if any("attention" in c for c in run["conditions"]):  # --attention sdpa or both
-        return (("attention", "attention"), *base)
-    return base
-
-
-def condition_rows(run: dict) -> list[list[str]]:
-    """The summary table: one row per condition (attention implementation and guard)."""
-    return [[_fmt(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)] for c in run["conditions"]]
-
-
 def render_markdown(run: dict) -> str:
     """report.md: the headline, the geometry, the conditions table, collapse and notes."""
     g, p = run["geometry"], run["prediction"]
@@ -128,6 +98,7 @@ def render_markdown(run: dict) -> str:
             )
         if c.get("message"):
             lines.append(f"- guard {c['guard']}: {c['status']}: `{c['message']}`")
+    lines += kind_of(run).markdown_lines(run)
     lines += ["", *[f"- {note}" for note in run["notes"]], "", *[f"![{name}]({name})" for name in run["figures"]]]
     if run.get("versions"):
         from mpsimpact.versions import to_markdown
@@ -221,20 +192,15 @@ def logits_npz(arrays: dict) -> bytes:
 
 
 def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
-    """Writes report.json, samples.jsonl, report.md, report.html and the figures into a hidden
-    partial folder, then renames it to `out`: an interrupted run leaves no complete-looking report."""
+    """Writes report.json, report.md, report.html, the figures and the run kind's own files
+    (samples.jsonl, gradients.json, ...) into a hidden partial folder, then renames it to `out`: an interrupted run leaves no complete-looking report."""
     import json
 
-    from mpsimpact.figures import render_all, render_training
-
+    kind = kind_of(report)
     with folder_written_atomically(out) as partial:
-        if report.get("kind") == "training":
-            figures = render_training(report, arrays)
-            atomic_write_text(partial / "gradients.json", json.dumps(arrays["gradient_errors"], indent=1) + "\n")
-        else:
-            figures = render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
-            atomic_write_text(partial / "samples.jsonl", samples_jsonl(report, arrays))
-            atomic_write_bytes(partial / "logits.npz", logits_npz(arrays))
+        figures = kind.figures(report, arrays)
+        for name, data in kind.extra_files(report, arrays).items():
+            atomic_write_bytes(partial / name, data)
         report = report | {"figures": sorted(figures)}
         for name, data in figures.items():
             atomic_write_bytes(partial / name, data)

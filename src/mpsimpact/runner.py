@@ -1,5 +1,5 @@
-"""The runner: turns a RunConfig into one device pass per guard condition, against a CPU
-reference, and writes the reports. Scenarios never pick devices or write files; this does."""
+"""The runner: turns a RunConfig into the scenario's kind of run (see run_kind.RunKind), one device
+pass per guard condition against a reference, and the report. Scenarios never pick devices; this does."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.device import GIB, full_precision_reductions, resolve_device
-from mpsimpact.errors import NotEmulatedError, OversizedOpError, UsageError
-from mpsimpact.option import BATCH_SIZE, DEVICE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
-from mpsimpact.classifier import use_attention
+from mpsimpact.device import GIB, resolve_device
+from mpsimpact.errors import NotEmulatedError, OversizedOpError
+from mpsimpact.option import (
+    BATCH_SIZE,
+    DEVICE,
+    INDEX_BITS,
+    MAX_LENGTH,
+    TORCH_PROFILE,
+    Check,
+    option,
+    validate,
+)
 from mpsimpact.planner import predict, trace_classifier
 from mpsimpact.release import resolve_profile
 from mpsimpact.report import SCHEMA_VERSION
-from mpsimpact.workload import Geometry, build_batch, condition, decide_geometry, tokenize
+from mpsimpact.workload import Geometry, condition
 
 GUARDS = ("off", "raise", "chunk")
 # Half precision: a text is corrupted above this relative difference from the same-dtype,
@@ -165,110 +173,56 @@ def _no_progress(description: str, total: int):
 
 
 def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Runs every guard condition of `config`; returns (report, arrays for samples and figures).
+    """Runs every guard condition of `config` as the scenario's kind of run; returns (report, arrays
+    for samples and figures).
 
     `progress(description, total)` returns a callable that advances that task (or None).
     """
-    from mpsimpact.environment import collect_environment
     from mpsimpact.scenario import get_scenario
 
     config.validate()
     scenario_cls = get_scenario(config.scenario)
     device = resolve_device(config.device)
     scenario = scenario_cls(model=config.model, dataset=config.dataset)
+    kind = scenario.kind
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
+    kind.check(config)
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
-    training = getattr(scenario_cls, "training", False)
-    if training and (config.attention != "eager" or config.dtype != "float32"):
-        raise UsageError(f"run {config.scenario} supports --attention eager and --dtype float32 only; "
-                         f"`mpsimpact plan {config.scenario} --versions` predicts sdpa.")
-    geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length),
+    geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
                                    profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
-    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits, backward=training,
-                                 profile=geometry.profile) for a in config.attentions}
-    plan = plans[config.attentions[0]]
-    prediction = predict(plan, batch, model.heads)
-    if training:
-        from mpsimpact.training import run_training
+    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits,
+                                 backward=kind.backward, profile=geometry.profile) for a in config.attentions}
+    body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
+    report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
+    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
+    return report, arrays
 
-        body, arrays = run_training(config, scenario, model, geometry, plan, progress)
-        body["backward_prediction"] = predict(plan, batch, model.heads, "backward").to_json()
-    else:
-        body, arrays = run_inference(config, scenario, model, geometry, plans, progress)
-    report = {
+
+def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int, max_length: int) -> dict[str, Any]:
+    """What every run report starts with: config, environment, geometry, model, data and the predictions."""
+    from mpsimpact.environment import collect_environment
+
+    model = scenario.model
+    return {
         "schema_version": SCHEMA_VERSION,
-        "kind": "training" if training else "inference",
+        "kind": kind_name,
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
         "environment": collect_environment(),
         "geometry": geometry.to_json(),
         "model": model.name,
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
-        "prediction": prediction.to_json(),
+        "prediction": predict(plans[config.attentions[0]], batch, model.heads).to_json(),
         "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
         "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
-        **body,
     }
-    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
-    return report, arrays
 
 
-def run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One forward pass per attention implementation and guard condition against the reference;
-    returns (report body, arrays)."""
-    with full_precision_reductions():
-        return _run_inference(config, scenario, model, geometry, plans, progress)
-
-
-def _run_inference(config: RunConfig, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-    device = geometry.device
-    texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
-    inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
-    first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
-    reference_info: dict[str, Any] = {"device": "cpu", "dtype": "float32"}
-    if config.reference_device == "device" and device != "cpu":
-        model.module.to(device)
-        ref, spot = device_reference(model, texts, geometry.run_length, device, first.first_corrupted_text, progress(f"reference ({device}, chunked)", len(texts)))
-        reference_info.update(device=device, cached=False, cpu_spot_check=spot)
-    else:
-        ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", len(texts)))
-        reference_info["cached"] = cached
-    reference_info["accuracy"] = float((ref.argmax(1) == gold).mean())
-    module = model.module.to(device=device, dtype=getattr(torch, geometry.dtype))
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    judge = ref if geometry.dtype == "float32" else _half_reference(module, model, texts, geometry, reference_info, progress)
-    reference_info["judged_against"] = "cpu float32" if geometry.dtype == "float32" else f"{device} {geometry.dtype}, small batches"
-    reference_info["threshold"] = config.corruption_threshold
-    conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
-    for attention, plan in plans.items():
-        use_attention(module, attention)
-        prediction = predict(plan, geometry.batch_size, model.heads)
-        for guard_mode in config.guards:
-            result = _condition_pass(module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
-            _score(result, condition_key(attention, guard_mode), judge, gold, model.label_names, config.corruption_threshold, arrays)
-            if "flips" in result and geometry.dtype != "float32":
-                result["flips_vs_fp32"] = int((arrays["preds"][condition_key(attention, guard_mode)] != ref.argmax(1)).sum())
-                result["fp32_reference_accuracy"] = reference_info["accuracy"]
-            conditions.append(result)
-    use_attention(module, "eager")
-    model.module.to(dtype=torch.float32)
-    return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
-
-
-def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):
-    """The same-dtype, small-batch reference that judges half precision (reference.same_dtype_reference)."""
-    from mpsimpact.reference import CHUNK, same_dtype_reference
-
-    judge = same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device,
-                                 progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts)))
-    info["same_dtype"] = {"device": geometry.device, "dtype": geometry.dtype, "batch": CHUNK}
-    return judge
-
-
-def _condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
+def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
+    """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
     if would_abort(geometry, prediction, guard_mode):
         return skipped_abort(guard_mode, prediction)
     layers = model_layers(module)
@@ -277,17 +231,6 @@ def _condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_
         result = device_pass(module, inputs, geometry, plan, guard_mode)
     result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
     return result
-
-
-def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
-    from mpsimpact.metrics import relative_error, summarize
-
-    logits = result.pop("logits", None)
-    if logits is not None:
-        result.update(summarize(logits, ref, gold, label_names, threshold))
-        arrays["errors"][key] = relative_error(logits, ref)
-        arrays["preds"][key] = logits.argmax(axis=1)
-        arrays.setdefault("logits", {})[key] = logits
 
 
 def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> list[dict[str, Any]]:

@@ -7,27 +7,57 @@ import abc
 import difflib
 import importlib
 import pkgutil
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mpsimpact.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 _REGISTRY: dict[str, type[Scenario]] = {}
 
 
 class Scenario(abc.ABC):
-    """One demo workload. Cheap constructor; heavy work (weights, data) in `load()`."""
+    """One demo workload. Cheap constructor; heavy work (weights, data) in `load()`.
+
+    Everything the runner, the planner and the reports use is declared here: the name,
+    description and default geometry; the kind of run (a `RunKind`, which runs the conditions and
+    answers for the report); after `load()`, `model` (a classifier.LoadedModel-like object: module,
+    tokenizer, config, label_names, name, max_positions, heads) and `data` (dataset.LabelledTexts);
+    and, without weights, `load_config()` and `meta_module()` for the shape-only tracer.
+    """
 
     name: ClassVar[str]
     description: ClassVar[str]
     default_batch_size: ClassVar[int] = 2048
     default_max_length: ClassVar[int] = 512
+    kind: ClassVar[Any]  # a run_kind.RunKind (not imported here: run_kind finds kinds through this registry)
+    # Derived from `kind` (workload.is_training reads it from the class); never set it by hand.
+    training: ClassVar[bool] = False
 
-    def __init__(self, **options: Any) -> None:
-        self.options = options
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            cls.training = cls.kind.backward
+
+    def __init__(self, model: str | None = None, dataset: str | None = None, **options: Any) -> None:
+        self.options = {"model": model, "dataset": dataset, **options}
+        self.model: Any = None
+        self.data: Any = None
 
     @abc.abstractmethod
     def load(self) -> None:
-        """Loads weights and data; called once by the runner."""
+        """Loads weights and data into `model` and `data`; called once by the runner."""
+
+    @abc.abstractmethod
+    def load_config(self) -> Any:
+        """The model's config alone (no weights): enough to trace."""
+
+    @abc.abstractmethod
+    def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
+        """The model built on `meta` from `config` (default: the loaded model's) with an attention
+        implementation; called as `module(input_ids=...)` by the tracer, it makes exactly the
+        bmm/mm calls the device pass makes."""
 
 
 def register(cls: type[Scenario]) -> type[Scenario]:
