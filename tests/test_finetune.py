@@ -1,8 +1,11 @@
 """`mpsimpact run finetune` at a reduced index width (2**23, 16 texts at 256 tokens replayed at 64):
-what one oversized training step does under each guard condition."""
+what one oversized training step does under each guard condition; and the memory preflight that
+refuses a step that would not fit, before anything big is allocated."""
 
 import json
+import re
 
+import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
@@ -29,3 +32,28 @@ def test_training_step_under_each_guard(tmp_path, monkeypatch):
     assert chunk["status"] == "completed" and chunk["corrupted_gradient_tensors"] == 0
     assert chunk["max_gradient_rel_error"] < 1e-4 and chunk["eval_flips_after_training"] == 0
     assert (out / "gradient_error_by_layer.png").stat().st_size > 0 and (out / "gradients.json").is_file()
+
+
+def test_a_step_that_does_not_fit_is_refused_before_anything_big_is_allocated(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from mpsimpact import device, training
+    from mpsimpact.classifier import embedded_model_path
+    from mpsimpact.device import GIB
+    from mpsimpact.memory import estimate_training_bytes
+
+    monkeypatch.setattr(device, "host_memory", lambda: (24 * GIB, 2 * GIB))  # total, available
+    monkeypatch.setattr(training, "run_training", lambda *args: pytest.fail("the training step started"))
+    out = tmp_path / "ft"
+    result = runner.invoke(app, ["run", "finetune", "--batch-size", "4096", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith("error: This run needs about ") and (
+        "for one training step (activations kept for backward, gradients, Adam state) at 4096 x 64; "
+        "cpu offers 2.0 GiB. Use --batch-size " in lines[0]), lines[0]
+    fits = int(re.fullmatch(r".* Use --batch-size (\d+) or less\.", lines[0]).group(1))
+    config = AutoConfig.from_pretrained(embedded_model_path())
+    # The named batch is the largest that fits at the run length the CPU uses (64).
+    assert estimate_training_bytes(config, fits, 64) <= 2 * GIB < estimate_training_bytes(config, fits + 1, 64)
+    assert 0 < fits < 4096 and not out.exists() and not list(tmp_path.iterdir())

@@ -100,17 +100,7 @@ def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, b
     return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile)
 
 
-def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> int:
-    """Peak memory of one eager forward pass (inference): parameters, a few hidden-state copies,
-    and the larger of the attention peak (two (B*H, L, L) tensors live at once, e.g. scores and
-    scaled scores, plus the additive (B, 1, L, L) mask) and the feed-forward peak. Calibrated on
-    the published 115 GiB peak of MiniLM-size emulation at B = 4096, L = 512 (this gives 112)."""
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    inter = getattr(config, "intermediate_size", 4 * hidden)
-    params = (config.vocab_size + length) * hidden + config.num_hidden_layers * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = 2 * batch * heads * length * length + batch * length * length
-    feed_forward = 2 * batch * length * inter
-    return dtype_bytes * (params + 4 * batch * length * hidden + max(attention, feed_forward))
+from mpsimpact.memory import estimate_peak_bytes  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from mpsimpact.device import GIB, check_memory, device_memory, resolve_emulation
 from mpsimpact.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, UsageError
-from mpsimpact.planner import estimate_peak_bytes
+from mpsimpact.memory import TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes, largest_fitting_batch
 from mpsimpact.safeguard import guard
 
 # Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
@@ -34,6 +34,7 @@ class Geometry:
     index_bits: int = 32
     profile: str = ""  # the torch release whose faults are emulated (or guarded and planned); "" = installed
     attention: str = "eager"  # the attention implementation of the pass
+    dtype: str = "float32"  # the device passes' dtype
 
     @property
     def replayed(self) -> bool:
@@ -50,30 +51,24 @@ class Geometry:
             other = release.release != installed_profile().release
             return f"real MPS (torch {installed_profile().label})" + (f", guarded and planned as torch {release.label}" if other else "")
         scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
-        return f"EMULATED MPS (torch {release.label}) on {self.device} {scale}"
+        precision = "" if self.dtype == "float32" else f", {self.dtype}"
+        return f"EMULATED MPS (torch {release.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
 
 
-def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int) -> Geometry:
-    """Picks emulation and the run length; checks memory before anything big is allocated."""
+def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
+                    training: bool | None = None) -> Geometry:
+    """Picks emulation and the run length; checks memory before anything big is allocated: one
+    device pass's, or for a training scenario one training step's (`training`; None: whatever the
+    config's scenario declares)."""
     emulated = resolve_emulation(config.emulate, device)
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
-    full = estimate_peak_bytes(model.config, batch, max_length)
-    if config.run_length:
-        run_length = min(config.run_length, max_length)
-    elif device != "cpu" and full <= device_memory(device):
-        run_length = max_length
-    elif device == "mps" or (not emulated and device != "cpu"):
-        raise MemoryPreflightError(
-            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
-            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
-            device=device, needed_bytes=full,
-        )
-    else:
-        run_length = min(max_length, REDUCED_LENGTH)
+    training = is_training(config) if training is None else training
+    estimate = estimate_training_bytes if training else estimate_peak_bytes
+    run_length = _run_length(config, device, emulated, estimate(model.config, batch, max_length), max_length)
     geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
     if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
         raise UsageError(
@@ -81,11 +76,50 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
             "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
             "or a device with enough memory for the full scale."
         )
-    check_memory(
-        device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
-        "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
-    )
+    if training:
+        check_training_memory(model.config, device, batch, run_length)
+    else:
+        check_memory(
+            device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
+            "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
+        )
     return geometry
+
+
+def _run_length(config: Any, device: str, emulated: bool, full: int, max_length: int) -> int:
+    """--run-length if given; the full length where it fits on a GPU; else the reduced length, where
+    the plan replays (refused on MPS and on an unemulated GPU, which must run at full scale)."""
+    if config.run_length:
+        return min(config.run_length, max_length)
+    if device != "cpu" and full <= device_memory(device):
+        return max_length
+    if device == "mps" or (not emulated and device != "cpu"):
+        raise MemoryPreflightError(
+            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
+            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
+            device=device, needed_bytes=full,
+        )
+    return min(max_length, REDUCED_LENGTH)
+
+
+def is_training(config: Any) -> bool:
+    """Whether the config's scenario takes training steps (its class's `training`, from its kind)."""
+    from mpsimpact.scenario import get_scenario
+
+    name = getattr(config, "scenario", None)
+    return bool(name) and bool(getattr(get_scenario(name), "training", False))
+
+
+def check_training_memory(model_config: Any, device: str, batch: int, length: int) -> None:
+    """Raises MemoryPreflightError, before anything big is allocated, when one training step of
+    `batch` texts at `length` tokens does not fit on `device`; the message names the largest batch
+    that does."""
+    offered = device_memory(device)
+    fits = largest_fitting_batch(lambda b: estimate_training_bytes(model_config, b, length), offered)
+    advice = (f"Use --batch-size {fits} or less." if fits
+              else "Not even one text fits: free memory, or use a machine with more.")
+    needed = estimate_training_bytes(model_config, batch, length)
+    check_memory(device, needed, f"one training step ({TRAINING_PARTS}) at {batch} x {length}", advice)
 
 
 def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:

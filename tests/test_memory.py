@@ -1,0 +1,165 @@
+"""Memory: the training-step estimate (by hand on a tiny config), the batch that fits, and the
+saved-activation recomputation (bit for bit, and keeping what a dispatch mode altered)."""
+
+import contextlib
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsimpact import memory
+from mpsimpact.classifier import SentenceClassifier
+from mpsimpact.memory import (
+    estimate_training_bytes, largest_fitting_batch, recompute_activations, training_step_parts,
+)
+from tiny import tiny_bert, token_batch
+
+TINY = types.SimpleNamespace(vocab_size=10, hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16)
+MINILM = types.SimpleNamespace(vocab_size=30522, hidden_size=384, num_attention_heads=12, num_hidden_layers=6, intermediate_size=1536)
+
+
+def test_training_step_parts_by_hand():
+    # B = 3, L = 4, D = 8, H = 2, I = 16, one layer; fp32.
+    # parameters: (10 + 4) * 8 + 1 * (4 * 8 * 8 + 2 * 8 * 16) = 112 + 256 + 256 = 624
+    # copies: reference (parameters, gradients) + trained (parameters, gradients, 2 Adam moments)
+    #   = 6 * 624 * 4 = 14976
+    # kept: per layer P (H L^2 = 32) + 3 hidden states (3 L D = 96) = 128, plus the embeddings'
+    #   sum (L D = 32): 3 texts * (128 + 32) * 4 = 1920
+    # working: 3 * max(scores-sized H L^2 = 32, feed-forward-sized L I = 64) * 3 texts * 4 = 2304
+    assert training_step_parts(TINY, 3, 4) == {"copies": 14976, "kept": 1920, "working": 2304}
+    assert estimate_training_bytes(TINY, 3, 4) == 14976 + 1920 + 2304
+    # At L = 16 the attention dominates the working set: H L^2 = 512 > L I = 256.
+    assert training_step_parts(TINY, 3, 16)["working"] == 3 * 512 * 3 * 4
+
+
+def test_estimate_grows_with_batch_and_length():
+    at = lambda batch, length: estimate_training_bytes(MINILM, batch, length)  # noqa: E731
+    assert at(1024, 64) < at(2048, 64) < at(4096, 64)
+    assert at(2048, 64) < at(2048, 128) < at(2048, 512)
+    # Affine in the batch: what a text adds does not depend on how many there are.
+    assert at(2048, 64) - at(1024, 64) == at(1024, 64) - at(0, 64)
+    # The (B*H, L, L) term is quadratic in L: doubling L more than doubles what a text keeps.
+    kept = lambda length: training_step_parts(MINILM, 1, length)["kept"]  # noqa: E731
+    assert kept(512) > 2 * kept(256) > 4 * kept(128)
+
+
+def test_largest_fitting_batch():
+    estimate = lambda batch: 100 + 10 * batch  # noqa: E731
+    assert largest_fitting_batch(estimate, 1000) == 90  # 100 + 10 * 90 = 1000
+    assert largest_fitting_batch(estimate, 1009) == 90
+    assert largest_fitting_batch(estimate, 50) == 0
+
+
+def _step(model, ids, mask, context):
+    """Logits and gradients of one cross-entropy step under `context`."""
+    model.zero_grad(set_to_none=True)
+    with context():
+        logits = model(input_ids=ids, attention_mask=mask)
+        torch.nn.functional.cross_entropy(logits, torch.arange(len(ids)) % 3).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def classifier(monkeypatch):
+    # Every saved tensor of the tiny model is small: let all of them take recipes.
+    monkeypatch.setattr(memory, "MIN_RECOMPUTED_BYTES", 0)
+    model = SentenceClassifier(tiny_bert(hidden_size=32, intermediate_size=64)).train()
+    ids = token_batch(6, 12)
+    mask = (torch.arange(12)[None] < torch.tensor([[12], [9], [5], [12], [3], [7]])).long()
+    return model, ids, mask
+
+
+def _kept_kinds(model, ids, mask):
+    """The producing ops of the saved tensors kept as tensors (not recipes) in one forward."""
+    recomputer = memory._Recomputer((1e-12,), memory.MATMULS)
+    kept = []
+
+    def pack(tensor):
+        saved = recomputer.pack(tensor)
+        if not callable(saved) and tensor.grad_fn is not None:
+            kept.append(type(memory._view_chain(tensor.grad_fn)[1]).__name__)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, recomputer.unpack):
+        model(input_ids=ids, attention_mask=mask)
+    return kept
+
+
+def test_recomputed_step_equals_the_kept_one_bit_for_bit(classifier):
+    model, ids, mask = classifier
+    kept_logits, kept_grads = _step(model, ids, mask, contextlib.nullcontext)
+    for trusted in (memory.MATMULS, frozenset()):
+        logits, grads = _step(model, ids, mask, lambda: recompute_activations(model, trusted))
+        assert torch.equal(logits, kept_logits)
+        assert grads.keys() == kept_grads.keys() and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    kept = _kept_kinds(model, ids, mask)
+    # Kept: P (softmax's output, and the view P V reads), the LayerNorm inputs (the embeddings'
+    # sum and two per layer), weights and small tensors. Every LayerNorm, GELU and Linear output,
+    # Q, K, V and the attention output are recomputed.
+    assert kept.count("AddBackward0") == 1 + 2 * 2 and "SoftmaxBackward0" in kept
+    assert not set(kept) & {"NativeLayerNormBackward0", "GeluBackward0", "AddmmBackward0", "BmmBackward0"}, kept
+
+
+class _NudgeLastFeedForward(TorchDispatchMode):
+    """Alters the output of the last layer's feed-forward input Linear in forward (as the emulator
+    alters a faulted call), not the first layer's."""
+
+    def __init__(self, inter):
+        super().__init__()
+        self.inter, self.seen = inter, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        forward = torch._C._current_autograd_node() is None
+        if func is torch.ops.aten.addmm.default and forward and out.shape[-1] == self.inter:
+            self.seen += 1
+            out = out + 1e-3 if self.seen == 2 else out
+        return out
+
+
+@contextlib.contextmanager
+def _nudged(model, trusted=None):
+    with _NudgeLastFeedForward(64), recompute_activations(model, trusted) if trusted is not None else contextlib.nullcontext():
+        yield
+
+
+def test_an_altered_matmul_is_kept_not_recomputed(classifier):
+    model, ids, mask = classifier
+    _, altered = _step(model, ids, mask, lambda: _nudged(model))
+    _, checked = _step(model, ids, mask, lambda: _nudged(model, frozenset()))
+    assert all(torch.equal(checked[n], altered[n]) for n in altered)
+    # Trusting the altered family recomputes the last layer's input from clean values (the first
+    # layer's passed the check once): the gradients differ, which the check per tensor prevents.
+    _, trusting = _step(model, ids, mask, lambda: _nudged(model, frozenset({"mm"})))
+    assert any(not torch.equal(trusting[n], altered[n]) for n in altered)
+
+
+class _StopInBackward(TorchDispatchMode):
+    """Raises at the first bmm of backward, as emulated MPS does for a too-large transposed view."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default and torch._C._current_autograd_node() is not None:
+            raise RuntimeError("stopped in backward")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_stopped_in_backward_leaves_no_activation_behind(classifier, monkeypatch):
+    model, ids, mask = classifier
+    packed = []
+    pack = memory._Recomputer.pack
+    monkeypatch.setattr(memory._Recomputer, "pack", lambda self, t: packed.append(weakref.ref(t)) or pack(self, t))
+    with pytest.raises(RuntimeError, match="stopped in backward"):
+        _step(model, ids, mask, lambda: _stopped(model))
+    gc.collect()
+    alive = [t for t in (ref() for ref in packed) if t is not None and t.requires_grad and not isinstance(t, torch.nn.Parameter)]
+    # A kept tensor that its own node saved (softmax's P) must not hold that node: nothing survives.
+    assert packed and not alive, [tuple(t.shape) for t in alive]
+
+
+@contextlib.contextmanager
+def _stopped(model):
+    with _StopInBackward(), recompute_activations(model):
+        yield
