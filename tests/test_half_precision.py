@@ -59,3 +59,23 @@ def test_bad_memory_and_dtype_are_one_line(tmp_path):
     assert result.exit_code == 2 and "--memory must be a size such as 32GB, or auto; got 'lots'." in result.stderr
     result = runner.invoke(app, ["run", "sentiment", "--dtype", "float8", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--dtype must be one of float32, float16, bfloat16; got 'float8'." in result.stderr
+
+
+def test_mps_preflight_counts_the_dtype_and_names_the_plan_command(monkeypatch):
+    import types
+
+    import pytest
+
+    import mpsimpact.workload as workload
+    from mpsimpact.errors import MemoryPreflightError
+    from mpsimpact.runner import RunConfig
+
+    config = types.SimpleNamespace(hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522, num_hidden_layers=6)
+    model = types.SimpleNamespace(config=config, max_positions=512)
+    monkeypatch.setattr(workload, "device_memory", lambda device: int(21.3 * 2**30))  # a 32 GB Mac
+    # 1438 x 512 needs about 39.4 GiB in float32 and 19.7 GiB in float16 (memory.estimate_peak_bytes).
+    with pytest.raises(MemoryPreflightError, match="plan sentiment --memory auto"):
+        workload.decide_geometry(RunConfig(device="mps"), model, "mps", 1438, 512, training=False)
+    monkeypatch.setattr(workload, "check_memory", lambda *args: None)
+    geometry = workload.decide_geometry(RunConfig(device="mps", dtype="float16"), model, "mps", 1438, 512, training=False)
+    assert (geometry.run_length, geometry.emulated) == (512, False)

@@ -16,6 +16,7 @@ from mpsimpact.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, UsageError
 from mpsimpact.memory import TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes, largest_fitting_batch
 from mpsimpact.safeguard import guard
+from mpsimpact.sizing import DTYPE_BYTES
 
 # Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
 # full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
@@ -67,8 +68,9 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
     training = is_training(config) if training is None else training
-    estimate = estimate_training_bytes if training else estimate_peak_bytes
-    run_length = _run_length(config, device, emulated, estimate(model.config, batch, max_length), max_length)
+    dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
+    full = estimate_training_bytes(model.config, batch, max_length) if training else estimate_peak_bytes(model.config, batch, max_length, dtype_bytes)
+    run_length = _run_length(config, device, emulated, full, max_length)
     geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
     if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
         raise UsageError(
@@ -80,7 +82,7 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
         check_training_memory(model.config, device, batch, run_length)
     else:
         check_memory(
-            device, estimate_peak_bytes(model.config, batch, run_length), "one device pass",
+            device, estimate_peak_bytes(model.config, batch, run_length, dtype_bytes), "one device pass",
             "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
         )
     return geometry
@@ -94,9 +96,11 @@ def _run_length(config: Any, device: str, emulated: bool, full: int, max_length:
     if device != "cpu" and full <= device_memory(device):
         return max_length
     if device == "mps" or (not emulated and device != "cpu"):
+        hint = (f" `mpsimpact plan {config.scenario} --memory auto` names the smallest demo that fits this Mac."
+                if device == "mps" else "")
         raise MemoryPreflightError(
             f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
-            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length.",
+            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use --dtype float16.{hint}",
             device=device, needed_bytes=full,
         )
     return min(max_length, REDUCED_LENGTH)
