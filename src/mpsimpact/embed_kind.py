@@ -16,6 +16,7 @@ from mpsimpact.classify_kind import select_reference
 from mpsimpact.device import full_precision_reductions
 from mpsimpact.planner import predict
 from mpsimpact.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
+from mpsimpact.release import EMULATED_LABEL
 from mpsimpact.run_kind import RunKind
 from mpsimpact.runner import condition_key, condition_pass
 from mpsimpact.workload import Geometry, build_batch, tokenize
@@ -86,11 +87,11 @@ class EmbedKind(RunKind):
     def console_table(self, report: dict):
         table = super().console_table(report)
         if report["geometry"]["emulated"]:
-            table.title = f"EMULATED MPS, {table.title}"
+            table.title = f"{EMULATED_LABEL}, {table.title}"
         return table
 
     def console_lines(self, report: dict) -> list[str]:
-        tag = "EMULATED MPS, " if report["geometry"]["emulated"] else ""
+        tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""
         return [f"{tag}{line}" for line in retrieval_lines(report) + super().console_lines(report)]
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from mpsimpact.release import EMULATED_LABEL
+
 
 def pyplot():
     import matplotlib
@@ -84,7 +86,7 @@ def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: 
 
 def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray], reference_pred: np.ndarray) -> dict[str, bytes]:
     """Every figure of a run, by file name."""
-    tag = "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+    tag = run_tag(run)
     batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
     figures = {
         "error_by_position.png": error_by_position(errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"], f"{tag}: batch {batch}, max length {length}"),
@@ -178,7 +180,7 @@ def eval_changes(changes: dict[str, np.ndarray], title: str) -> bytes:
 
 def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, bytes]:
     """The figures of a training run, by file name."""
-    tag = "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+    tag = run_tag(run)
     figures = {}
     if arrays["gradient_errors"]:
         figures["gradient_error_by_layer.png"] = gradient_error_by_layer(arrays["gradient_errors"], f"{tag}: gradient error per parameter tensor, step 1")
@@ -189,7 +191,7 @@ def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, by
 
 def run_tag(run: dict[str, Any]) -> str:
     """How a figure title names where it ran."""
-    return "EMULATED MPS" if run["geometry"]["emulated"] else run["geometry"]["device"]
+    return EMULATED_LABEL if run["geometry"]["emulated"] else run["geometry"]["device"]
 
 
 def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.matrix import ATTENTIONS, Progress
+from mpsimpact.release import EMULATED_LABEL
 from mpsimpact.report import (
     atomic_write_bytes,
     atomic_write_text,
@@ -90,7 +91,7 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     summary = ["transformers", "environment", "time", "default attention", "output_attentions=True runs",
                "eager: first wrong text", "guard"]
     outcome_title = f"Outcome on MPS at {cfg['batch_size']} x {cfg['max_length']}, by torch release group (predicted from shapes)"
-    guard_title = (f"Guard check: tiny random BERT, {emu['batch']} x {emu['length']}, EMULATED MPS {emu['profile']}, "
+    guard_title = (f"Guard check: tiny random BERT, {emu['batch']} x {emu['length']}, {EMULATED_LABEL} {emu['profile']}, "
                    f"{emu['index_bits']}-bit index")
     return [
         ("By transformers release", summary, summary_rows(report)),
@@ -125,7 +126,7 @@ def headline(report: dict[str, Any]) -> str:
     return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, torch {env['torch']} "
             "(the running one, in every environment). Outcomes predicted from shapes (meta tensors); guard checked on a "
             "tiny random BERT under "
-            f"EMULATED MPS {report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
+            f"{EMULATED_LABEL} {report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
 
 
 def result_line(report: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ import functools
 import re
 from typing import Literal
 
+# What every console line, report and figure says when no Apple GPU was used.
+EMULATED_LABEL = "EMULATED MPS"
 MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.0")
 CONSERVATIVE = "conservative"
 

@@ -38,7 +38,7 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     from rich.console import Console
 
     from mpsimpact.device import resolve_device, resolve_emulation
-    from mpsimpact.release import resolve_profile
+    from mpsimpact.release import EMULATED_LABEL, resolve_profile
     from mpsimpact.figures import outcome_map
     from mpsimpact.report import atomic_write_bytes, atomic_write_text, folder_written_atomically, fresh_out_dir
     from mpsimpact.sweep import grid, run_cells, summarize
@@ -55,7 +55,7 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
         )
     console = Console()
     profile = resolve_profile(config.torch_profile)
-    mode = f"EMULATED MPS (torch {profile.label}) on {device}" if emulated else f"real {device} (predicted as torch {profile.label})"
+    mode = f"{EMULATED_LABEL} (torch {profile.label}) on {device}" if emulated else f"real {device} (predicted as torch {profile.label})"
     console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells")
     rows = []
     with console.status("sweeping") as status:

@@ -43,7 +43,7 @@ class Geometry:
 
     @property
     def mode(self) -> str:
-        from mpsimpact.release import installed_profile, resolve_profile
+        from mpsimpact.release import EMULATED_LABEL, installed_profile, resolve_profile
 
         release = resolve_profile(self.profile or None)
         if not self.emulated:
@@ -53,7 +53,7 @@ class Geometry:
             return f"real MPS (torch {installed_profile().label})" + (f", guarded and planned as torch {release.label}" if other else "")
         scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
         precision = "" if self.dtype == "float32" else f", {self.dtype}"
-        return f"EMULATED MPS (torch {release.label}) on {self.device} {scale}{precision}"
+        return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
