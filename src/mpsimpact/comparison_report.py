@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.comparison import Comparison, cell_name
-from mpsimpact.report import atomic_write_text, folder_written_atomically
+from mpsimpact.report import HTML_STYLE, atomic_write_text, folder_written_atomically
 from mpsimpact.result_folder import DEFAULT_ATTENTION
 
 # Banner colours, as in report.html: amber for emulated, green for real.
@@ -108,9 +108,7 @@ def render_html(comparison: Comparison) -> str:
     )
     title = f"mpsimpact compare: {esc(comparison.kind)}s"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
-.banner{{padding:.6em 1em;font-weight:bold;border-radius:6px}}
+<style>{HTML_STYLE}
 .changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
 </style></head><body>
 <h1>{title}</h1>

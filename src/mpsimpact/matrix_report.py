@@ -14,6 +14,7 @@ from typing import Any
 from mpsimpact.matrix import ATTENTIONS, Progress
 from mpsimpact.release import EMULATED_LABEL
 from mpsimpact.report import (
+    HTML_STYLE,
     atomic_write_bytes,
     atomic_write_text,
     folder_written_atomically,
@@ -158,10 +159,7 @@ def render_html(report: dict[str, Any], figure: bytes) -> str:
     image = base64.b64encode(figure).decode()
     title = f"mpsimpact matrix: {esc(report['config']['scenario'])}"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
-.banner{{padding:.6em 1em;font-weight:bold;border-radius:6px;background:{BANNER}}}
-img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
+<style>{HTML_STYLE}.banner{{background:{BANNER}}}</style></head><body>
 <h1>{title}</h1><p class="banner">{esc(headline(report))}</p>
 <figure><img alt="matrix" src="data:image/png;base64,{image}"><figcaption>matrix.png</figcaption></figure>
 {sections}<ul>{items}</ul><p><strong>{esc(result_line(report))}</strong></p></body></html>

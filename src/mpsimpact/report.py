@@ -16,6 +16,12 @@ from mpsimpact.run_kind import columns, condition_rows, kind_of
 from mpsimpact.run_kind import format_cell as _fmt
 
 SCHEMA_VERSION = 1
+# The house look of every self-contained HTML page (run, compare, matrix); pages add their own rules.
+HTML_STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+    "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+    ".banner{padding:.6em 1em;font-weight:bold;border-radius:6px}img{max-width:100%}figure{margin:1em 0}"
+)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -130,10 +136,7 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
     g = run["geometry"]
     banner = "emulated" if g["emulated"] else "real"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {html.escape(run['config']['scenario'])}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}
-.banner{{padding:.6em 1em;font-weight:bold;border-radius:6px;background:{'#fde2a7' if banner == 'emulated' else '#c7e9c0'}}}
-img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
+<style>{HTML_STYLE}.banner{{background:{'#fde2a7' if banner == 'emulated' else '#c7e9c0'}}}</style></head><body>
 <h1>mpsimpact run: {html.escape(run['config']['scenario'])}</h1>
 <p class="banner">{html.escape(g['mode'])}</p>
 <p>Model <code>{html.escape(run['model'])}</code>; data: {html.escape(run['data_source'])}; batch {g['batch_size']}, max length {g['max_length']};
