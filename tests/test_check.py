@@ -116,11 +116,11 @@ def test_bert_base_at_4096_predicts_the_feed_forward_abort():
 
 
 def test_mps_safe_eager_advice_uses_the_chunk_the_attention_module_would():
-    from mpsimpact.attention import safe_text_chunk
+    from mpsimpact.attention import safe_rows
 
     report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager")
     q = torch.empty(2048, 12, 512, 64, device="meta")
-    chunk = safe_text_chunk(q, q, q)
+    chunk = safe_rows(q, q, q) // 12
     assert chunk > 1 and f"in chunks of {chunk} samples" in report["guard_advice"][2]
     assert report["guard_advice"][0].startswith("guard 'chunk'")
     assert "makes all 12 faulting calls safe" in report["guard_advice"][0]

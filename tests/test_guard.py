@@ -172,3 +172,19 @@ def test_registered_attention_implementation_is_correct_under_emulation():
     assert safe_emu.records == []
     # The same weights with plain eager attention fault in both P V products.
     assert len(eager_emu.records) == 2 and not torch.allclose(broken, plain, atol=1e-3)
+
+
+def test_safe_eager_splits_one_text_over_its_heads_when_a_text_is_too_big():
+    from mpsimpact.attention import mps_safe_eager_attention, safe_rows
+
+    # One text, 4 heads of 160 x 160 scores at 16 bits: P (4, 160, 160) = 102,400 > 65,536 elements
+    # would wrap in P V; as slices every operand must stay below 32,768: 32767 // 25600 = 1 head a piece.
+    q, k, v = (torch.randn(1, 4, 160, 8) for _ in range(3))
+    module = torch.nn.Module().eval()
+    with emulate(index_bits=16):
+        assert safe_rows(q, k, v) == 1
+    plain = torch.softmax(q @ k.transpose(2, 3) * 8**-0.5, dim=-1) @ v  # (1, 4, 160, 8)
+    with emulate(index_bits=16) as emu:
+        got, _ = mps_safe_eager_attention(module, q, k, v, None)
+    torch.testing.assert_close(got, plain.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert emu.records == []

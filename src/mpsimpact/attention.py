@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from mpsimpact.calls import active_emulator
+from mpsimpact.chunker import pieces
 from mpsimpact.faults import TensorSpec, largest_safe_batch
 
 NAME = "mps_safe_eager"
@@ -16,10 +17,11 @@ def _index_bits() -> int:
     return active.index_bits if active is not None and active.plan is None else 32
 
 
-def safe_text_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
-    """Texts per chunk such that Q K^T and P V of a chunk are "ok" under the fault rules.
+def safe_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """Rows of batch*heads per chunk such that Q K^T and P V of a chunk are "ok" under the fault rules.
 
-    Chunks are batch slices, hence views, so every operand is held below VIEW_LIMIT.
+    Chunks are slices, hence views, so every operand is held below VIEW_LIMIT. Fewer rows than
+    heads means one text is split over its heads (long sequences).
     """
     batch, heads, length, dim = query.shape
     k_len = key.shape[2]
@@ -27,7 +29,7 @@ def safe_text_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     spec, rows = TensorSpec.contiguous, batch * heads
     scores = largest_safe_batch(spec((rows, length, dim)), spec((rows, dim, k_len)), index_bits=bits, as_slices=True)
     output = largest_safe_batch(spec((rows, length, k_len)), spec((rows, k_len, value.shape[-1])), index_bits=bits, as_slices=True)
-    return max(1, min(scores, output) // heads)
+    return min(scores, output)
 
 
 def mps_safe_eager_attention(
@@ -40,26 +42,25 @@ def mps_safe_eager_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Eager attention (as transformers' `eager_attention_forward`) over safe batch chunks.
+    """Eager attention (as transformers' `eager_attention_forward`) over safe chunks of texts, or of
+    one text's heads when a whole text is too big.
 
     Returns (attn_output (B, L, H, D), None): attention weights are not kept, since the full
     weights tensor is the very thing that crosses the limit.
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    batch = query.shape[0]
-    chunk = safe_text_chunk(query, key, value)
-    out = query.new_empty(batch, query.shape[2], query.shape[1], value.shape[-1])  # (B, L, H, D)
-    for start in range(0, batch, chunk):
-        stop = min(batch, start + chunk)
-        scores = torch.matmul(query[start:stop], key[start:stop].transpose(2, 3)) * scaling  # (b, H, L, Lk)
+    batch, heads = query.shape[0], query.shape[1]
+    out = query.new_empty(batch, query.shape[2], heads, value.shape[-1])  # (B, L, H, D)
+    for texts, head in pieces(batch, heads, safe_rows(query, key, value)):
+        scores = torch.matmul(query[texts][:, head], key[texts][:, head].transpose(2, 3)) * scaling  # (b, h, L, Lk)
         if attention_mask is not None:
-            mask = attention_mask[start:stop] if attention_mask.shape[0] == batch else attention_mask
-            scores = scores + mask
+            mask = attention_mask[texts] if attention_mask.shape[0] == batch else attention_mask
+            scores = scores + (mask[:, head] if mask.shape[1] == heads else mask)
         probs = torch.nn.functional.softmax(scores, dim=-1)
         probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
         # Written into place: torch.cat above 2**31 elements is itself wrong on MPS 2.13.0.
-        out[start:stop] = torch.matmul(probs, value[start:stop]).transpose(1, 2)  # (b, L, H, D)
+        out[texts, :, head] = torch.matmul(probs, value[texts][:, head]).transpose(1, 2)  # (b, L, h, D)
     return out, None
 
 

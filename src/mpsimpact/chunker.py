@@ -54,7 +54,7 @@ def sdpa_chunk(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_d
     return max(1, min(limit // (lq * lk), (view_limit - 1) // per_row_view))
 
 
-def _pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
+def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
     """(batch slice, head slice) pieces of at most `rows` rows of batch*heads, in order."""
     if rows >= heads:
         texts = rows // heads
@@ -85,7 +85,7 @@ def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: 
     rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value", "attn_mask")}
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, Lq, Dv)
-    for texts, head in _pieces(batch, heads, rows):
+    for texts, head in pieces(batch, heads, rows):
         kv_heads = head if key.shape[1] == heads else slice(None)
         q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv_heads), (value, kv_heads)))
         out[texts, head] = proceed(q, k, v, _mask_piece(mask, texts, head, batch, heads), *args[4:], **rest)

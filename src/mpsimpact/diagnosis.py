@@ -197,9 +197,10 @@ def splits_safely(call: CallRecord, model: MetaModel) -> bool:
     return classify_call(call.family, _one_row(call.a), b, model.index_bits, model.profile).is_ok
 
 
-def samples_per_safe_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
-    """Samples per chunk that mps_safe_eager (mpsimpact.attention) would need for these attention
-    calls: every chunk is a batch slice held below the view limit. 0: not even one sample fits."""
+def rows_per_safe_eager_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
+    """Rows of batch*heads per chunk that mps_safe_eager (mpsimpact.attention) would use for these
+    attention calls: every chunk is a slice held below the view limit; fewer rows than heads split
+    one sample over its heads."""
     pairs = []
     for call in calls:
         if call.family == "sdpa":  # Q K^T: (rows, L, D) @ (rows, D, Lk); P V: (rows, L, Lk) @ (rows, Lk, D)
@@ -209,7 +210,7 @@ def samples_per_safe_chunk(calls: list[CallRecord], batch: int, heads: int, inde
             pairs.append((call.a.shape, call.b.shape))
     spec = TensorSpec.contiguous
     fits = [rows_per_safe_chunk(spec(a), spec(b), index_bits=index_bits, as_slices=True) for a, b in pairs]
-    return min(fits, default=heads * batch) // heads
+    return min(fits, default=heads * batch)
 
 
 def guard_advice(plan: FaultPlan, model: MetaModel, info: dict[str, Any], batch: int) -> list[str]:
@@ -245,12 +246,11 @@ def _safe_eager_advice(faults: list[CallRecord], model: MetaModel, info: dict[st
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
-    samples = samples_per_safe_chunk(attention, batch, heads, model.index_bits)
-    if samples < 1:
-        return f"{name} does not help: the attention of a single sample already crosses a limit at this length."
+    rows = rows_per_safe_eager_chunk(attention, batch, heads, model.index_bits)
+    unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
     tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
             "the guard") if others else ""
-    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {samples} samples, without a "
+    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
             f"dispatch mode{tail}.")
 
 
