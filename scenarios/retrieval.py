@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mpsimpact.embed_kind import EmbedKind
-from mpsimpact.scenario import Scenario, register
+from mpsimpact.scenario import Scenario, load_model_config, register
 
 QUERIES = 256
 
@@ -45,19 +45,7 @@ class RetrievalScenario(Scenario):
 
     def load_config(self) -> Any:
         """The transformer's config alone: enough to trace, no weights."""
-        from transformers import AutoConfig
-
-        from mpsimpact.classifier import embedded_model_path
-        from mpsimpact.errors import ModelLoadError
-
-        source = str(embedded_model_path()) if self.model_name is None else self.model_name
-        try:
-            return AutoConfig.from_pretrained(source)
-        except (OSError, ValueError) as error:
-            raise ModelLoadError(
-                f"The config of model '{source}' is not a local path and not in the Hugging Face cache "
-                f"({type(error).__name__}). Download it once with network access, or pass a local directory."
-            ) from None
+        return load_model_config(self.model_name)
 
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
         """The SentenceTransformer's transformer on `meta` (embedder.meta_embedder)."""

@@ -3,22 +3,15 @@ condition, logits judged against a CPU (or same-dtype) reference; its columns, f
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
-from mpsimpact.classifier import use_attention
 from mpsimpact.device import full_precision_reductions
 from mpsimpact.planner import predict
 from mpsimpact.run_kind import RunKind
-from mpsimpact.runner import (
-    condition_key,
-    condition_pass,
-    device_reference,
-    reference_logits,
-)
+from mpsimpact.runner import device_reference, reference_logits, run_conditions
 from mpsimpact.workload import Geometry, build_batch, tokenize
 
 
@@ -64,18 +57,12 @@ class ClassifyKind(RunKind):
         reference_info["judged_against"] = "cpu float32" if geometry.dtype == "float32" else f"{device} {geometry.dtype}, small batches"
         reference_info["threshold"] = config.corruption_threshold
         conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
-        for attention, plan in plans.items():
-            use_attention(module, attention)
-            prediction = predict(plan, geometry.batch_size, model.heads)
-            for guard_mode in config.guards:
-                key = condition_key(attention, guard_mode)
-                result = condition_pass(module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
-                _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
-                if "flips" in result and geometry.dtype != "float32":
-                    result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())
-                    result["fp32_reference_accuracy"] = reference_info["accuracy"]
-                conditions.append(result)
-        use_attention(module, "eager")
+        for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
+            _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
+            if "flips" in result and geometry.dtype != "float32":
+                result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())
+                result["fp32_reference_accuracy"] = reference_info["accuracy"]
+            conditions.append(result)
         model.module.to(dtype=torch.float32)
         return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
 

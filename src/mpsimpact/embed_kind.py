@@ -4,21 +4,19 @@ its columns, figures, samples and console lines."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 from typing import Any
 
 import numpy as np
 
-from mpsimpact.classifier import use_attention
 from mpsimpact.classify_kind import select_reference
 from mpsimpact.device import full_precision_reductions
 from mpsimpact.planner import predict
 from mpsimpact.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
 from mpsimpact.release import EMULATED_LABEL
 from mpsimpact.run_kind import RunKind
-from mpsimpact.runner import condition_key, condition_pass
+from mpsimpact.runner import run_conditions
 from mpsimpact.workload import Geometry, build_batch, tokenize
 
 
@@ -54,19 +52,13 @@ class EmbedKind(RunKind):
         twins = twin_ids(ref)
         conditions = []
         arrays: dict[str, Any] = {"reference": ref, "queries": queries, "texts": texts, "embeddings": {}, "per_text": {}}
-        for attention, plan in plans.items():
-            use_attention(module, attention)
-            prediction = predict(plan, geometry.batch_size, model.heads)
-            for guard_mode in config.guards:
-                key = condition_key(attention, guard_mode)
-                result = condition_pass(module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
-                embeddings = result.pop("logits", None)
-                if embeddings is not None:
-                    summary, arrays["per_text"][key] = summarize_embeddings(embeddings, ref, queries, twins)
-                    result.update(summary)
-                    arrays["embeddings"][key] = embeddings
-                conditions.append(result)
-        use_attention(module, "eager")
+        for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
+            embeddings = result.pop("logits", None)
+            if embeddings is not None:
+                summary, arrays["per_text"][key] = summarize_embeddings(embeddings, ref, queries, twins)
+                result.update(summary)
+                arrays["embeddings"][key] = embeddings
+            conditions.append(result)
         model.module.to("cpu")
         return {"repeated_texts": repeats, "tokens": token_stats, "reference": info, "conditions": conditions}, arrays
 

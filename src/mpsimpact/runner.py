@@ -221,6 +221,20 @@ def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry,
     }
 
 
+def run_conditions(config: RunConfig, module, inputs, geometry: Geometry, plans: dict, heads: int, progress):
+    """Every condition, attention implementation by guard mode: yields (key, result); the module is
+    back on eager attention afterwards."""
+    from mpsimpact.classifier import use_attention
+
+    for attention, plan in plans.items():
+        use_attention(module, attention)
+        prediction = predict(plan, geometry.batch_size, heads)
+        for guard_mode in config.guards:
+            yield condition_key(attention, guard_mode), condition_pass(
+                module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
+    use_attention(module, "eager")
+
+
 def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
     """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
     if would_abort(geometry, prediction, guard_mode):
