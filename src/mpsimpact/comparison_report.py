@@ -9,22 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.comparison import Comparison, cell_name
-from mpsimpact.report import HTML_STYLE, atomic_write_text, folder_written_atomically
+from mpsimpact.report import BANNER_COLOURS, HTML_STYLE, atomic_write_text, folder_written_atomically
 from mpsimpact.result_folder import DEFAULT_ATTENTION
+from mpsimpact.run_kind import format_cell as _show
 
-# Banner colours, as in report.html: amber for emulated, green for real.
-BANNER_COLOURS = {True: "#fde2a7", False: "#c7e9c0"}
 # Condition statuses as the run command prints them.
 STATUS_NAMES = {"stopped_by_guard": "stopped", "skipped_predicted_abort": "skipped (abort)"}
-
-
-def _show(value: Any) -> str:
-    """A value as a table cell."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
-    return str(value)
 
 
 def _old_new(old: Any, new: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from mpsimpact.matrix import ATTENTIONS, Progress
 from mpsimpact.release import EMULATED_LABEL
 from mpsimpact.report import (
+    BANNER_COLOURS,
     HTML_STYLE,
     atomic_write_bytes,
     atomic_write_text,
@@ -22,7 +23,6 @@ from mpsimpact.report import (
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
 UNPROBED_COLOUR = "#dddddd"
-BANNER = "#fde2a7"  # amber, as report.html's banner for emulated results
 
 
 def _build_note(row: dict[str, Any]) -> str:
@@ -159,7 +159,7 @@ def render_html(report: dict[str, Any], figure: bytes) -> str:
     image = base64.b64encode(figure).decode()
     title = f"mpsimpact matrix: {esc(report['config']['scenario'])}"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
-<style>{HTML_STYLE}.banner{{background:{BANNER}}}</style></head><body>
+<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[True]}}}</style></head><body>
 <h1>{title}</h1><p class="banner">{esc(headline(report))}</p>
 <figure><img alt="matrix" src="data:image/png;base64,{image}"><figcaption>matrix.png</figcaption></figure>
 {sections}<ul>{items}</ul><p><strong>{esc(result_line(report))}</strong></p></body></html>

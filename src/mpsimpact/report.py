@@ -16,6 +16,8 @@ from mpsimpact.run_kind import columns, condition_rows, kind_of
 from mpsimpact.run_kind import format_cell as _fmt
 
 SCHEMA_VERSION = 1
+# The banner of every HTML page, by whether MPS was emulated: amber for emulated, green for real.
+BANNER_COLOURS = {True: "#fde2a7", False: "#c7e9c0"}
 # The house look of every self-contained HTML page (run, compare, matrix); pages add their own rules.
 HTML_STYLE = (
     "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
@@ -134,9 +136,8 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
         for name, data in figures.items()
     )
     g = run["geometry"]
-    banner = "emulated" if g["emulated"] else "real"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {html.escape(run['config']['scenario'])}</title>
-<style>{HTML_STYLE}.banner{{background:{'#fde2a7' if banner == 'emulated' else '#c7e9c0'}}}</style></head><body>
+<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}</style></head><body>
 <h1>mpsimpact run: {html.escape(run['config']['scenario'])}</h1>
 <p class="banner">{html.escape(g['mode'])}</p>
 <p>Model <code>{html.escape(run['model'])}</code>; data: {html.escape(run['data_source'])}; batch {g['batch_size']}, max length {g['max_length']};

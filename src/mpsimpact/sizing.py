@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any
 
+from mpsimpact import memory
 from mpsimpact.errors import UsageError
 from mpsimpact.planner import estimate_peak_bytes, plan_at, predict
 
@@ -65,16 +66,9 @@ def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[in
     return options
 
 
-def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int, ceiling: int = 1 << 20) -> int:
-    """The largest batch at `length` whose estimated peak fits in `budget` bytes (0 if none)."""
-    low, high = 0, ceiling
-    while low < high:
-        mid = (low + high + 1) // 2
-        if estimate_peak_bytes(config, mid, length, DTYPE_BYTES[dtype]) * HEADROOM <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int) -> int:
+    """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0 if none)."""
+    return int(memory.largest_fitting_batch(lambda batch: estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype]) * HEADROOM, budget))
 
 
 def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict[str, Any]:
