@@ -33,7 +33,7 @@ def build(batch: int, length: int):
 
 
 def forward(model, ids, emulated: bool):
-    from mpsimpact.emulator import emulate
+    from mpsimpact.modes.emulator import emulate
 
     with torch.inference_mode():
         if not emulated:

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from mpsimpact.classifier import load_embedded_classifier
-from mpsimpact.safeguard import guard
+from mpsimpact.models.classifier import load_embedded_classifier
+from mpsimpact.modes.guard import guard
 
 
 def conditions(device: str) -> dict[str, object]:

@@ -24,8 +24,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.emulator import emulate
-from mpsimpact.safeguard import guard
+from mpsimpact.modes.emulator import emulate
+from mpsimpact.modes.guard import guard
 
 LIMIT = 2**32
 

@@ -19,9 +19,9 @@ import torch
 
 
 def plain_forward_seconds(batch: int) -> tuple[float, int]:
-    from mpsimpact.classifier import load_embedded_classifier
-    from mpsimpact.dataset import load_embedded
-    from mpsimpact.workload import REDUCED_LENGTH, Geometry, build_batch, tokenize
+    from mpsimpact.models.classifier import load_embedded_classifier
+    from mpsimpact.models.dataset import load_embedded
+    from mpsimpact.runs.device_pass import REDUCED_LENGTH, Geometry, build_batch, tokenize
 
     model = load_embedded_classifier()
     data = load_embedded("heldout")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from mpsimpact.scenarios.sentiment import SentimentScenario
 
-from mpsimpact.scenario import register
-from mpsimpact.train_kind import TrainKind
+from mpsimpact.runs.scenario import register
+from mpsimpact.runs.train_kind import TrainKind
 
 EVAL_TEXTS = 512
 
@@ -23,7 +23,7 @@ class FinetuneScenario(SentimentScenario):
     kind = TrainKind()
 
     def load(self) -> None:
-        from mpsimpact.dataset import LabelledTexts, load_embedded
+        from mpsimpact.models.dataset import LabelledTexts, load_embedded
 
         super().load()
         self.eval_data = self.data

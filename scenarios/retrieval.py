@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from mpsimpact.embed_kind import EmbedKind
-from mpsimpact.scenario import Scenario, load_model_config, register
+from mpsimpact.runs.embed_kind import EmbedKind
+from mpsimpact.runs.scenario import Scenario, load_model_config, register
 
 QUERIES = 256
 
@@ -36,8 +36,8 @@ class RetrievalScenario(Scenario):
         self.queries: tuple[str, ...] = ()
 
     def load(self) -> None:
-        from mpsimpact.dataset import load_embedded
-        from mpsimpact.embedder import load_embedder
+        from mpsimpact.models.dataset import load_embedded
+        from mpsimpact.models.embedder import load_embedder
 
         self.model = load_embedder(self.model_name)
         self.data = load_embedded("heldout")
@@ -49,6 +49,6 @@ class RetrievalScenario(Scenario):
 
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
         """The SentenceTransformer's transformer on `meta` (embedder.meta_embedder)."""
-        from mpsimpact.embedder import meta_embedder
+        from mpsimpact.models.embedder import meta_embedder
 
         return meta_embedder(config if config is not None else self.model.config, attention)

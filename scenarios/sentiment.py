@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from mpsimpact.classify_kind import ClassifyKind
-from mpsimpact.scenario import Scenario, load_model_config, register
+from mpsimpact.runs.classify_kind import ClassifyKind
+from mpsimpact.runs.scenario import Scenario, load_model_config, register
 
 
 @register
@@ -34,8 +34,8 @@ class SentimentScenario(Scenario):
         return self.model_name is None
 
     def load(self) -> None:
-        from mpsimpact.classifier import load_embedded_classifier, load_hub_classifier
-        from mpsimpact.dataset import load_texts
+        from mpsimpact.models.classifier import load_embedded_classifier, load_hub_classifier
+        from mpsimpact.models.dataset import load_texts
 
         self.model = load_embedded_classifier() if self.is_embedded else load_hub_classifier(self.model_name)
         self.data = load_texts(self.dataset_name, self.model.label_names)
@@ -46,6 +46,6 @@ class SentimentScenario(Scenario):
 
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
         """The classifier built on `meta` with an attention implementation, for the shape-only tracer."""
-        from mpsimpact.classifier import meta_classifier
+        from mpsimpact.models.classifier import meta_classifier
 
         return meta_classifier(config if config is not None else self.model.config, self.is_embedded, attention)

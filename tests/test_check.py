@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.diagnosis import CheckConfig, build_check_report, prepare, summarise
-from mpsimpact.length_search import _fit, _value, is_clean, longest_safe_length
-from mpsimpact.tracer import trace_module
+from mpsimpact.prediction.check import CheckConfig, build_check_report, prepare, summarise
+from mpsimpact.prediction.safe_size import _fit, _value, is_clean, longest_safe_length
+from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert
 
 runner = CliRunner()

@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mpsimpact.classifier import head_files
+from mpsimpact.models.classifier import head_files
 from mpsimpact.cli import app
-from mpsimpact.release import profile_for
-from mpsimpact.scenario import available
+from mpsimpact.engine.release import profile_for
+from mpsimpact.runs.scenario import available
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "200"}  # rich wraps at the terminal width; keep each table row on one line

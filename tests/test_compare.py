@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.comparison import compare_folders
+from mpsimpact.upgrade.compare import compare_folders
 from mpsimpact.errors import UsageError
 
 runner = CliRunner()
@@ -351,12 +351,12 @@ def test_json_output(tmp_path):
 
 
 def test_interrupted_write_leaves_no_folder(tmp_path, monkeypatch):
-    import mpsimpact.comparison_report
+    import mpsimpact.reports.compare
 
     def interrupted(comparison):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mpsimpact.comparison_report, "render_html", interrupted)
+    monkeypatch.setattr(mpsimpact.reports.compare, "render_html", interrupted)
     out = tmp_path / "cmp"
     result, _ = compare(*pair(tmp_path, report()), "--out", out)
     assert result.exit_code != 0

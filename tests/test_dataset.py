@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from mpsimpact.dataset import LABELS, embedded_corpus_path, load_embedded, load_file
+from mpsimpact.models.dataset import LABELS, embedded_corpus_path, load_embedded, load_file
 from mpsimpact.errors import UsageError
 
 CORPUS_SIZE = 37_243  # distinct non-empty texts of the embedded CSV

@@ -4,7 +4,7 @@ on small tensors at a reduced index width (LIMIT = 2**12 = 4096, VIEW_LIMIT = 20
 import pytest
 import torch
 
-from mpsimpact.emulator import emulate
+from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import EmulatedMpsError
 
 BITS = 12

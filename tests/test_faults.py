@@ -4,7 +4,7 @@ real sizes (free on `meta`)."""
 import pytest
 import torch
 
-from mpsimpact.faults import (
+from mpsimpact.engine.faults import (
     INT_MAX_MESSAGE,
     TensorSpec,
     classify_bmm,

@@ -37,10 +37,10 @@ def test_training_step_under_each_guard(tmp_path, monkeypatch):
 def test_a_step_that_does_not_fit_is_refused_before_anything_big_is_allocated(tmp_path, monkeypatch):
     from transformers import AutoConfig
 
-    from mpsimpact import device, training
-    from mpsimpact.classifier import embedded_model_path
-    from mpsimpact.device import GIB
-    from mpsimpact.memory import estimate_training_bytes
+    from mpsimpact.runs import device, training
+    from mpsimpact.models.classifier import embedded_model_path
+    from mpsimpact.runs.device import GIB
+    from mpsimpact.prediction.memory import estimate_training_bytes
 
     monkeypatch.setattr(device, "host_memory", lambda: (24 * GIB, 2 * GIB))  # total, available
     monkeypatch.setattr(training, "run_training", lambda *args: pytest.fail("the training step started"))

@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 
-from mpsimpact.emulator import emulate
+from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MpsImpactError, OversizedOpError
-from mpsimpact.safeguard import MpsImpactWarning, guard, install_guard, uninstall_guard
-from mpsimpact.tracer import trace_module
+from mpsimpact.modes.guard import MpsImpactWarning, guard, install_guard, uninstall_guard
+from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert, token_batch
 
 BITS = 20

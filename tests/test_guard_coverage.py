@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpsimpact.emulator import emulate
+from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.safeguard import guard
+from mpsimpact.modes.guard import guard
 
 BITS = 16
 PROFILE = "2.13.0"  # rule set B; mm aborts; cat above 2**31 (here 2**15) silently wrong

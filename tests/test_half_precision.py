@@ -6,7 +6,7 @@ import json
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.sizing import RECOMMENDED_SHARE, usable_bytes, visible_batch
+from mpsimpact.prediction.demo_size import RECOMMENDED_SHARE, usable_bytes, visible_batch
 
 runner = CliRunner()
 
@@ -66,9 +66,9 @@ def test_mps_preflight_counts_the_dtype_and_names_the_plan_command(monkeypatch):
 
     import pytest
 
-    import mpsimpact.workload as workload
+    import mpsimpact.runs.device_pass as workload
     from mpsimpact.errors import MemoryPreflightError
-    from mpsimpact.runner import RunConfig
+    from mpsimpact.runs.runner import RunConfig
 
     config = types.SimpleNamespace(hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522, num_hidden_layers=6)
     model = types.SimpleNamespace(config=config, max_positions=512)

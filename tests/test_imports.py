@@ -1,4 +1,5 @@
-"""The package's shape: public names stay the documented objects whatever is imported first, and no
+"""The package's shape: public names stay the documented objects whatever is imported first, imports
+go one way through the layers (docs/fault-model.md is the engine's; README "Layout" lists them), and no
 module imports a module that imports it back."""
 
 import ast
@@ -18,8 +19,7 @@ import importlib, inspect, json, pkgutil, sys
 import mpsimpact
 import mpsimpact.scenarios
 def submodules():
-    names = [f"mpsimpact.{m.name}" for m in pkgutil.iter_modules(mpsimpact.__path__)]
-    return names + [f"mpsimpact.scenarios.{m.name}" for m in pkgutil.iter_modules(mpsimpact.scenarios.__path__)]
+    return [m.name for m in pkgutil.walk_packages(mpsimpact.__path__, "mpsimpact.")]
 def kinds():
     return {name: ("module" if inspect.ismodule(getattr(mpsimpact, name)) else
                    "documented" if getattr(mpsimpact, name) is getattr(importlib.import_module(mpsimpact._EXPORTS[name]), name)
@@ -39,8 +39,9 @@ else:
 def module_files() -> dict[str, Path]:
     files = {}
     for package, folder in SOURCES.items():
-        for path in folder.glob("*.py"):
-            files[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in folder.rglob("*.py"):
+            parts = (package, *path.relative_to(folder).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return files
 
 
@@ -78,13 +79,92 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_module_imports_a_module_that_imports_it_back():
     files = module_files()
     graph = {name: imported_modules(path, set(files)) - {name} for name, path in files.items()}
-    assert "mpsimpact.workload" in graph["mpsimpact.training"]  # the walker sees imports at all
+    assert "mpsimpact.runs.device_pass" in graph["mpsimpact.runs.training"]  # the walker sees imports at all
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
 
 
 def test_the_cycle_finder_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
+
+
+# Layers from the bottom; a module imports only modules of lower rank, or of its own subpackage.
+# errors is a leaf for everyone; config and output for everyone above the modes.
+RANKS = {
+    "errors": 0, "engine": 1, "modes": 2, "attention": 2.5, "config": 3, "output": 4, "models": 5,
+    "prediction": 6, "runs": 7, "scenarios": 7.5, "upgrade": 8, "reports": 9, "commands": 10, "cli": 11,
+}
+SCENARIO_MAY_IMPORT = {"runs", "models", "errors", "scenarios"}
+
+
+def room(module: str) -> str:
+    """The layer a module lives in: its subpackage, or its own name for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import that goes sideways or up through the layers."""
+    bad = []
+    for module, imported in graph.items():
+        here = room(module)
+        if here == "__init__":
+            continue  # the package face imports nothing at top (lazy exports)
+        for target in imported:
+            there = room(target)
+            if there == here and here not in ("config", "errors", "cli", "attention"):
+                continue  # inside one subpackage
+            allowed = there in SCENARIO_MAY_IMPORT if here == "scenarios" else RANKS[there] < RANKS[here]
+            if not allowed:
+                bad.append((module, target))
+    return sorted(bad)
+
+
+def torch_at_top(path: Path) -> bool:
+    """Whether a module imports torch in its top-level statements."""
+    for node in ast.parse(path.read_text()).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(name == "torch" or name.startswith("torch.") for name in names):
+            return True
+    return False
+
+
+def project_graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {name: imported_modules(path, set(files)) - {name} for name, path in files.items()}
+
+
+def test_imports_go_down_the_layers_only():
+    graph = project_graph()
+    assert set(map(room, graph)) - {"__init__"} <= set(RANKS)  # every module has a room
+    assert "mpsimpact.engine.faults" in graph["mpsimpact.modes.guard"]  # the walker sees imports at all
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_check_catches_a_planted_violation():
+    graph = project_graph()
+    graph["mpsimpact.engine.faults"] = graph["mpsimpact.engine.faults"] | {"mpsimpact.runs.runner"}
+    graph["mpsimpact.scenarios.sentiment"] = graph["mpsimpact.scenarios.sentiment"] | {"mpsimpact.reports.run"}
+    assert layer_violations(graph) == [
+        ("mpsimpact.engine.faults", "mpsimpact.runs.runner"),
+        ("mpsimpact.scenarios.sentiment", "mpsimpact.reports.run"),
+    ]
+
+
+def test_the_engine_imports_no_other_subpackage_and_no_torch_at_top():
+    graph = project_graph()
+    engine = {name for name in graph if room(name) == "engine"}
+    assert len(engine) >= 3
+    assert {(m, t) for m in engine for t in graph[m] if room(t) != "engine"} == set()
+    assert [m for m in engine if torch_at_top(module_files()[m])] == []
+
+
+def test_the_subpackage_graph_has_no_cycle():
+    rooms: dict[str, set[str]] = {}
+    for module, imported in project_graph().items():
+        rooms.setdefault(room(module), set()).update(room(t) for t in imported if room(t) != room(module))
+    assert find_cycle(rooms) is None
 
 
 def test_no_public_name_is_also_a_submodule_name():
@@ -105,7 +185,7 @@ def test_the_readme_guard_one_liner_works_after_emulate_and_after_importing_the_
         "import torch, mpsimpact\n"
         "with mpsimpact.emulate(index_bits=20):\n"
         "    pass\n"
-        "import mpsimpact.safeguard\n"
+        "import mpsimpact.modes.guard\n"
         "with mpsimpact.guard('chunk'):\n"
         "    torch.ones(2, 2) @ torch.ones(2, 2)\n"
         "print(type(mpsimpact.guard).__name__)\n"

@@ -14,10 +14,10 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from mpsimpact import matrix_probe, overlay
+from mpsimpact.upgrade import probe, overlay
 from mpsimpact.cli import app
-from mpsimpact.matrix import MatrixConfig, build_matrix, probe_job
-from mpsimpact.overlay import (
+from mpsimpact.upgrade.matrix import MatrixConfig, build_matrix, probe_job
+from mpsimpact.upgrade.overlay import (
     MARKER,
     OverlayCache,
     OverlayError,

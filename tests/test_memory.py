@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact import memory
-from mpsimpact.classifier import SentenceClassifier
-from mpsimpact.memory import (
+from mpsimpact.prediction import memory
+from mpsimpact.models.classifier import SentenceClassifier
+from mpsimpact.prediction.memory import (
     estimate_training_bytes, largest_fitting_batch, recompute_activations, training_step_parts,
 )
 from tiny import tiny_bert, token_batch

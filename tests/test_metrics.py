@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpsimpact.metrics import relative_error, summarize
+from mpsimpact.runs.metrics import relative_error, summarize
 
 LABELS = ("negative", "neutral", "positive")
 INF = np.inf

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.option import INDEX_BITS_RANGE
+from mpsimpact.config import INDEX_BITS_RANGE
 
 runner = CliRunner()
 COMMANDS = {

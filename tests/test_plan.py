@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.emulator import emulate
-from mpsimpact.planner import largest_safe_batch, per_text_calls, plan_at, predict, trace_classifier
+from mpsimpact.modes.emulator import emulate
+from mpsimpact.prediction.outcome import largest_safe_batch, per_text_calls, plan_at, predict, trace_classifier
 from tiny import tiny_bert, token_batch
 
 runner = CliRunner()
@@ -70,7 +70,7 @@ def test_published_roberta_config_predicts_the_feed_forward_abort():
 
 
 def test_scaled_plan_equals_a_direct_trace():
-    from mpsimpact.classifier import meta_classifier
+    from mpsimpact.models.classifier import meta_classifier
     from transformers import AutoConfig
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
@@ -112,9 +112,9 @@ def test_sweep_table_and_figure(tmp_path):
 
 
 def test_run_on_real_mps_skips_a_predicted_process_abort():
-    from mpsimpact.classifier import meta_classifier
-    from mpsimpact.runner import skipped_abort, would_abort
-    from mpsimpact.workload import Geometry
+    from mpsimpact.models.classifier import meta_classifier
+    from mpsimpact.runs.runner import skipped_abort, would_abort
+    from mpsimpact.runs.device_pass import Geometry
     from transformers import AutoConfig
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
@@ -128,7 +128,7 @@ def test_run_on_real_mps_skips_a_predicted_process_abort():
 
 @pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert"])
 def test_plan_and_run_agree_on_the_usable_length(tmp_path, model_type):
-    from mpsimpact.classifier import usable_positions
+    from mpsimpact.models.classifier import usable_positions
 
     config = json.loads((ROBERTA / "config.json").read_text()) | {"model_type": model_type}
     (tmp_path / "config.json").write_text(json.dumps(config))

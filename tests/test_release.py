@@ -5,8 +5,8 @@ sizes, and each release's failure texts."""
 import pytest
 import torch
 
-from mpsimpact.faults import classify_bmm, classify_cat, classify_mm, classify_sdpa, sdpa_path
-from mpsimpact.release import MEASURED_RELEASES, profile_for
+from mpsimpact.engine.faults import classify_bmm, classify_cat, classify_mm, classify_sdpa, sdpa_path
+from mpsimpact.engine.release import MEASURED_RELEASES, profile_for
 
 GROUPS = {
     "2.4.1": ("2.4.1",),

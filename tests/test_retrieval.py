@@ -56,7 +56,7 @@ def readme_snippet(marker: str) -> str:
 
 @pytest.fixture(scope="module")
 def sentence_transformer():
-    from mpsimpact.embedder import load_sentence_transformer
+    from mpsimpact.models.embedder import load_sentence_transformer
 
     return load_sentence_transformer()
 
@@ -65,7 +65,7 @@ def test_readme_guard_snippet_for_sentence_transformers(sentence_transformer):
     import torch
 
     import mpsimpact
-    from mpsimpact.dataset import load_embedded
+    from mpsimpact.models.dataset import load_embedded
     from mpsimpact.errors import EmulatedMpsError
 
     texts = list(load_embedded("heldout").texts[:64])

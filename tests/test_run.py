@@ -99,12 +99,12 @@ def test_csv_without_a_text_column_is_refused(tmp_path):
 
 
 def test_interrupted_report_leaves_no_complete_looking_folder(tmp_path, monkeypatch):
-    import mpsimpact.figures
+    import mpsimpact.runs.figures
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mpsimpact.figures, "render_all", interrupted)
+    monkeypatch.setattr(mpsimpact.runs.figures, "render_all", interrupted)
     out = tmp_path / "run"
     result, _ = invoke([*SMALL, "--guard", "off", "--out", str(out)])
     assert result.exit_code != 0
@@ -116,7 +116,7 @@ def tiny_roberta_dir(tmp_path):
     """A tiny random RoBERTa sequence classifier (4 heads) with a WordPiece tokenizer, saved offline."""
     from transformers import AutoTokenizer, RobertaConfig, RobertaForSequenceClassification
 
-    from mpsimpact.classifier import embedded_model_path
+    from mpsimpact.models.classifier import embedded_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
     config = RobertaConfig(

@@ -6,9 +6,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import mpsimpact.emulator
+import mpsimpact.modes.emulator
 from mpsimpact.cli import app
-from mpsimpact.sweep import Cell, grid, observe, run_cells, summarize, thresholds
+from mpsimpact.runs.sweep import Cell, grid, observe, run_cells, summarize, thresholds
 
 runner = CliRunner()
 
@@ -41,7 +41,7 @@ def test_a_broken_emulator_is_caught(monkeypatch):
         offset = (start * per) % wrap_elements + per
         return x.as_strided((stop - start, *x.shape[1:]), x.stride(), x.storage_offset() + offset)
 
-    monkeypatch.setattr(mpsimpact.emulator, "_wrapped_segment", off_by_one_batch)
+    monkeypatch.setattr(mpsimpact.modes.emulator, "_wrapped_segment", off_by_one_batch)
     cells = [c for c in grid(18, ("fp32",), ("contiguous",), quick=True) if c.m == 256 and c.k == 256 and c.n == 64]
     rows = list(run_cells(cells, "cpu", True, 18, in_process=True))
     wrong = {r["cell"]["batch"] for r in rows if r["agree"] is False}

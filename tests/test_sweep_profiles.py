@@ -5,8 +5,8 @@ import collections
 
 import pytest
 
-from mpsimpact.release import group_representatives
-from mpsimpact.sweep import agrees, grid, run_cells
+from mpsimpact.engine.release import group_representatives
+from mpsimpact.runs.sweep import agrees, grid, run_cells
 
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
 
@@ -37,7 +37,7 @@ def test_every_release_group_agrees_on_the_whole_quick_grid(release):
 def test_a_planted_off_by_one_is_caught(monkeypatch):
     # The sweep is only worth something if it can disagree: emulate 2.5.1's abort band one element
     # late, then judge the observations against the real rules.
-    import mpsimpact.faults as faults
+    import mpsimpact.engine.faults as faults
 
     real = faults._view_fault
     monkeypatch.setattr(faults, "_view_fault", lambda name, s, limit, view_limit, prof: real(name, s, limit, view_limit + 1, prof))

@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from mpsimpact.emulator import emulate
+from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import PlanMismatchError
-from mpsimpact.tracer import trace_module
+from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert, token_batch
 
 BITS = 16  # LIMIT 65536

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mpsimpact.metrics import relative_error
-from mpsimpact.planner import estimate_peak_bytes
-from mpsimpact.sizing import DTYPE_BYTES
+from mpsimpact.runs.metrics import relative_error
+from mpsimpact.prediction.outcome import estimate_peak_bytes
+from mpsimpact.prediction.demo_size import DTYPE_BYTES
 
 for folder in map(Path, sys.argv[1:]):
     if not (folder / "report.json").is_file():

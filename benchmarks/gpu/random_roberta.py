@@ -6,7 +6,7 @@ import sys
 
 from transformers import AutoTokenizer, RobertaConfig, RobertaForSequenceClassification
 
-from mpsimpact.classifier import embedded_model_path
+from mpsimpact.models.classifier import embedded_model_path
 
 out = sys.argv[1]
 tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from mpsimpact.calls import active_emulator
-from mpsimpact.chunker import pieces
-from mpsimpact.faults import TensorSpec, largest_safe_batch
+from mpsimpact.modes.base import active_emulator
+from mpsimpact.modes.chunking import pieces
+from mpsimpact.engine.faults import TensorSpec, largest_safe_batch
 
 NAME = "mps_safe_eager"
 

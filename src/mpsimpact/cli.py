@@ -45,7 +45,7 @@ def doctor() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from mpsimpact.environment import collect_environment
+    from mpsimpact.runs.environment import collect_environment
 
     env = collect_environment()
     table = Table(title="mpsimpact doctor", show_header=False)
@@ -66,7 +66,7 @@ def doctor() -> None:
 @reports_errors
 def list_scenarios() -> None:
     """List the registered scenarios."""
-    from mpsimpact.scenario import available
+    from mpsimpact.runs.scenario import available
 
     for name, cls in available().items():
         typer.echo(f"{name:<12} {cls.description}")
@@ -108,8 +108,8 @@ def run(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mpsimpact.report import write_run_folder
-    from mpsimpact.runner import RunConfig, prepare_out_dir, run_scenario
+    from mpsimpact.reports.run import write_run_folder
+    from mpsimpact.runs.runner import RunConfig, prepare_out_dir, run_scenario
 
     config = RunConfig(
         scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
@@ -131,7 +131,7 @@ def run(
 def _print_summary(report: dict, folder) -> None:
     from rich.console import Console
 
-    from mpsimpact.run_kind import kind_of
+    from mpsimpact.runs.kind import kind_of
 
     kind = kind_of(report)
     console = Console()
@@ -170,7 +170,7 @@ def train_head_command(
     from pathlib import Path
 
     from mpsimpact.errors import UsageError
-    from mpsimpact.head import train_head
+    from mpsimpact.runs.head import train_head
 
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}.")
@@ -196,13 +196,17 @@ def plan(
     memory: str = typer.Option(None, "--memory", help="A Mac's unified memory (e.g. 32GB), or auto on a Mac: the smallest demo per dtype that shows the effect and fits, and the command to type."),
 ) -> None:
     """Predict from shapes alone (no weights, nothing big allocated) which calls fault and which outputs go wrong."""
-    from mpsimpact.plan_report import PlanConfig, build_plan_report, print_plan, write_plan_folder
-    from mpsimpact.report import fresh_out_dir
+    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.prediction.plan import PlanConfig, build_plan_report
+    from mpsimpact.reports.plan import print_plan, write_plan_folder, write_sweep_figure
+    from mpsimpact.runs.scenario import get_scenario
 
     config = PlanConfig(scenario, batch_size, max_length, model, backward, index_bits, sweep, figure, torch_profile, versions, out, memory)
     config.validate()
     folder = fresh_out_dir(out, "plan") if out or versions else None
-    report = build_plan_report(config)
+    report = build_plan_report(config, get_scenario(scenario)(model=model))
+    if figure and "sweep" in report:
+        write_sweep_figure(report["sweep"], figure, report["model"])
     if as_json:
         import json
 
@@ -229,7 +233,7 @@ def sweep(
     torch_profile: str = typer.Option(None, "--torch-profile", help="The torch release whose rules predict (and, emulated, produce) each cell [default: the installed one]."),
 ) -> None:
     """Re-measure the bmm fault map on a device and check it against the fault model."""
-    from mpsimpact.sweep_report import SweepConfig, run_sweep
+    from mpsimpact.reports.sweep import SweepConfig, run_sweep
 
     config = SweepConfig(device, emulate, index_bits, quick, tuple(dtypes.split(",")), tuple(layouts.split(",")), out, expect_fixed,
                          in_process, torch_profile)
@@ -251,9 +255,9 @@ def compare(
     """Compare two run (or sweep) folders across an upgrade; exit 1 when something that matters changed."""
     import json
 
-    from mpsimpact.comparison import compare_folders
-    from mpsimpact.comparison_report import print_comparison, write_comparison_folder
-    from mpsimpact.report import fresh_out_dir
+    from mpsimpact.upgrade.compare import compare_folders
+    from mpsimpact.reports.compare import print_comparison, write_comparison_folder
+    from mpsimpact.output.files import fresh_out_dir
 
     folder = fresh_out_dir(out, "compare") if out else None
     comparison = compare_folders(old, new)
@@ -283,9 +287,9 @@ def check(
     out: str = typer.Option(None, "--out", help="Also write check.json and check.md here (must not exist or be empty)."),
 ) -> None:
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta tensors, no weights)."""
-    from mpsimpact.diagnosis import CheckConfig, build_check_report
-    from mpsimpact.diagnosis_report import print_check, write_check_folder
-    from mpsimpact.report import fresh_out_dir
+    from mpsimpact.prediction.check import CheckConfig, build_check_report
+    from mpsimpact.reports.check import print_check, write_check_folder
+    from mpsimpact.output.files import fresh_out_dir
 
     config = CheckConfig(model, batch_size, seq_len, target_len, task, attention, phase, torch_profile, index_bits, out)
     config.validate()
@@ -314,9 +318,9 @@ def matrix(
     offline: bool = typer.Option(False, "--offline", help="Use only cached environments and say which are missing (automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),
 ) -> None:
     """Which attention each transformers release runs, what reaches MPS, and whether the guard still holds; exit 1 if not."""
-    from mpsimpact.matrix import MatrixConfig, build_matrix, split_versions
-    from mpsimpact.matrix_report import print_matrix, progress_bars, write_matrix_folder
-    from mpsimpact.report import fresh_out_dir
+    from mpsimpact.upgrade.matrix import MatrixConfig, build_matrix, split_versions
+    from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder
+    from mpsimpact.output.files import fresh_out_dir
 
     versions = {} if transformers is None else {"transformers": split_versions(transformers)}
     config = MatrixConfig(scenario, model=model, batch_size=batch_size, max_length=max_length, out=out, offline=offline, **versions)

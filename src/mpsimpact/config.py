@@ -1,0 +1,87 @@
+"""Command options: each config field declares its check once, and every command's config is validated
+the same way, before anything is loaded. Options several commands share are defined here once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mpsimpact.errors import UsageError
+
+# The index widths the emulator, planner and sweep accept; 32 is MPS's.
+INDEX_BITS_RANGE = (8, 32)
+DEVICES = ("auto", "mps", "cuda", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """How one option's value is checked: a numeric range, or a set of choices (for each element
+    of a tuple value, too). None values are left alone (an option not given)."""
+
+    flag: str
+    low: float | None = None
+    high: float | None = None
+    inclusive: bool = True
+    choices: tuple[str, ...] | None = None
+    hint: str = ""
+    parse: Callable[[Any], Any] | None = None  # raises ValueError on a bad value
+
+    def __call__(self, value: Any) -> None:
+        if value is None:
+            return
+        if self.parse is not None:
+            try:
+                self.parse(value)
+            except ValueError as error:
+                raise UsageError(f"{self.flag}: {error}{self.hint}.", option=self.flag) from None
+            return
+        if self.choices is not None:
+            for item in value if isinstance(value, tuple) else (value,):
+                if item not in self.choices:
+                    raise UsageError(f"{self.flag} must be one of {', '.join(self.choices)}; got '{item}'.", option=self.flag)
+            return
+        if not self._in_range(value):
+            raise UsageError(f"{self.flag} must be {self._expected()}{self.hint}, got {value}.", option=self.flag)
+
+    def _in_range(self, value: float) -> bool:
+        if self.inclusive:
+            return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+        return (self.low is None or value > self.low) and (self.high is None or value < self.high)
+
+    def _expected(self) -> str:
+        if self.high is None:
+            return f"{'>=' if self.inclusive else '>'} {self.low:g}"
+        return f"in {self.low:g}..{self.high:g}" if self.inclusive else f"in ({self.low:g}, {self.high:g})"
+
+
+def option(default: Any, check: Check) -> Any:
+    """A config dataclass field whose value `validate` checks with `check`."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+def validate(config: Any) -> None:
+    """Checks every field of a config dataclass that declares a `Check`; raises UsageError (one line,
+    naming the flag, the value and what is expected) on the first bad value."""
+    for field in dataclasses.fields(config):
+        check = field.metadata.get("check")
+        if check is not None:
+            check(getattr(config, field.name))
+
+
+BATCH_SIZE = Check("--batch-size", low=1)
+MAX_LENGTH = Check("--max-length", low=1)
+INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=" (32 is MPS)")
+DEVICE = Check("--device", choices=DEVICES)
+
+
+def _parse_release(value: str) -> None:
+    from mpsimpact.engine.release import profile_for
+
+    profile_for(value)
+
+
+TORCH_PROFILE = Check(
+    "--torch-profile", parse=_parse_release,
+    hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively) or 'conservative'",
+)

@@ -1,0 +1,383 @@
+"""The MPS large-tensor fault rules: pure functions of shapes, strides, offsets and dtype.
+
+The emulator, the guard, the tracer and the planner all decide through this module; none keeps a
+private copy of a threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+from mpsimpact.engine.release import (
+    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile,
+    view_equal_limit_message,
+)
+
+__all__ = ["INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_cat", "classify_sdpa"]
+
+# Note [MPS 32-bit index faults]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# PyTorch's MPS backend indexes bmm operands with 32-bit arithmetic (torch 2.4.1 .. 2.14.0; the
+# facts are in docs/fault-model.md, from arXiv 2609.22991 and pytorch#197636). For
+# a (B, M, K) @ b (B, K, N) with LIMIT = 2**index_bits and VIEW_LIMIT = 2**(index_bits - 1), the
+# first rule that applies decides ("rule set B", torch 2.10 .. 2.14):
+#   1. output numel > LIMIT: a transposed-view operand is read as if its storage were packed
+#      row-major in the view's shape (strides ignored, storage offset kept): every batch wrong.
+#      Without a transposed operand the result is correct. Terminal: rules 2 and 3 are skipped.
+#   2. a view operand (transposed, or storage offset != 0) with numel >= VIEW_LIMIT raises
+#      "MPSGraph does not support tensor dims larger than INT_MAX" before computing.
+#   3. a contiguous non-view operand with numel > LIMIT wraps: batch i reads the `per` elements at
+#      flat offset (i * per) mod LIMIT, so batches i >= ceil(LIMIT / per) are wrong.
+#   4. otherwise correct.
+# Older releases differ (release.FaultProfile, docs/fault-model.md "Per-release differences"):
+# 2.4.1 is wrong in fp32 (not characterised) above LIMIT output elements whatever the layout, and
+# truncates views of LIMIT elements or more; 2.5.1 .. 2.8.0 abort the process for views between
+# VIEW_LIMIT and LIMIT of storage extent (offset + numel), raise at exactly LIMIT, and wrap views
+# above it; 2.5.1 .. 2.9.1 count a slice's offset towards the view limit; 2.9.1 .. 2.12.1 misspell
+# the error text. The backward products grad_a = G @ b^T and grad_b = a^T @ G follow the same rules
+# (measured on 2.14.0; inferred elsewhere). A 2-D mm or addmm whose output has >= LIMIT elements
+# aborts the process (2.8.0 on). Fused SDPA is wrong above LIMIT score elements on 2.5.1 .. 2.12.1
+# (values not characterised); with gradients, and on 2.4.1, SDPA is the math path (bmm rules).
+# Only element counts matter: the wrap is an element index, the same for every dtype.
+# Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
+# view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
+# contiguous copy the strided read is inferred to equal, and says so.
+
+FaultKind = Literal["ok", "error", "wrong_all", "wrong_tail", "abort", "truncated", "wrong_other"]
+Layout = Literal["contiguous", "offset", "transposed", "strided"]
+SILENT_KINDS = frozenset({"wrong_all", "wrong_tail", "truncated", "wrong_other"})
+STOP_KINDS = frozenset({"error", "abort"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """The metadata of one operand: all the fault rules ever look at."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, tensor: Any) -> TensorSpec:
+        """Reads the spec of a real, meta or fake tensor without touching its data."""
+        return cls(
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
+            str(tensor.dtype).removeprefix("torch."),
+        )
+
+    @classmethod
+    def contiguous(cls, shape: tuple[int, ...], dtype: str = "float32") -> TensorSpec:
+        return cls(tuple(shape), contiguous_strides(shape), 0, dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def per_batch(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def extent(self) -> int:
+        """Elements of storage from its start to one past the last element this view reads."""
+        if self.numel == 0:
+            return self.storage_offset
+        return self.storage_offset + 1 + sum((size - 1) * abs(step) for size, step in zip(self.shape, self.stride))
+
+    def transpose(self) -> TensorSpec:
+        """The spec of `.transpose(-1, -2)` of this operand (a view)."""
+        shape = (*self.shape[:-2], self.shape[-1], self.shape[-2])
+        stride = (*self.stride[:-2], self.stride[-1], self.stride[-2])
+        return TensorSpec(shape, stride, self.storage_offset, self.dtype)
+
+    @property
+    def layout(self) -> Layout:
+        if _is_dense(self.shape, self.stride):
+            return "contiguous" if self.storage_offset == 0 else "offset"
+        swapped = self.transpose()
+        if _is_dense(swapped.shape, swapped.stride):
+            return "transposed"
+        return "strided"
+
+    @property
+    def is_view(self) -> bool:
+        # A slice s[1:] of a contiguous tensor counts although is_contiguous() is True.
+        return self.layout in ("offset", "transposed")
+
+    def as_layout(self, layout: str) -> TensorSpec:
+        """The same shape, dtype and offset in another layout (for unmeasured layouts)."""
+        if layout == "transposed":
+            swapped = TensorSpec.contiguous((*self.shape[:-2], self.shape[-1], self.shape[-2]), self.dtype)
+            return dataclasses.replace(swapped.transpose(), storage_offset=self.storage_offset)
+        return dataclasses.replace(TensorSpec.contiguous(self.shape, self.dtype), storage_offset=self.storage_offset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "storage_offset": self.storage_offset,
+            "dtype": self.dtype,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """What MPS does with one matrix-multiply call.
+
+    Attributes:
+        kind: "ok", "error" (raises before computing), "abort" (the process aborts), "wrong_all"
+            (every batch wrong), "wrong_tail" (batches from `first_bad_batch` on wrong), "truncated"
+            (2.4.1: mostly zeros) or "wrong_other" (wrong, pattern not characterised).
+        operand: the operand that causes it: "a", "b", "ab" (both) or None.
+        first_bad_batch: first wrong batch (0 for wrong_all), or None.
+        message: the MPS error text for "error" and "abort", else "".
+        rule: which rule decided: "output-transposed", "output-fp32", "view-int-max", "view-abort",
+            "view-truncated", "input-wrap", "mm-encode", "unmeasured-layout", "sdpa-fused", "cat",
+            "conservative:<rule>" or "none".
+        wrap_elements: the element period of the wrap (2**index_bits) for "wrong_tail".
+        release: the torch release whose profile decided ("" for ok).
+        inferred: the decision rests on an inference, not a measurement (unmeasured layouts,
+            backward outside 2.14.0, conservative profiles).
+    """
+
+    kind: FaultKind = "ok"
+    operand: str | None = None
+    first_bad_batch: int | None = None
+    message: str = ""
+    rule: str = "none"
+    wrap_elements: int | None = None
+    release: str = ""
+    inferred: bool = False
+
+    @property
+    def is_ok(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def is_silent(self) -> bool:
+        """Wrong values with no error."""
+        return self.kind in SILENT_KINDS
+
+    @property
+    def is_stop(self) -> bool:
+        """MPS raises or aborts: the run ends at this call."""
+        return self.kind in STOP_KINDS
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+OK = Fault()
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides for `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    # Same test as Tensor.is_contiguous(): size-1 dims may carry any stride.
+    step = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != step:
+            return False
+        step *= size
+    return True
+
+
+def _spec(x: Any) -> TensorSpec:
+    return x if isinstance(x, TensorSpec) else TensorSpec.of(x)
+
+
+def limits(index_bits: int) -> tuple[int, int]:
+    """(LIMIT, VIEW_LIMIT) = (2**index_bits, 2**(index_bits - 1)). See Note [MPS 32-bit index faults]."""
+    if not 2 <= index_bits <= 62:
+        raise ValueError(f"index_bits must be in 2..62, got {index_bits}")
+    return 1 << index_bits, 1 << (index_bits - 1)
+
+
+def wrap_start_batch(per: int, wrap_elements: int) -> int:
+    """First batch whose flat offset wraps: ceil(wrap_elements / per)."""
+    return -(-wrap_elements // per)
+
+
+Profile = str | FaultProfile | None
+
+
+def classify_bmm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+    """Decides what MPS's bmm does with `a @ b`.
+
+    Args:
+        a: (B, M, K) operand: a tensor (real, meta or fake) or a `TensorSpec`.
+        b: (B, K, N) operand, likewise.
+        index_bits: the index width; every threshold scales with it.
+        profile: a torch release ("2.12.1"), a `FaultProfile`, or None for the installed torch's.
+
+    Returns:
+        The `Fault`. See Note [MPS 32-bit index faults].
+    """
+    prof = resolve_profile(profile)
+    sa, sb = _spec(a), _spec(b)
+    if prof.conservative:
+        return _conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p))
+    strided = "".join(name for name, s in (("a", sa), ("b", sb)) if s.layout == "strided")
+    if not strided:
+        return _classify_measured(sa, sb, index_bits, prof)
+    # Unmeasured layouts: what a contiguous copy would get (the measured operands may decide alone);
+    # if that is ok, still unsafe wherever a transposed view would not be.
+    copy = {name: (s.as_layout("contiguous") if name in strided else s) for name, s in (("a", sa), ("b", sb))}
+    fault = _classify_measured(copy["a"], copy["b"], index_bits, prof)
+    if not fault.is_ok:
+        return dataclasses.replace(fault, inferred=True) if set(fault.operand or "") & set(strided) else fault
+    swap = {name: (s.as_layout("transposed") if name in strided else s) for name, s in (("a", sa), ("b", sb))}
+    as_view = _classify_measured(swap["a"], swap["b"], index_bits, prof)
+    if as_view.is_ok:
+        return OK
+    message = f"unmeasured layout (general strides); as a transposed view MPS would give {as_view.kind}"
+    return Fault("wrong_other", strided, None, message, "unmeasured-layout", release=prof.release, inferred=True)
+
+
+def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, prof: FaultProfile) -> Fault:
+    limit, view_limit = limits(index_bits)
+    named = (("a", sa), ("b", sb))
+    if sa.shape[0] * sa.shape[1] * sb.shape[2] > limit:  # rule 1, terminal
+        if prof.output_rule == "fp32-wrong":
+            return OK if sa.dtype == "float16" else Fault("wrong_other", None, None, rule="output-fp32", release=prof.release)
+        transposed = "".join(name for name, s in named if s.layout == "transposed")
+        return Fault("wrong_all", transposed, 0, rule="output-transposed", release=prof.release) if transposed else OK
+    for name, s in named:
+        if s.is_view and (fault := _view_fault(name, s, limit, view_limit, prof)) is not None:
+            return fault
+    wraps = prof.view_rule == "abort"  # 2.5.1 .. 2.8.0 wrap views above LIMIT too
+    wrapped = [(name, s) for name, s in named if (wraps or not s.is_view) and s.numel > limit]
+    firsts = {name: wrap_start_batch(s.per_batch, limit) for name, s in wrapped}
+    firsts = {name: first for name, first in firsts.items() if first < sa.shape[0]}
+    if not firsts:
+        return OK
+    return Fault("wrong_tail", "".join(firsts), min(firsts.values()), rule="input-wrap", wrap_elements=limit, release=prof.release)
+
+
+def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, prof: FaultProfile) -> Fault | None:
+    """Rule 2, per release: what a view operand of this size does, or None if nothing."""
+    size = s.extent if prof.slice_extent and s.layout == "offset" else s.numel
+    if prof.view_rule == "truncate":
+        return Fault("truncated", name, 0, rule="view-truncated", release=prof.release) if s.numel >= limit else None
+    if prof.view_rule == "abort":
+        if s.numel > limit:
+            return None  # wraps (rule 3)
+        if size == limit:
+            return Fault("error", name, None, view_equal_limit_message(prof), "view-int-max", release=prof.release)
+        if view_limit <= size < limit:
+            return Fault("abort", name, None, NDARRAY_ABORT_MESSAGE, "view-abort", release=prof.release)
+        return None
+    if size >= view_limit:
+        return Fault("error", name, None, prof.view_message, "view-int-max", release=prof.release)
+    return None
+
+
+def _conservative(classify: Any) -> Fault:
+    """An unmeasured release: unsafe if any measured release faults; the newest such fault, labelled."""
+    faults = [f for f in (classify(p) for p in reversed(measured_profiles())) if not f.is_ok]
+    if not faults:
+        return OK
+    return dataclasses.replace(faults[0], rule=f"conservative:{faults[0].rule}", inferred=True)
+
+
+def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> tuple[Fault, Fault]:
+    """Decides the two gradient products of `a @ b`: (grad_a = G @ b^T, grad_b = a^T @ G).
+
+    G, the incoming gradient, is taken contiguous, as autograd produces it. Measured on 2.14.0;
+    for other releases their forward rules are applied (inferred).
+    """
+    sa, sb = _spec(a), _spec(b)
+    grad = TensorSpec.contiguous((sa.shape[0], sa.shape[1], sb.shape[2]), sa.dtype)
+    faults = (
+        classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
+        classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile),
+    )
+    release = resolve_profile(profile).release
+    return tuple(f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore[return-value]
+
+
+def classify_mm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+    """Decides a 2-D `mm`/`addmm`: an output of >= 2**index_bits elements aborts the process (2.8.0 on)."""
+    prof = resolve_profile(profile)
+    if prof.conservative:
+        return _conservative(lambda p: classify_mm(a, b, index_bits=index_bits, profile=p))
+    limit, _ = limits(index_bits)
+    sa, sb = _spec(a), _spec(b)
+    out_numel = sa.shape[0] * sb.shape[1]
+    if prof.mm_aborts and out_numel >= limit:
+        message = (
+            f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with {out_numel} "
+            f"elements {ENCODE_FAILED_MESSAGE} (the process aborts)"
+        )
+        return Fault("abort", None, None, message, rule="mm-encode", release=prof.release)
+    return OK
+
+
+def classify_cat(numels: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+    """Decides `torch.cat` of tensors with these element counts (one measured shape per release)."""
+    prof = resolve_profile(profile)
+    if prof.conservative:
+        return _conservative(lambda p: classify_cat(numels, index_bits=index_bits, profile=p))
+    limit, view_limit = limits(index_bits)
+    total = sum(numels)
+    if prof.cat_rule == "wrong" and total > view_limit:
+        return Fault("wrong_other", None, None, "torch.cat output above 2^31 elements (pytorch#189960)", "cat", release=prof.release)
+    if prof.cat_rule in ("abort", "error") and total > limit:
+        return Fault(prof.cat_rule, None, None, f"torch.cat output of {total} elements fails on MPS {prof.release}", "cat", release=prof.release)
+    return OK
+
+
+def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
+    """"fused" (MPS's own SDPA op) or "math" (matmul/softmax/matmul: the bmm rules decide).
+
+    2.4.1 has no MPS SDPA op; with gradients SDPA takes the math path (inferred from upstream code).
+    """
+    prof = resolve_profile(profile)
+    return "fused" if prof.sdpa_fused and not needs_grad and not prof.conservative else "math"
+
+
+def classify_sdpa(query: Any, key: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+    """Decides MPS's fused SDPA op: wrong above 2**index_bits score elements (B*H*Lq*Lk) on 2.5.1 ..
+    2.12.1, values not characterised (pytorch PR #179592); correct from 2.13.0. Only meaningful where
+    `sdpa_path` is "fused"; on the math path the bmm rules decide."""
+    prof = resolve_profile(profile)
+    if prof.conservative:
+        return _conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p))
+    limit, _ = limits(index_bits)
+    sq, sk = _spec(query), _spec(key)
+    scores = math.prod(sq.shape[:-1]) * sk.shape[-2]
+    if prof.sdpa_fused and prof.sdpa_fused_wrong and scores > limit:
+        message = f"fused SDPA with {scores} score elements is wrong on MPS {prof.release}; values not characterised"
+        return Fault("wrong_other", "ab", None, message, "sdpa-fused", release=prof.release)
+    return OK
+
+
+def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm", as_slices: bool = False) -> int:
+    """The largest leading-dim chunk of this call for which every rule says "ok".
+
+    For bmm the chunk must keep views below VIEW_LIMIT and everything else at or below LIMIT; with
+    `as_slices` every operand counts as a view (a chunk s[i:j] of a tensor is one, offset != 0).
+    For mm the output must stay below LIMIT.
+    """
+    limit, view_limit = limits(index_bits)
+    sa, sb = _spec(a), _spec(b)
+    if op == "mm":
+        return max(1, (limit - 1) // max(sb.shape[1], 1))
+    per_out = sa.shape[1] * sb.shape[2]
+    bounds = [limit // max(per_out, 1)]
+    for s in (sa, sb):
+        cap = (view_limit - 1) if s.is_view or as_slices else limit
+        bounds.append(cap // max(s.per_batch, 1))
+    return max(1, min(bounds))

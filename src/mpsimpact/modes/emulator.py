@@ -1,0 +1,274 @@
+"""The MPS emulator: a dispatch mode that makes CPU or CUDA tensors fault the way MPS does.
+
+See Note [MPS 32-bit index faults] in mpsimpact/faults.py for the rules it applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mpsimpact.modes.base import (
+    CallRecord, MatmulMode, activated, classify_call, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
+)
+from mpsimpact.modes.entrypoint import handling
+from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
+from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_cat, contiguous_strides, limits, sdpa_path, wrap_start_batch
+from mpsimpact.engine.release import resolve_profile
+
+if TYPE_CHECKING:
+    from mpsimpact.modes.tracer import FaultPlan
+
+def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
+    """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""
+    return x.as_strided(x.shape, contiguous_strides(tuple(x.shape)), x.storage_offset())
+
+
+def _wrap_bounds(batches: int, per: int, wrap_elements: int) -> list[int]:
+    """Batch indices below `batches` where the wrap count floor(i * per / wrap) goes up."""
+    bounds, wraps = [], 1
+    while (start := wrap_start_batch(per, wraps * wrap_elements)) < batches:
+        bounds.append(start)
+        wraps += 1
+    return bounds
+
+
+def _wrapped_segment(x: torch.Tensor, start: int, stop: int, wrap_elements: int | None) -> torch.Tensor:
+    """Batches [start, stop) of `x` as MPS reads them: from flat offset (i * per) mod wrap."""
+    if wrap_elements is None:
+        return x[start:stop]
+    per = x[0].numel()
+    offset = (start * per) % wrap_elements
+    return x.as_strided((stop - start, *x.shape[1:]), x.stride(), x.storage_offset() + offset)
+
+
+def wrong_bmm(a: torch.Tensor, b: torch.Tensor, fault: Fault, wraps: dict[str, int]) -> torch.Tensor:
+    """The values MPS returns for `a @ b` under `fault` (wrong_all or wrong_tail).
+
+    Zero-copy: wrong operands are `as_strided` views of the originals; a wrapped operand is
+    computed batch range by batch range, one range per wrap count. `wraps` maps "a"/"b" to the
+    element period of that operand's wrap.
+    """
+    if fault.kind == "wrong_all":
+        a = read_stride_ignored(a) if "a" in fault.operand else a
+        b = read_stride_ignored(b) if "b" in fault.operand else b
+        return torch.bmm(a, b)
+    batches = a.shape[0]
+    cuts = {0, batches}
+    for name, x in (("a", a), ("b", b)):
+        if name in wraps:
+            cuts.update(_wrap_bounds(batches, x[0].numel(), wraps[name]))
+    cuts = sorted(cuts)
+    out = torch.empty((batches, a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)  # (B, M, N)
+    for start, stop in zip(cuts, cuts[1:]):
+        torch.bmm(
+            _wrapped_segment(a, start, stop, wraps.get("a")),
+            _wrapped_segment(b, start, stop, wraps.get("b")),
+            out=out[start:stop],
+        )
+    return out
+
+
+class EmulateMode(MatmulMode):
+    """Applies the MPS fault rules of one torch release to every bmm/mm/SDPA/cat call; records the
+    calls it altered.
+
+    With a `plan` (from `trace_faults` at full scale), each call takes the plan's decision
+    instead of classifying its own, smaller shapes. See `emulate()`.
+    """
+
+    def __init__(self, index_bits: int = 32, plan: FaultPlan | None = None, profile: Profile = None) -> None:
+        super().__init__()
+        limits(index_bits)
+        self.index_bits = index_bits
+        self.plan = plan
+        self.profile = resolve_profile(plan.profile if plan is not None else profile)
+        self.calls = 0
+        self.records: list[CallRecord] = []
+        self._grouped = False
+
+    def on_matmul(self, func, family, a, b, args, kwargs):
+        if self._grouped and self.plan is not None:
+            return func(*args, **kwargs)  # a guard's safe chunk of one planned call
+        index = self.calls
+        self.calls += 1
+        fault, wraps = self._decide(index, family, func, a, b)
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        record = self._record(index, op_name(func), a, b, fault)
+        if fault.rule == "unmeasured-layout":
+            return self._as_contiguous_copy(record, func, family, a, b, args, kwargs)
+        self._refuse(record)
+        # An unmeasured layout in a measured fault: computed as its contiguous copy (inferred).
+        a, b = (x.contiguous() if TensorSpec.of(x).layout == "strided" else x for x in (a, b))
+        product = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device) if fault.kind == "truncated" \
+            else wrong_bmm(a, b, fault, wraps)
+        if func is torch.ops.aten.baddbmm.default:
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            product = product.mul_(alpha) if alpha != 1 else product
+            return product if beta == 0 else product.add_(args[0], alpha=beta)
+        return product
+
+    def _record(self, index: int, op: str, a, b, fault: Fault) -> CallRecord:
+        # Under a plan the record (and any error text) shows the full-scale call MPS would see.
+        planned = self.plan.calls[index] if self.plan is not None else None
+        spec_a, spec_b = (planned.a, planned.b) if planned else (TensorSpec.of(a), TensorSpec.of(b))
+        record = CallRecord(index, op, spec_a, spec_b, fault, current_phase())
+        self.records.append(record)
+        return record
+
+    def _refuse(self, record: CallRecord) -> None:
+        """Raises what MPS raises (or aborts with), or refuses to invent values nobody characterised."""
+        fault = record.fault
+        if fault.is_stop:
+            what = "the process aborts on MPS" if fault.kind == "abort" else "MPS raises"
+            raise EmulatedMpsError(
+                f"{record.describe()}: {fault.message} (emulated MPS {self.profile.release}, rule {fault.rule}; {what})",
+                op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
+            )
+        if fault.kind == "wrong_other":
+            raise NotEmulatedError(
+                f"{record.describe()}: wrong on MPS {self.profile.release}; values not characterised, not emulated "
+                f"(rule {fault.rule}{'; ' + fault.message if fault.message else ''})",
+                op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
+            )
+
+    def _as_contiguous_copy(self, record: CallRecord, func, family, a, b, args, kwargs):
+        """An unmeasured layout, computed as the contiguous copy its read is inferred to equal."""
+        if self.plan is not None:
+            raise NotEmulatedError(
+                f"{record.describe()}: unmeasured layout on MPS {self.profile.release}; not replayed at a reduced length "
+                "(inferred only). Run at full scale, or guard it.", op=record.op, fault=record.fault,
+            )
+        fault = classify_call(family, a.contiguous(), b.contiguous(), self.index_bits, self.profile)
+        if fault.kind != "wrong_tail":
+            return func(*args, **kwargs)
+        return wrong_bmm(a.contiguous(), b.contiguous(), fault, {name: fault.wrap_elements for name in fault.operand})
+
+    def _decide(self, index, family, func, a, b) -> tuple[Fault, dict[str, int]]:
+        if self.plan is None:
+            fault = classify_call(family, a, b, self.index_bits, self.profile)
+            wraps = {name: fault.wrap_elements for name in (fault.operand or "")}
+            return fault, wraps if fault.kind == "wrong_tail" else {}
+        return replay_decision(self.plan, index, family, op_name(func) if func is not None else family, a, b)
+
+    def on_other(self, func, args, kwargs):
+        if func is torch.ops.aten.cat.default and args[0]:
+            fault = classify_cat([t.numel() for t in args[0]], index_bits=self._cat_bits(), profile=self.profile)
+            if not fault.is_ok:
+                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
+                record = CallRecord(self.calls, "cat", spec, spec, fault, current_phase())
+                self.records.append(record)
+                self._refuse(record)
+        return func(*args, **kwargs)
+
+    def _cat_bits(self) -> int:
+        return self.plan.index_bits if self.plan is not None else self.index_bits
+
+    def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
+        """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]."""
+        if name != "sdpa" or (self._grouped and self.plan is not None):
+            return proceed(*args, **kwargs)
+        query, key, value = sdpa_operands(args, kwargs)
+        if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
+            return sdpa_math(*args, **kwargs)  # its bmm calls come through on_matmul
+        index = self.calls
+        self.calls += 1
+        fault, _ = self._decide(index, "sdpa", None, query, key)
+        if fault.is_ok:
+            return proceed(*args, **kwargs)
+        self._refuse(self._record(index, "sdpa", query, key, fault))
+        return proceed(*args, **kwargs)
+
+    def peek(self, family: str, func: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[Fault, Any, Any]:
+        """The decision the next call would get, and the operands it was decided on (the
+        full-scale specs under a plan), without consuming it. For the guard."""
+        if self.plan is None:
+            return classify_call(family, a, b, self.index_bits, self.profile), a, b
+        fault, _ = self._decide(self.calls, family, func, a, b)
+        planned = self.plan.calls[self.calls]
+        return fault, planned.a, planned.b
+
+    @contextlib.contextmanager
+    def as_one_call(self) -> Iterator[None]:
+        """Counts the calls made inside as the one planned call they split (guard chunking)."""
+        self._grouped = True
+        try:
+            yield
+        finally:
+            self._grouped = False
+        if self.plan is not None:
+            self.calls += 1
+
+    def check_plan_consumed(self) -> None:
+        """Raises if a replayed plan had calls this run never made."""
+        if self.plan is not None and self.calls != len(self.plan.calls):
+            raise PlanMismatchError(
+                f"The run made {self.calls} bmm/mm calls but the fault plan has "
+                f"{len(self.plan.calls)}; the plan was traced for another model or phase. "
+                "Re-trace the plan with the same model and inputs."
+            )
+
+
+def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:
+    """Maps call `index`'s full-scale decision onto this (smaller) call.
+
+    Exact when every wrap period is a whole number of batches (2**bits divisible by the wrapped
+    operand's per-batch elements, e.g. L*L with L a power of two): then batch i reads batch
+    i mod period at both scales. Otherwise refuses, rather than replay inexactly.
+    """
+    if index >= len(plan.calls):
+        raise PlanMismatchError(
+            f"Call {index} ({op}) is past the end of the fault plan ({len(plan.calls)} calls); "
+            "the plan was traced for another model or phase."
+        )
+    planned = plan.calls[index]
+    if planned.family != family or (family == "bmm" and planned.a.shape[0] != a.shape[0]):
+        raise PlanMismatchError(
+            f"Call {index} is {op}{list(a.shape)} @ {list(b.shape)} but the plan expected "
+            f"{planned.describe()}; trace the plan with the same model, batch size and phase."
+        )
+    fault = planned.fault
+    if fault.kind != "wrong_tail":
+        return fault, {}
+    wraps = {}
+    for name, full, here in (("a", planned.a, a), ("b", planned.b, b)):
+        if name not in fault.operand:
+            continue
+        period, rest = divmod(fault.wrap_elements, full.per_batch)
+        if rest:
+            raise PlanMismatchError(
+                f"Cannot replay {planned.describe()} exactly: its wrap period "
+                f"{fault.wrap_elements}/{full.per_batch} is not a whole number of batches. "
+                "Use a power-of-two sequence length or run at full scale."
+            )
+        wraps[name] = period * here[0].numel()
+    return fault, wraps
+
+
+@contextlib.contextmanager
+def emulate(index_bits: int = 32, plan: FaultPlan | None = None, profile: Profile = None) -> Iterator[EmulateMode]:
+    """Makes bmm/mm/SDPA/cat on CPU or CUDA tensors behave like MPS's, faults included.
+
+    Args:
+        index_bits: index width of the rules (32 is MPS; smaller widths show the same faults on
+            small tensors).
+        plan: a full-scale `FaultPlan` to replay call by call on a smaller run (its profile applies).
+        profile: the torch release to emulate ("2.12.1"); None: the installed torch's. Values nobody
+            characterised (kind wrong_other) are never invented: such a call raises `NotEmulatedError`.
+
+    Yields:
+        The active `EmulateMode`; its `records` list every call it altered.
+    """
+    if innermost("guard") is not None:
+        raise MpsImpactError(
+            "emulate() was entered inside an active guard, so the guard would never see the "
+            "emulated faults; enter emulate() first and guard() inside it."
+        )
+    mode = EmulateMode(index_bits, plan, profile)
+    with activated("emulator", mode), handling(mode), mode:
+        yield mode
+    mode.check_plan_consumed()

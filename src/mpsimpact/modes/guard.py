@@ -1,0 +1,269 @@
+"""The guard: stops (raise), flags (warn) or safely splits (chunk) every matrix-multiply, SDPA and cat
+call that would fault on MPS under a torch release's profile, deciding through the same fault rules
+as the emulator, at near-zero cost for every other op.
+
+See Note [MPS 32-bit index faults] in mpsimpact/faults.py and Note [Entry points and the dispatch
+mode] in mpsimpact/entrypoint.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from mpsimpact.modes.base import (
+    CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, needs_grad, op_name,
+    push_active, remove_active, sdpa_math, sdpa_operands,
+)
+from mpsimpact.modes.chunking import cat_in_place, entry_bound, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
+from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
+from mpsimpact.errors import OversizedOpError, UsageError
+from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, sdpa_path
+from mpsimpact.engine.release import resolve_profile
+
+GUARD_MODES = ("raise", "warn", "chunk")
+_INSTALLED: list[GuardMode] = []
+
+
+def is_guarding() -> bool:
+    """True while a guard is active on this thread."""
+    return innermost("guard") is not None
+
+
+class MpsImpactWarning(UserWarning):
+    """Emitted by guard mode "warn", once per op site, with the text the error would have."""
+
+
+class GuardMode(MatmulMode):
+    """What `guard()` activates: an entry-point handler that answers small calls at once, and the
+    dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
+    `everywhere`: under an emulator, or strict)."""
+
+    def __init__(self, mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+                 profile: Profile = None, strict: bool = False):
+        super().__init__()
+        if mode not in GUARD_MODES:
+            raise UsageError(f"Guard mode must be one of {', '.join(GUARD_MODES)}, got '{mode}'.", mode=mode)
+        limits(index_bits)
+        self.mode = mode
+        self.index_bits = index_bits
+        self.devices = devices
+        self.profile = resolve_profile(profile)
+        self.everywhere = strict or active_emulator() is not None
+        # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
+        self._view_limit = limits(index_bits)[1]
+        self.stopped: list[CallRecord] = []
+        self.chunked: list[CallRecord] = []
+        self.chunk_sizes: list[int] = []  # parallel to `chunked`
+        self._warned: set[tuple[str, int]] = set()
+
+    def _applies(self, tensor: torch.Tensor) -> bool:
+        if self.devices is not None:
+            return tensor.device.type in self.devices
+        return tensor.is_mps or active_emulator() is not None
+
+    # Entry points (Python level): see Note [Entry points and the dispatch mode].
+    def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if name == "sdpa":
+            return self._on_sdpa(proceed, args, kwargs)
+        if self.everywhere or self._quick_pass(name, args, kwargs):
+            return proceed(*args, **kwargs)
+        return self._through_dispatch(proceed, args, kwargs)
+
+    def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """True when the call cannot meet any rule (or is not on a guarded device): the hot path."""
+        if name == "linear" and len(args) >= 2 and not kwargs:  # most calls of a transformer
+            x, w = args[0], args[1]
+            if not self._applies(x):
+                return True
+            nx, limit = x.numel(), self._view_limit
+            return x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit and nx // max(x.shape[-1], 1) * w.shape[0] < limit
+        if name in ("matmul", "bmm", "mm") and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
+            a, b = args
+            if not self._applies(a):
+                return True
+            sa, sb, na, limit = a.shape, b.shape, a.numel(), self._view_limit
+            if sa[:-2] == sb[:-2]:  # no broadcasting: the operands are what bmm sees, in size
+                out = na // max(sa[-2] * sa[-1], 1) * sa[-2] * sb[-1]
+                return a.storage_offset() + na < limit and b.storage_offset() + b.numel() < limit and out < limit
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
+            (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
+        if first is None or not self._applies(first):
+            return True
+        return entry_bound(name, args, kwargs) < self._view_limit
+
+    def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call that may cross a limit: its bmm/mm calls, and its backward's, decided one by one."""
+        if needs_grad(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+            return run_with_backward_under(self, fn, args, kwargs)
+        with self:
+            return fn(*args, **kwargs)
+
+    def _on_sdpa(self, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        query, key, value = sdpa_operands(args, kwargs)
+        if not self._applies(query):
+            return proceed(*args, **kwargs)
+        active = active_emulator()
+        if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
+            if self.everywhere:
+                return proceed(*args, **kwargs)  # the emulator runs the math path; our dispatch mode sees it
+            if max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) < self._view_limit:
+                return proceed(*args, **kwargs)
+            return self._through_dispatch(sdpa_math, args, kwargs)
+        fault, full_q, full_k = (
+            active.peek("sdpa", None, query, key) if active else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
+        )
+        if fault.is_ok:
+            return proceed(*args, **kwargs)
+        spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
+        rows = sdpa_chunk(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active))
+        record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
+        return self._act(record, fault, rows, lambda: run_sdpa_chunked(proceed, args, kwargs, rows, self._copies(active)),
+                         lambda: proceed(*args, **kwargs), active)
+
+    # Dispatch level: one bmm/mm with its real operands.
+    def on_matmul(self, func, family, a, b, args, kwargs):
+        if not self._applies(a):
+            return func(*args, **kwargs)
+        active = active_emulator()
+        fault, full_a, full_b = (
+            active.peek(family, func, a, b) if active else (classify_call(family, a, b, self.index_bits, self.profile), a, b)
+        )
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        # Under plan replay the decision, the chunk and the record are those of the full-scale call.
+        spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
+        chunk = _chunk_here(family, spec_a, spec_b, a, self._bits(active))
+        record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
+        return self._act(record, fault, chunk, lambda: run_chunked(func, family, args, kwargs, chunk, self._copies(active)),
+                         lambda: func(*args, **kwargs), active)
+
+    def on_other(self, func, args, kwargs):
+        if func is torch.ops.aten.cat.default and args[0] and self._applies(args[0][0]):
+            active = active_emulator()
+            fault = classify_cat([t.numel() for t in args[0]], index_bits=self._bits(active), profile=active.profile if active else self.profile)
+            if not fault.is_ok:
+                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
+                record = CallRecord(len(self.stopped) + len(self.chunked), "cat", spec, spec, fault, current_phase())
+                return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs), lambda: func(*args, **kwargs), active)
+        return func(*args, **kwargs)
+
+    def _act(self, record: CallRecord, fault: Fault, chunk: int, split: Callable[[], Any], unguarded: Callable[[], Any], active) -> Any:
+        """The one place a decision turns into raise, warn or chunk."""
+        if self.mode == "chunk":
+            self.chunked.append(record)
+            self.chunk_sizes.append(chunk)
+            with active.as_one_call() if active else contextlib.nullcontext():
+                return split()
+        message = describe_stop(record, fault, chunk)
+        if self.mode == "warn":
+            self._warn_once(message)
+            return unguarded()
+        self.stopped.append(record)
+        raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase, safe_chunk=chunk)
+
+    def _bits(self, active) -> int:
+        return active.index_bits if active and active.plan is None else self.index_bits
+
+    def _copies(self, active) -> bool:
+        # Releases that count a slice's storage offset (2.5.1 .. 2.9.1) need pieces copied to offset 0.
+        return (active.profile if active else self.profile).slice_extent
+
+    def _warn_once(self, message: str) -> None:
+        site = _user_site()
+        if site not in self._warned:
+            self._warned.add(site)
+            warnings.warn(message, MpsImpactWarning, stacklevel=2)
+
+
+def _user_site() -> tuple[str, int]:
+    # The innermost frame outside torch and mpsimpact: where the op was asked for.
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if "/torch/" not in frame.filename and "/mpsimpact/" not in frame.filename:
+            return frame.filename, frame.lineno or 0
+    return "", 0
+
+
+def _chunk_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> int:
+    """The safe chunk of the (full-scale) call, in this call's rows: bmm batches are the same at
+    both scales; mm rows scale with the sequence length."""
+    chunk = largest_safe_batch(full_a, full_b, index_bits=index_bits, op=family, as_slices=True)
+    if family == "mm" and full_a.shape[0] != a.shape[0]:
+        chunk = max(1, chunk * a.shape[0] // full_a.shape[0])
+    return chunk
+
+
+def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
+    """The error text: what, the numbers, the rule it would hit, the safe chunk, what to do."""
+    what = {
+        "wrong_all": "return wrong values in every batch",
+        "wrong_tail": f"return wrong values from batch {fault.first_bad_batch} onward",
+        "truncated": "return a truncated result (mostly zeros)",
+        "wrong_other": "return wrong values (pattern not characterised)",
+        "error": f"raise '{fault.message}'",
+        "abort": "abort the process",
+    }[fault.kind]
+    unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
+    release = f"MPS (torch {fault.release})" if fault.release else "MPS"
+    why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "") + (f"; {fault.message}" if fault.kind == "wrong_other" and fault.message else "")
+    return (
+        f"mpsimpact guard: {record.describe()} in {record.phase} (output {record.out_numel} elements, "
+        f"a {record.a.numel}, b {record.b.numel}) would {what} on {release} ({why}). "
+        f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode 'chunk'."
+    )
+
+
+@contextlib.contextmanager
+def guard(mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+          profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
+    """Guards every bmm/mm/SDPA/cat call that would fault on MPS.
+
+    Args:
+        mode: "raise" (stop before the op runs with `OversizedOpError`), "warn" (warn once per op
+            site, then run it) or "chunk" (split it into safe pieces; the result is correct).
+        index_bits: index width of the rules (under `emulate()` the emulator's decisions are used).
+        devices: device types to guard; None means MPS tensors, and any tensor under `emulate()`.
+        profile: the torch release whose faults to guard against ("2.12.1"); None: the installed one.
+        strict: look at every aten op through the dispatch mode (slower), also covering calls that
+            do not pass through Python entry points (TorchScript, names bound before the guard).
+
+    Yields:
+        The active `GuardMode`; `stopped` and `chunked` list the calls it acted on.
+    """
+    mode_obj = GuardMode(mode, index_bits=index_bits, devices=devices, profile=profile, strict=strict)
+    with activated("guard", mode_obj), handling(mode_obj), (mode_obj if mode_obj.everywhere else contextlib.nullcontext()):
+        yield mode_obj
+
+
+def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
+    """Installs a guard for the rest of this thread's work (until `uninstall_guard()`).
+
+    `mode` defaults to the environment variable MPSIMPACT_GUARD (off|raise|warn|chunk; unset means
+    raise). Returns the installed mode, or None for "off".
+    """
+    mode = mode or os.environ.get("MPSIMPACT_GUARD", "raise")
+    if mode == "off":
+        return None
+    mode_obj = GuardMode(mode, **options)
+    if mode_obj.everywhere:
+        mode_obj.__enter__()
+    push_active("guard", mode_obj)
+    push_handler(mode_obj)
+    _INSTALLED.append(mode_obj)
+    return mode_obj
+
+
+def uninstall_guard() -> None:
+    """Removes the guard `install_guard()` installed last; does nothing if none is installed."""
+    if _INSTALLED:
+        mode_obj = _INSTALLED.pop()
+        remove_handler(mode_obj)
+        remove_active("guard", mode_obj)
+        if mode_obj.everywhere:
+            mode_obj.__exit__(None, None, None)

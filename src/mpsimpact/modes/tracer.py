@@ -1,0 +1,181 @@
+"""The shape-only fault tracer: runs a model on meta tensors at any size and predicts, call by
+call, what MPS does with each bmm/mm. Its `FaultPlan` can be replayed by the emulator."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from mpsimpact.modes.base import CallRecord, MatmulMode, classify_call, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
+from mpsimpact.modes.entrypoint import handling
+from mpsimpact.engine.faults import Profile, TensorSpec, sdpa_path
+from mpsimpact.engine.release import FaultProfile, resolve_profile
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPlan:
+    """Every bmm/mm/SDPA call one run makes on MPS under a torch release, in order, with its fault.
+
+    `trace` keeps every call the tracer saw, SDPA's math-path calls included, so the same trace
+    can be re-decided for another release (`under`): whether an SDPA call is one fused op or its
+    math path's bmm calls depends on the release.
+    """
+
+    calls: tuple[CallRecord, ...]
+    index_bits: int = 32
+    profile: str = ""
+    trace: tuple[CallRecord, ...] = ()
+
+    @classmethod
+    def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None) -> FaultPlan:
+        """The calls MPS makes under `profile`, each re-decided by that release's rules."""
+        prof = resolve_profile(profile)
+        parents = {c.index: c for c in trace if c.family == "sdpa"}
+        kept = []
+        for call in trace:
+            sdpa = parents.get(call.within) if call.within is not None else call if call.family == "sdpa" else None
+            if sdpa is not None and (sdpa_path(sdpa.needs_grad, prof) == "math") != (call.family != "sdpa"):
+                continue  # the fused op and its math path are two ways of one call: keep the one MPS runs
+            fault = classify_call(call.family, call.a, call.b, index_bits, prof)
+            kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
+        return cls(tuple(kept), index_bits, prof.release, tuple(trace))
+
+    def under(self, profile: Profile) -> FaultPlan:
+        """The same trace, decided for another torch release."""
+        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, profile)
+
+    @property
+    def fault_profile(self) -> FaultProfile:
+        return resolve_profile(self.profile or None)
+
+    @property
+    def faults(self) -> list[CallRecord]:
+        """The calls that do not simply compute correctly."""
+        return [call for call in self.calls if not call.fault.is_ok]
+
+    @property
+    def first_stop(self) -> CallRecord | None:
+        """The first call that raises or aborts: on MPS the run ends there."""
+        return next((c for c in self.calls if c.fault.kind in ("error", "abort")), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index_bits": self.index_bits,
+            "profile": self.profile,
+            "calls": len(self.calls),
+            "faults": [call.to_json() for call in self.faults],
+        }
+
+
+class TraceMode(MatmulMode):
+    """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
+    fault; computes nothing on meta tensors."""
+
+    def __init__(self, index_bits: int = 32, module: torch.nn.Module | None = None, profile: Profile = None) -> None:
+        super().__init__()
+        self.index_bits = index_bits
+        self.profile = resolve_profile(profile)
+        self.calls: list[CallRecord] = []
+        self._names: list[str] = []
+        self._module = module
+        self._within: int | None = None
+
+    def on_matmul(self, func, family, a, b, args, kwargs):
+        self._add(op_name(func), family, a, b)
+        return func(*args, **kwargs)
+
+    def _add(self, op: str, family: str, a, b, grad: bool = False) -> int:
+        phase = current_phase()
+        fault = classify_call(family, a, b, self.index_bits, self.profile)
+        record = CallRecord(len(self.calls), op, TensorSpec.of(a), TensorSpec.of(b), fault, phase, self._where(phase), grad, self._within)
+        self.calls.append(record)
+        return record.index
+
+    def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
+        """SDPA: one record for the fused op, then its math path's calls (see FaultPlan.from_trace)."""
+        if name != "sdpa" or self._within is not None:
+            return proceed(*args, **kwargs)
+        query, key, value = sdpa_operands(args, kwargs)
+        self._within = self._add("sdpa", "sdpa", query, key, needs_grad((query, key, value)))
+        try:
+            return sdpa_math(*args, **kwargs)
+        finally:
+            self._within = None
+
+    def _where(self, phase: str) -> str:
+        if phase == "backward":
+            return torch._C._current_autograd_node().name()
+        return self._names[-1] if self._names else ""
+
+    @contextlib.contextmanager
+    def naming_modules(self) -> Iterator[None]:
+        """Tracks the innermost module running a forward, to name each call's layer."""
+        if self._module is None:
+            yield
+            return
+        def enter(name: str) -> Callable[..., None]:
+            return lambda *_: self._names.append(name)
+
+        def leave(*_: Any) -> None:
+            self._names.pop()
+
+        handles = []
+        for name, sub in self._module.named_modules():
+            handles.append(sub.register_forward_pre_hook(enter(name)))
+            handles.append(sub.register_forward_hook(leave))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def trace_faults(
+    fn: Callable[..., Any],
+    *args: Any,
+    index_bits: int = 32,
+    module: torch.nn.Module | None = None,
+    profile: Profile = None,
+    **kwargs: Any,
+) -> FaultPlan:
+    """Runs `fn(*args, **kwargs)` (on meta tensors, typically) and predicts every call's fault.
+
+    Args:
+        fn: the computation; with meta inputs and a meta model it allocates nothing.
+        index_bits: the index width of the rules.
+        module: if given, each forward call is labelled with the innermost submodule's name.
+        profile: the torch release whose rules decide ("2.12.1"); None: the installed one.
+
+    Returns:
+        The `FaultPlan`, whose calls are in the order a run of `fn` under that release makes them.
+    """
+    mode = TraceMode(index_bits, module, profile)
+    with mode.naming_modules(), handling(mode), mode:
+        fn(*args, **kwargs)
+    return FaultPlan.from_trace(tuple(mode.calls), index_bits, mode.profile)
+
+
+def trace_module(
+    module: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    *,
+    backward: bool = False,
+    index_bits: int = 32,
+    profile: Profile = None,
+) -> FaultPlan:
+    """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked."""
+
+    def step() -> None:
+        if not backward:
+            with torch.no_grad():
+                module(**inputs)
+            return
+        output = module(**inputs)
+        first = output if isinstance(output, torch.Tensor) else output[0]
+        first.float().sum().backward()
+
+    return trace_faults(step, index_bits=index_bits, module=module, profile=profile)

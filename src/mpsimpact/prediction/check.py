@@ -1,0 +1,319 @@
+"""`mpsimpact check`: is a Hugging Face model affected? Traces any architecture on `meta` (one forward
+pass or training step) and says which calls fault, which samples go wrong, the largest safe batch, the
+longest safe length, the memory a real run needs and which guard makes it safe."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from mpsimpact.modes.base import CallRecord, classify_call
+from mpsimpact.errors import UsageError
+from mpsimpact.engine.faults import TensorSpec, largest_safe_batch as rows_per_safe_chunk
+from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
+from mpsimpact.prediction.meta_model import (
+    TASKS, MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
+)
+from mpsimpact.config import BATCH_SIZE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
+from mpsimpact.prediction.outcome import TRACE_TEXTS, PerTextCall, largest_safe_batch, plan_at, predict
+from mpsimpact.engine.release import FaultProfile, resolve_profile
+from mpsimpact.modes.tracer import FaultPlan
+
+ATTENTIONS = ("eager", "sdpa", "default")
+PHASES = ("inference", "training")
+# Searched up to here when the config states no position limit (relative positions, e.g. T5).
+LENGTH_CEILING = 1 << 20
+BATCH_CEILING = 1 << 24
+
+SEQ_LEN = Check("--seq-len", low=1)
+TARGET_LEN = Check("--target-len", low=1)
+TASK = Check("--task", choices=("auto", *TASKS))
+ATTENTION = Check("--attention", choices=ATTENTIONS)
+PHASE = Check("--phase", choices=PHASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    """What `mpsimpact check` was asked; embedded in its JSON."""
+
+    model: str
+    batch_size: int = option(1, BATCH_SIZE)
+    seq_len: int | None = option(None, SEQ_LEN)
+    target_len: int | None = option(None, TARGET_LEN)
+    task: str = option("auto", TASK)
+    attention: str = option("default", ATTENTION)
+    phase: str = option("inference", PHASE)
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    index_bits: int = option(32, INDEX_BITS)
+    out: str | None = None
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
+
+
+def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
+    """(sequence length, the longest length searched) after checking --seq-len against the model."""
+    hard, nominal = length_limit(config)
+    length = cfg.seq_len or nominal
+    if length is None:
+        raise UsageError("The config states no maximum length; pass --seq-len.")
+    if hard is not None and length > hard:
+        raise UsageError(f"--seq-len {length} exceeds the model's {hard} positions.")
+    return length, hard or max(LENGTH_CEILING, length)
+
+
+def profile_info(cfg: CheckConfig, profile: FaultProfile) -> dict[str, Any]:
+    """Which release's rules decide, and whether that release was measured."""
+    source = "--torch-profile" if cfg.torch_profile else f"the installed torch {torch.__version__}"
+    return {"release": profile.release, "label": profile.label, "group": profile.group,
+            "measured": profile.measured, "conservative": profile.conservative, "source": source,
+            "notes": list(profile.notes)}
+
+
+def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
+    """Loads the config, builds the model on meta, and says what was built and why."""
+    import transformers
+
+    config, where = load_model_config(cfg.model)
+    model_class, task, task_basis = resolve_task(config, cfg.task)
+    module = build_meta_model(model_class, config, cfg.attention)
+    basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
+                                                              "for this model (model.config._attn_implementation)")
+    profile = resolve_profile(cfg.torch_profile)
+    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile, cfg.target_len)
+    info = {
+        "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
+        "task": task, "task_basis": task_basis, "attention": module.config._attn_implementation,
+        "attention_basis": basis, "heads": heads_of(config), "layers": getattr(config, "num_hidden_layers", None),
+        "dtype": str(module.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in module.parameters()),
+        "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
+        "supports_attention_interface": bool(getattr(module, "_supports_attention_backend", False)),
+    }
+    return model, info
+
+
+def first_bad_row(call: CallRecord, batch: int, heads: int) -> tuple[int, int] | None:
+    """(sample, head) of a call's first wrong row, where its kind says which: a bmm over batch*heads
+    rows wrong from row j reads sample, head = divmod(j, heads)."""
+    first = call.fault.first_bad_batch
+    if first is None or call.family != "bmm" or call.a.shape[0] != batch * heads:
+        return None
+    return divmod(first, heads)
+
+
+def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
+    """One faulting call as a table row / JSON object."""
+    row = first_bad_row(call, batch, heads)
+    return {
+        "index": call.index, "phase": call.phase, "module": call.module, "op": call.op,
+        "a": list(call.a.shape), "b": list(call.b.shape), "a_layout": call.a.layout, "b_layout": call.b.layout,
+        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule,
+        "inferred": call.fault.inferred,
+        "first_bad_batch": call.fault.first_bad_batch, "first_bad_sample": row[0] if row else None,
+        "first_bad_head": row[1] if row else None, "message": call.fault.message,
+    }
+
+
+def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
+    """The largest batch B such that every batch up to B is clean at this length: traces at 2 and 4
+    samples scaled by arithmetic (planner.largest_safe_batch, as `plan` does), checked against the
+    trace at the asked batch. One sample is traced as itself where it decides (a 4-D matmul at one
+    sample hands bmm strided views): when asked, or when the scaled answer is below 2."""
+    def trace_at(n: int) -> FaultPlan:
+        return model.trace(n, length)
+
+    two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
+    if len(two.trace) != len(four.trace):
+        return bisect_clean(trace_at, BATCH_CEILING, "the calls change with the batch size")
+    calls = [PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
+             for c2, c4 in zip(two.trace, four.trace)]
+    basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
+    if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
+        if _signature(plan_at(calls, batch, model.index_bits, model.profile)) != _signature(trace_at(batch)):
+            return bisect_clean(trace_at, BATCH_CEILING, f"the scaled calls differ from the trace at batch {batch}")
+        basis += f"; the scaling agrees with the trace at batch {batch}"
+    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, BATCH_CEILING, model.profile)
+    if batch == 1 or found < 2:
+        found = max(found, 1) if is_clean(trace_at(1)) else 0
+        basis += "; batch 1 traced as itself"
+    return BoundarySearch(found, BATCH_CEILING, basis)
+
+
+def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
+    return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
+
+
+def _layer_count(calls: list[CallRecord]) -> int:
+    """Distinct numbered blocks ("model.layers.3", "encoder.block.3") the calls were made in."""
+    return len({m[1] for c in calls if (m := re.match(r"^(.*?\.\d+)(\.|$)", c.module))}) or 1
+
+
+def estimate_peak(model: MetaModel, plan: FaultPlan, parameters: int, batch: int,
+                  length: int) -> tuple[int, str]:
+    """Bytes at a real run's peak, and the basis of the estimate. Inference: weights, 4 hidden-state
+    copies, and the larger of the attention peak (2 x the largest bmm tensor, e.g. scores and P, plus
+    the (B, 1, L, L) mask) and the feed-forward peak (2 x the largest mm output); `plan`'s estimate
+    on a generic footing (all-MiniLM-L6-v2 at 4096 x 512: 112 GiB, 115 measured)."""
+    dtype = str(model.module.dtype).removeprefix("torch.")
+    hidden = int(getattr(model.config, "hidden_size", 0) or 0)
+    forward = [c for c in plan.calls if c.phase == "forward"]
+    bmm = max((max(c.a.numel, c.b.numel, c.out_numel) for c in forward if c.family == "bmm"), default=0)
+    mm = max((c.out_numel for c in forward if c.family == "mm"), default=0)
+    in_layers = [c.out_numel for c in forward if c.family == "mm" and re.search(r"\.\d+\.", c.module)]
+    layer_mm = max(in_layers, default=mm)
+    states = 4 * batch * length * hidden
+    mask = bmm // heads_of(model.config)
+    elements = parameters + states + max(2 * bmm + mask, 2 * mm)
+    basis = (f"{dtype}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state copies + the larger of "
+             f"2 x the largest bmm tensor ({bmm / 1e9:.2f}G elements) + the L x L mask, and 2 x the largest mm "
+             f"output ({mm / 1e9:.2f}G)")
+    if model.backward:
+        layers = _layer_count(forward)
+        elements += parameters + layers * (bmm + mask + 2 * layer_mm + 2 * states)
+        basis += (f"; training adds gradients and, in each of {layers} layers, the tensors autograd keeps "
+                  "(P, mask, FFN outputs, 8 hidden-state copies)")
+    return elements * model.module.dtype.itemsize, basis + "; rough"
+
+
+def _one_row(spec: TensorSpec, rows: int = 1) -> TensorSpec:
+    """A later slice of `rows` rows of a batched operand: a view, as the guard's chunks are."""
+    if spec.shape[0] <= rows:
+        return spec
+    offset = spec.storage_offset + spec.stride[0]
+    return dataclasses.replace(spec, shape=(rows, *spec.shape[1:]), storage_offset=offset)
+
+
+def splits_safely(call: CallRecord, model: MetaModel) -> bool:
+    """Whether guard 'chunk' can make this call safe: one row of it (one head of one sample for SDPA)
+    is ok under the same rules."""
+    if call.family == "sdpa":
+        q, k = (dataclasses.replace(s, shape=(1, 1, *s.shape[2:]), stride=s.stride) for s in (call.a, call.b))
+        return classify_call("sdpa", q, k, model.index_bits, model.profile).is_ok
+    b = call.b if call.family == "mm" else _one_row(call.b)
+    return classify_call(call.family, _one_row(call.a), b, model.index_bits, model.profile).is_ok
+
+
+def rows_per_safe_eager_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
+    """Rows of batch*heads per chunk that mps_safe_eager (mpsimpact.attention) would use for these
+    attention calls: every chunk is a slice held below the view limit; fewer rows than heads split
+    one sample over its heads."""
+    pairs = []
+    for call in calls:
+        if call.family == "sdpa":  # Q K^T: (rows, L, D) @ (rows, D, Lk); P V: (rows, L, Lk) @ (rows, Lk, D)
+            rows, length, dim, keys = heads * batch, call.a.shape[-2], call.a.shape[-1], call.b.shape[-2]
+            pairs += [((rows, length, dim), (rows, dim, keys)), ((rows, length, keys), (rows, keys, dim))]
+        else:
+            pairs.append((call.a.shape, call.b.shape))
+    spec = TensorSpec.contiguous
+    fits = [rows_per_safe_chunk(spec(a), spec(b), index_bits=index_bits, as_slices=True) for a, b in pairs]
+    return min(fits, default=heads * batch)
+
+
+def guard_advice(plan: FaultPlan, model: MetaModel, info: dict[str, Any], batch: int) -> list[str]:
+    """Which guard makes this run safe, in plain words (first line: the one to use)."""
+    faults = plan.faults
+    if not faults:
+        return ["Nothing crosses a limit: no guard needed."]
+    stuck = [c for c in faults if not splits_safely(c, model)]
+    if stuck:
+        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
+                 "already crosses a limit; shorten the sequence (see the longest safe length)."]
+    else:
+        lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls safe: "
+                 "it splits each along its batch rows into pieces below the limits; the result equals the correct "
+                 "one."]
+    first, stop = faults[0], plan.first_stop
+    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) with "
+                 "OversizedOpError instead of " + ("an MPS error or a crash." if stop is first else "wrong values."))
+    lines.append(_safe_eager_advice(faults, model, info, batch))
+    if any(c.fault.rule == "sdpa-fused" for c in faults):
+        lines.append("The fused SDPA op is correct from torch 2.13.0 (--torch-profile 2.13.0 shows it): "
+                     "upgrading torch fixes those calls.")
+    return lines
+
+
+def _safe_eager_advice(faults: list[CallRecord], model: MetaModel, info: dict[str, Any], batch: int) -> str:
+    name = "attn_implementation='mps_safe_eager' (name = mpsimpact.attention.register())"
+    if not info["supports_attention_interface"]:
+        return (f"{info['class']} does not support transformers' attention interface: {name} is not an option; "
+                "use the guard.")
+    heads = info["heads"]
+    attention = [c for c in faults if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
+    others = [c for c in faults if c not in attention]
+    if not attention:
+        return f"{name} does not help: no faulting call is in attention."
+    rows = rows_per_safe_eager_chunk(attention, batch, heads, model.index_bits)
+    unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
+    tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
+            "the guard") if others else ""
+    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
+            f"dispatch mode{tail}.")
+
+
+def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, Any]:
+    """The first wrong (sample, head), the fraction of the batch that goes wrong (None where nobody
+    characterised which samples), and the calls where MPS stops the run."""
+    prediction = predict(plan, batch, heads, phase)
+    first, wrong = prediction.first_corrupted_text, prediction.corrupted_count
+    unknown = bool(prediction.uncharacterised) and prediction.stop is None
+    if prediction.stop is not None:  # the run ends there: no output, right or wrong
+        first = None
+    elif unknown and first is None:  # wrong_other alone: some sample is wrong, which is not known...
+        first, wrong = (0, 1) if batch == 1 else (None, None)  # ...unless there is only one
+    return {
+        "outcome": prediction.outcome, "describe": _describe(prediction, batch),
+        "first_wrong_sample": first,
+        "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
+        "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
+        "uncharacterised_calls": len(prediction.uncharacterised),
+        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" if unknown else "",
+        "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
+    }
+
+
+def _describe(prediction: Any, batch: int) -> str:
+    if prediction.stop is not None:
+        what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
+        stop = prediction.stop
+        return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
+    if prediction.first_corrupted_text is not None:
+        return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
+                f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
+    if prediction.uncharacterised:
+        which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
+        return f"silently wrong ({which})"
+    return "clean"
+
+
+def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
+    """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
+    cfg.validate()
+    model, info = prepare(cfg)
+    length, high = geometry(model.config, cfg)
+    batch, heads = cfg.batch_size, info["heads"]
+    plan = model.trace(batch, length)
+    by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
+                                    known=length)
+    by_batch = safe_batch(model, batch, length)
+    peak, peak_basis = estimate_peak(model, plan, info["parameters"], batch, length)
+    target = (cfg.target_len or length) if info["encoder_decoder"] else None
+    return {
+        "config": dataclasses.asdict(cfg),
+        "model": info | {"max_length": length_limit(model.config)[0],
+                         "inputs": f"token ids of zeros; attention mask: {model.mask}"},
+        "torch_profile": profile_info(cfg, model.profile),
+        "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
+                     "index_bits": cfg.index_bits},
+        "calls_traced": len(plan.calls),
+        "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
+        "prediction": summarise(plan, batch, heads, "all" if model.backward else "forward"),
+        "largest_safe_batch": by_batch.largest_safe, "largest_safe_batch_search": by_batch.to_json(),
+        "longest_safe_length": by_length.largest_safe, "longest_safe_length_search": by_length.to_json(),
+        "estimated_peak_gib": round(peak / 2**30, 2), "estimated_peak_basis": peak_basis,
+        "guard_advice": guard_advice(plan, model, info, batch),
+        "traces": model.traces,
+    }

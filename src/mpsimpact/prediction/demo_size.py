@@ -1,0 +1,105 @@
+"""Sizing the demo to the machine people bring: how much memory a Mac lends the GPU, and per dtype
+the smallest run that shows the effect clearly and fits, or why none does."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from mpsimpact.prediction import memory
+from mpsimpact.errors import UsageError
+from mpsimpact.prediction.outcome import estimate_peak_bytes, plan_at, predict
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DEMO_LENGTHS = (512, 384, 256, 128)
+MAC_SIZES_GB = (16, 24, 32, 48, 64, 96, 128, 192)
+# Metal lends a process about two thirds of unified memory (torch.mps.recommended_max_memory():
+# about 21 GiB of a 32 GB Mac, 43 GiB of 64 GB); `--memory auto` asks the machine instead.
+RECOMMENDED_SHARE = 2 / 3
+# The estimate ran 2.6 % to 2.9 % below measured peaks on an H200 (benchmarks/README.md): keep a margin.
+HEADROOM = 1.05
+# "Clearly": at least this many texts corrupted, and at least this share of the batch.
+MIN_VISIBLE_TEXTS, MIN_VISIBLE_SHARE = 64, 0.05
+
+
+def usable_bytes(memory: str) -> tuple[int, str]:
+    """(bytes the GPU may use, how that was worked out) for "32GB" (a Mac's unified memory) or "auto"."""
+    if memory == "auto":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise UsageError("--memory auto reads torch.mps.recommended_max_memory() and needs a Mac with MPS; give a size such as 32GB.")
+        value = int(torch.mps.recommended_max_memory())
+        return value, f"{value / GIB:.1f} GiB (torch.mps.recommended_max_memory() on this Mac)"
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|G|GIB)?\s*", memory.upper())
+    if not match or float(match[1]) <= 0:
+        raise UsageError(f"--memory must be a size such as 32GB, or auto; got '{memory}'.")
+    total = float(match[1]) * GIB  # Apple's "32 GB" of unified memory is 32 GiB
+    value = int(total * RECOMMENDED_SHARE)
+    return value, f"{value / GIB:.1f} GiB (about 2/3 of {float(match[1]):g} GB unified memory, Metal's recommended maximum)"
+
+
+def visible_batch(first_corrupted: int) -> int:
+    """The smallest batch that corrupts a visible number of texts past the first corrupted one."""
+    needed = max(MIN_VISIBLE_TEXTS, math.ceil(MIN_VISIBLE_SHARE * first_corrupted / (1 - MIN_VISIBLE_SHARE)))
+    return first_corrupted + needed
+
+
+def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int], index_bits: int = 32) -> list[dict[str, Any]]:
+    """Per dtype and length: the smallest clearly-visible run, its predicted corruption and peak."""
+    options = []
+    for length in (L for L in DEMO_LENGTHS if L in traced):
+        batch = visible_batch(safe[length] + 1) if safe[length] else None
+        if batch is None:
+            continue
+        prediction = predict(plan_at(traced[length], batch, index_bits), batch, heads)
+        if prediction.outcome != "wrong":
+            continue  # a run that stops (or aborts) shows an error, not the silent effect
+        for dtype, size in DTYPE_BYTES.items():
+            options.append({
+                "dtype": dtype, "max_length": length, "batch_size": batch, "first_corrupted_text": prediction.first_corrupted_text,
+                "corrupted_count": prediction.corrupted_count, "outcome": prediction.describe(),
+                "estimated_peak_gib": round(estimate_peak_bytes(config, batch, length, size) / GIB, 1),
+            })
+    return options
+
+
+def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int) -> int:
+    """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0 if none)."""
+    return int(memory.largest_fitting_batch(lambda batch: estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype]) * HEADROOM, budget))
+
+
+def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict[str, Any]:
+    """The run to type: the longest length that fits, float32 first, then half precision."""
+    for option in options:
+        option["fits"] = option["estimated_peak_gib"] * GIB * HEADROOM <= budget
+    fitting = [o for o in options if o["fits"]]
+    if not fitting:
+        smallest = min(options, key=lambda o: o["estimated_peak_gib"])
+        return {"command": None, "why": (
+            f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's attention scores and softmax alone are "
+            f"2 x 2^32 elements ({2 * 2**32 * 2 / GIB:.0f} GiB in half precision, {2 * 2**32 * 4 / GIB:.0f} GiB in float32) at any "
+            f"length; the smallest demo ({smallest['batch_size']} x {smallest['max_length']}, {smallest['dtype']}) needs about "
+            f"{smallest['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU or CUDA machine.")}
+    order = {"float32": 0, "float16": 1, "bfloat16": 2}
+    best = min(fitting, key=lambda o: (-o["max_length"], order[o["dtype"]]))
+    command = f"mpsimpact run {scenario} --batch-size {best['batch_size']} --max-length {best['max_length']}"
+    command += f" --dtype {best['dtype']}" if best["dtype"] != "float32" else ""
+    return {"command": command, "option": best, "why": (
+        f"{best['batch_size']} x {best['max_length']} in {best['dtype']}: about {best['estimated_peak_gib']} GiB of "
+        f"{budget / GIB:.1f}; {best['outcome']}.")}
+
+
+def mac_table(config: Any, first_corrupted: int, length: int = 512) -> list[dict[str, Any]]:
+    """Per Mac memory size: the largest batch at `length` that fits, per dtype, and the texts it corrupts."""
+    rows = []
+    for gb in MAC_SIZES_GB:
+        budget = int(gb * GIB * RECOMMENDED_SHARE)
+        row: dict[str, Any] = {"mac_gb": gb, "usable_gib": round(budget / GIB, 1)}
+        for dtype in DTYPE_BYTES:
+            batch = largest_fitting_batch(config, length, dtype, budget)
+            row[dtype] = {"largest_batch": batch, "corrupted_texts": max(0, batch - first_corrupted)}
+        rows.append(row)
+    return rows

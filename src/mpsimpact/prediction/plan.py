@@ -1,0 +1,131 @@
+"""`mpsimpact plan`: the shape-only prediction for a scenario's model at a geometry, as a JSON-ready
+report; plus the batch-size sweep for talks. (reports.plan prints and writes it.)"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mpsimpact.errors import UsageError
+from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, option, validate
+from mpsimpact.prediction.outcome import estimate_peak_bytes, largest_safe_batch, per_text_calls, plan_at, predict
+
+SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
+SWEEP_BATCHES = (256, 512, 1024, 1365, 1366, 2048, 3072, 4096, 5461, 5462, 8192, 16384, 21845, 21846, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What `mpsimpact plan` was asked; embedded in its JSON."""
+
+    scenario: str
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
+    model: str | None = None
+    backward: bool = False
+    index_bits: int = option(32, INDEX_BITS)
+    sweep: bool = False
+    figure: str | None = None
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    versions: bool = False
+    out: str | None = None
+    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
+
+
+def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
+    first = call.fault.first_bad_batch
+    text_head = divmod(first, heads) if first is not None and call.family == "bmm" and call.a.shape[0] == batch * heads else None
+    return {
+        "index": call.index, "phase": call.phase, "where": call.module, "op": call.op,
+        "a": list(call.a.shape), "b": list(call.b.shape), "a_numel": call.a.numel, "b_numel": call.b.numel,
+        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule, "first_bad_batch": first,
+        "first_bad_text": text_head[0] if text_head else None, "first_bad_head": text_head[1] if text_head else None,
+    }
+
+
+def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
+    """Traces the scenario's model on meta (config only) and predicts everything `plan` prints.
+
+    Args:
+        config: what was asked (validated here).
+        scenario: the scenario instance (runs.scenario.Scenario) whose model and defaults are planned.
+    """
+    from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.models.classifier import usable_positions
+
+    config.validate()
+    batch = config.batch_size or scenario.default_batch_size
+    length = config.max_length or scenario.default_max_length
+    model_config = scenario.load_config()
+    positions = usable_positions(model_config)
+    if length > positions:
+        raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
+    meta = scenario.meta_module(model_config)
+    heads = model_config.num_attention_heads
+    profile = resolve_profile(config.torch_profile)
+    traced = {L: per_text_calls(meta, L, backward=config.backward) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
+    calls = traced[length]
+    plan = plan_at(calls, batch, config.index_bits, profile)
+    forward = predict(plan, batch, heads, "forward")
+    safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
+    report = {
+        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
+        "profile": profile.to_json(),
+        "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
+        "calls_traced": len(plan.calls),
+        "faulting_calls": [_call_row(c, heads, batch) for c in plan.faults],
+        "prediction": forward.to_json(),
+        "largest_safe_batch": safe[length],
+        "largest_safe_batch_by_length": dict(sorted(safe.items())),
+        "estimated_peak_gib": round(estimate_peak_bytes(model_config, batch, length) / 2**30, 1),
+        "guard_advice": guard_advice(plan),
+    }
+    if config.backward:
+        report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+    if config.memory:
+        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, forward)
+    if config.versions:
+        from mpsimpact.prediction.version_table import version_table
+
+        report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention), batch, length, heads, config.index_bits)
+    if config.sweep:
+        report["sweep"] = sweep(traced, heads, config.index_bits, profile)
+    return report
+
+
+def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int, safe: dict, forward) -> dict[str, Any]:
+    """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
+    from mpsimpact.prediction.demo_size import demo_options, mac_table, recommend, usable_bytes
+
+    budget, basis = usable_bytes(config.memory)
+    options = demo_options(traced, model_config, heads, safe, config.index_bits)
+    first = safe.get(512, 0) + 1
+    return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
+            "recommendation": recommend(options, budget, scenario), "mac_table": mac_table(model_config, first)}
+
+
+def guard_advice(plan) -> str:
+    if not plan.faults:
+        return "Nothing crosses a limit: no guard needed."
+    stop = plan.first_stop
+    first = plan.faults[0]
+    stops = f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase})"
+    extra = f"; unguarded, MPS would {'abort' if stop.fault.kind == 'abort' else 'raise'} at call {stop.index}" if stop else ""
+    return f"guard 'chunk' makes all {len(plan.faults)} faulting calls safe; {stops}{extra}."
+
+
+def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:
+    """Predicted corrupted fraction (or stop) over SWEEP_BATCHES, for each table length."""
+    table = {}
+    for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
+        calls = traced[length]
+        rows = []
+        for batch in SWEEP_BATCHES:
+            p = predict(plan_at(calls, batch, index_bits, profile), batch, heads)
+            rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch, "stops": p.stop.fault.kind if p.stop else None})
+        table[str(length)] = rows
+    return table

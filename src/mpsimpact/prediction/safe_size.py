@@ -1,0 +1,199 @@
+"""The longest safe sequence length of a model at a batch size: its calls traced at three lengths, every
+shape, stride and offset fitted as a quadratic in the length, each length then decided by arithmetic
+alone, and the answer checked by tracing at the boundary (bisection over traces if that fails)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mpsimpact.modes.base import CallRecord, classify_call
+from mpsimpact.engine.faults import Profile, TensorSpec, limits
+from mpsimpact.modes.tracer import FaultPlan
+
+# (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
+Fit = tuple[int, int, int, int]
+MAX_FIT_LENGTH = 64  # the fit's lengths are n, 2n and a third (see fit_lengths), n at most this
+
+
+class _Unscalable(ValueError):
+    """The traces do not fit quadratics in the length (another structure, or a step in a shape)."""
+
+
+def _fit(points: list[tuple[int, int]]) -> Fit:
+    """The quadratic through three (length, value) points, as integers over one denominator."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    d0, d1, d2 = (x0 - x1) * (x0 - x2), (x1 - x0) * (x1 - x2), (x2 - x0) * (x2 - x1)
+    den = d0 * d1 * d2
+    w0, w1, w2 = y0 * d1 * d2, y1 * d0 * d2, y2 * d0 * d1  # y_i / d_i, over the common den
+    c2 = w0 + w1 + w2
+    c1 = -(w0 * (x1 + x2) + w1 * (x0 + x2) + w2 * (x0 + x1))
+    c0 = w0 * x1 * x2 + w1 * x0 * x2 + w2 * x0 * x1
+    return (c0, c1, c2, den) if den > 0 else (-c0, -c1, -c2, -den)
+
+
+def _value(fit: Fit, length: int) -> int:
+    c0, c1, c2, den = fit
+    value, rest = divmod(c0 + c1 * length + c2 * length * length, den)
+    if rest:
+        raise _Unscalable(f"a traced entry is not a whole number at length {length}")
+    return value
+
+
+def _flat(spec: TensorSpec) -> tuple[int, ...]:
+    return (*spec.shape, *spec.stride, spec.storage_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthFittedCall:
+    """One traced call with each entry of its operands' shapes, strides and offsets fitted in L."""
+
+    call: CallRecord
+    a: tuple[Fit, ...]
+    b: tuple[Fit, ...]
+
+    def at(self, length: int) -> CallRecord:
+        """The call at `length` (its fault not yet decided)."""
+        a, b = _spec_at(self.call.a, self.a, length), _spec_at(self.call.b, self.b, length)
+        return dataclasses.replace(self.call, a=a, b=b)
+
+
+def _spec_at(spec: TensorSpec, fits: tuple[Fit, ...], length: int) -> TensorSpec:
+    values = [_value(fit, length) for fit in fits]
+    ndim = len(spec.shape)
+    return TensorSpec(tuple(values[:ndim]), tuple(values[ndim:2 * ndim]), values[-1], spec.dtype)
+
+
+def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFittedCall]:
+    """Fits every call of three traces (at `lengths`) entry by entry; raises _Unscalable when the
+    traces do not line up call for call."""
+    traces = [plan.trace or plan.calls for plan in plans]
+    if len({len(trace) for trace in traces}) != 1:
+        raise _Unscalable("the number of calls changes with the length")
+    fitted = []
+    for calls in zip(*traces):
+        if len({(c.op, c.phase, c.module, c.within, len(c.a.shape), len(c.b.shape)) for c in calls}) != 1:
+            raise _Unscalable("the calls differ between lengths")
+        a, b = (tuple(_fit(list(zip(lengths, entries))) for entries in zip(*(_flat(s) for s in specs)))
+                for specs in ([c.a for c in calls], [c.b for c in calls]))
+        fitted.append(LengthFittedCall(calls[0], a, b))
+    return fitted
+
+
+def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int = 32,
+                   profile: Profile = None) -> FaultPlan:
+    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
+    records = []
+    for fitted in calls:
+        call = fitted.at(length)
+        fault = classify_call(call.family, call.a, call.b, index_bits, profile)
+        records.append(dataclasses.replace(call, fault=fault))
+    return FaultPlan.from_trace(tuple(records), index_bits, profile)
+
+
+def is_clean(plan: FaultPlan) -> bool:
+    """Every call MPS makes computes correctly."""
+    return not plan.faults
+
+
+def _quantities(call: CallRecord) -> tuple[int, ...]:
+    """Every element count a rule compares with a limit (see Note [MPS 32-bit index faults]); the last
+    two are where a wrap's first bad row enters the batch: first < rows iff limit <= per * (rows - 1)."""
+    a, b = call.a, call.b
+    wraps = (a.per_batch * (a.shape[0] - 1), b.per_batch * (b.shape[0] - 1)) if call.family == "bmm" else ()
+    return (a.numel, b.numel, a.extent, b.extent, call.out_numel, *wraps)
+
+
+def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int | None:
+    """The smallest length in 1..high whose count reaches `bound` (counts grow with the length)."""
+    if count(high) < bound:
+        return None
+    low, top = 1, high
+    while low < top:
+        mid = (low + top) // 2
+        low, top = (mid + 1, top) if count(mid) < bound else (low, mid)
+    return low
+
+
+def candidate_lengths(calls: list[LengthFittedCall], high: int, index_bits: int = 32) -> list[int]:
+    """The lengths where some rule's condition can change: every count reaching 2**(bits-1) or 2**bits
+    (>=) or passing it (>). Between two candidates every call's outcome stays the same."""
+    limit, view_limit = limits(index_bits)
+    unique = {(f.call.family, f.a, f.b): f for f in calls}.values()
+    found = {1}
+    for fitted in unique:
+        width = len(_quantities(fitted.at(high)))
+        for i in range(width):
+            def count(length: int, i: int = i) -> int:
+                return _quantities(fitted.at(length))[i]
+            for bound in (view_limit, view_limit + 1, limit, limit + 1):
+                if (length := _first_reaching(count, bound, high)) is not None:
+                    found.add(length)
+    return sorted(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySearch:
+    """The largest n (a length, or a batch size) such that every n' in 1..n is clean, searched in
+    1..high, and how it was found (0: even 1 is not clean)."""
+
+    largest_safe: int
+    high: int
+    basis: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
+    """Three lengths to fit at: n, 2n, and `known` (a length traced anyway) or 3n."""
+    n = max(1, min(MAX_FIT_LENGTH, high // 3))
+    return n, 2 * n, known if known is not None and 2 * n < known <= high else 3 * n
+
+
+def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = 32,
+                        profile: Profile = None, known: int | None = None) -> BoundarySearch:
+    """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase);
+    `known` is a length already traced (reused as a fit point).
+
+    Three traces fit every call; the candidate lengths are decided by arithmetic; the boundary found
+    is checked by tracing at L and L + 1. If the fit or the check fails, bisection over traces decides
+    (assuming that a length is clean whenever a longer one is).
+    """
+    lengths = fit_lengths(high, known)
+    try:
+        calls = fit_calls([trace_at(n) for n in lengths], lengths)
+        first_bad = next((L for L in candidate_lengths(calls, high, index_bits)
+                          if not is_clean(plan_at_length(calls, L, index_bits, profile))), None)
+    except _Unscalable as error:
+        return bisect_clean(trace_at, high, f"the calls do not scale as quadratics in the length: {error}")
+    answer = high if first_bad is None else first_bad - 1
+    checks = [L for L in (answer, answer + 1) if 1 <= L <= high]
+    for length in checks:
+        try:
+            expected = plan_at_length(calls, length, index_bits, profile)
+        except _Unscalable:
+            return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
+        if _signature(trace_at(length)) != _signature(expected) or is_clean(expected) != (length == answer):
+            return bisect_clean(trace_at, high, f"a trace at length {length} differs from the fit")
+    basis = (f"arithmetic on calls traced at lengths {', '.join(map(str, lengths))} (each shape, stride and offset a "
+             f"quadratic in the length), checked by tracing at {' and '.join(map(str, checks))}")
+    return BoundarySearch(answer, high, basis)
+
+
+def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
+    return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
+
+
+def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> BoundarySearch:
+    """Bisection over traces in 1..high, assuming n is clean whenever a larger n is; `why` says why
+    nothing cheaper was possible."""
+    if is_clean(trace_at(high)):
+        return BoundarySearch(high, high, f"a trace at {high}, the top of the range, is clean ({why})")
+    good, bad, traces = 0, high, 1
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        traces += 1
+        good, bad = (mid, bad) if is_clean(trace_at(mid)) else (good, mid)
+    return BoundarySearch(good, high, f"bisection over {traces} traces, assuming smaller is never worse ({why})")

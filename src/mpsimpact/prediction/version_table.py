@@ -1,0 +1,74 @@
+"""The version table: what one geometry does on every torch release, per attention implementation and
+phase (inference, one training step), from shapes alone. The slide for "what changes if I upgrade?"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpsimpact.prediction.outcome import Prediction, predict, trace_classifier
+from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
+
+ATTENTIONS = ("eager", "sdpa")
+PHASES = ("inference", "training")
+NEWER = "unmeasured newer"
+
+
+def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
+    """One cell: the forward pass's outcome, and for a training step what the backward adds."""
+    stop = (whole or forward).stop
+    outcome = stop.fault.kind if stop is not None else forward.outcome
+    message = forward.describe()
+    if whole is not None and stop is not None and stop.phase == "backward" and forward.outcome != "clean":
+        message = f"{forward.describe()} (logits), then {'process abort' if stop.fault.kind == 'abort' else 'error'} in backward: {stop.fault.message}"
+    elif whole is not None and stop is not None:
+        message = whole.describe()
+    elif whole is not None and (wrong := [c for c in whole.silent if c.phase == "backward"]):
+        outcome = "wrong" if outcome == "clean" else outcome
+        message = f"{message} (logits); {len(wrong)} gradient products silently wrong in backward"
+    return {
+        "outcome": outcome, "first_corrupted_text": forward.first_corrupted_text,
+        "corrupted_count": forward.corrupted_count if forward.first_corrupted_text is not None else None, "message": message,
+    }
+
+
+def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int, index_bits: int = 32) -> list[dict[str, Any]]:
+    """Rows {release, attention, phase, outcome, first_corrupted_text, corrupted_count, message, note}:
+    one per release range whose cells agree, and one for unmeasured newer releases.
+
+    Args:
+        meta_for: builds the model on meta with an attention implementation ("eager", "sdpa").
+    """
+    traces = {
+        (attention, phase): trace_classifier(meta_for(attention), batch, length, backward=phase == "training", index_bits=index_bits)
+        for attention in ATTENTIONS for phase in PHASES
+    }
+    per_release = {}
+    for release in (*MEASURED_RELEASES, CONSERVATIVE):
+        cells = {}
+        for (attention, phase), plan in traces.items():
+            decided = plan.under(release)
+            forward = predict(decided, batch, heads, "forward")
+            cells[(attention, phase)] = cell(forward, predict(decided, batch, heads, "all") if phase == "training" else None)
+        per_release[release] = cells
+    return _merge(per_release)
+
+
+def _merge(per_release: dict[str, dict]) -> list[dict[str, Any]]:
+    """Consecutive measured releases with equal cells become one row ("2.10.0-2.12.1")."""
+    groups: list[list[str]] = []
+    for release in MEASURED_RELEASES:
+        if groups and per_release[groups[-1][-1]] == per_release[release]:
+            groups[-1].append(release)
+        else:
+            groups.append([release])
+    groups.append([CONSERVATIVE])
+    rows = []
+    for group in groups:
+        label = NEWER if group == [CONSERVATIVE] else group[0] if len(group) == 1 else f"{group[0]}-{group[-1]}"
+        notes = sorted({note for release in group for note in profile_for(release).notes})
+        for (attention, phase), value in per_release[group[0]].items():
+            rows.append({"release": label, "attention": attention, "phase": phase, **value, "note": " ".join(notes)})
+    return rows

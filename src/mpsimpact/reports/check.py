@@ -1,0 +1,138 @@
+"""`mpsimpact check`'s outputs: the console tables, check.md and check.json (written atomically into a
+fresh folder). Faulting calls repeated in every layer are shown once, with their count; the JSON keeps
+every call."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.output.files import atomic_write_text, folder_written_atomically
+
+CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)", "first bad row (sample, head)"]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
+def _layer_pattern(modules: list[str]) -> str:
+    """'model.layers.*.self_attn' for the same module in several layers."""
+    patterns = {re.sub(r"\.\d+\.", ".*.", m + ".").rstrip(".") for m in modules}
+    return patterns.pop() if len(patterns) == 1 and len(set(modules)) > 1 else modules[0]
+
+
+def _first_row(row: dict[str, Any]) -> str:
+    if row["first_bad_sample"] is not None:
+        return f"{row['first_bad_batch']} ({row['first_bad_sample']}, {row['first_bad_head']})"
+    if row["kind"] == "wrong_other":
+        return "not characterised"
+    return str(row["first_bad_batch"]) if row["first_bad_batch"] is not None else "-"
+
+
+def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Faulting calls as table rows, one per distinct call (op, shapes, layouts, outcome, phase)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["phase"], row["op"], tuple(row["a"]), tuple(row["b"]), row["a_layout"], row["b_layout"],
+               row["kind"], row["rule"], row["first_bad_batch"], re.sub(r"\d+", "*", row["module"]))
+        groups.setdefault(key, []).append(row)
+    table = []
+    for same in groups.values():
+        row, n = same[0], len(same)
+        calls = str(row["index"]) if n == 1 else f"{n} calls ({row['index']} .. {same[-1]['index']})"
+        where = _layer_pattern([r["module"] for r in same]) + (" (bwd)" if row["phase"] == "backward" else "")
+        shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
+        kind = f"{row['kind']} ({row['rule']}{', inferred' if row['inferred'] else ''})"
+        layouts = f"{row['a_layout']}, {row['b_layout']}"
+        table.append([calls, where, shapes, layouts, _count(row["out_numel"]), kind, _first_row(row)])
+    return table
+
+
+def headline(report: dict[str, Any]) -> str:
+    """One sentence: the model, what was built, and at which geometry."""
+    m, g = report["model"], report["geometry"]
+    target = f" + decoder {g['target_len']}" if g["target_len"] is not None else ""
+    return (f"{m['source']} ({m['found_in']}): {m['class']} ({m['model_type']}, {m['heads']} heads, "
+            f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; {g['phase']} at batch "
+            f"{g['batch_size']} x {g['seq_len']} tokens{target}; {report['calls_traced']} matmul calls traced on meta "
+            "(shapes only).")
+
+
+def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary lines after the tables, as (label, text)."""
+    m, p, pred = report["model"], report["torch_profile"], report["prediction"]
+    rules = f"torch {p['label']}, {'measured' if p['measured'] else 'not measured'}; from {p['source']}"
+    by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
+    lines = [
+        ("task", f"{m['task']} ({m['task_basis']})"),
+        ("attention", f"{m['attention']} ({m['attention_basis']})"),
+        ("rules", rules),
+        ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
+        ("largest safe batch", f"{report['largest_safe_batch']} at {report['geometry']['seq_len']} tokens "
+                               f"({by_batch['basis']})"),
+        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {report['geometry']['batch_size']} "
+                                f"(searched 1..{by_length['high']}; {by_length['basis']})"),
+        ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
+                        f"({report['estimated_peak_basis']})"),
+    ]
+    lines += [("guard", advice) for advice in report["guard_advice"]]
+    lines += [("note", note) for note in p["notes"]]
+    return lines
+
+
+def stop_line(stops: list[dict[str, Any]]) -> str:
+    """The first call where MPS raises or aborts (the run ends there), and how many more would."""
+    first, more = stops[0], len(stops) - 1
+    what = "aborts the process" if first["kind"] == "abort" else "raises"
+    tail = f" ({more} later calls would too; the run never reaches them)" if more else ""
+    return f"MPS {what} at call {first['index']} ({first['op']} in {first['module'] or first['phase']}): {first['message']}{tail}"
+
+
+def print_check(report: dict[str, Any]) -> None:
+    """The check as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(headline(report), soft_wrap=True)
+    if report["faulting_calls"]:
+        table = Table(title="calls that hit a rule")
+        for title in CALL_HEADER:
+            table.add_column(title, overflow="fold")
+        for row in grouped_calls(report["faulting_calls"]):
+            table.add_row(*row)
+        console.print(table)
+    else:
+        console.print("[bold green]No call crosses a limit.[/]")
+    stops = report["prediction"]["stops"]
+    if stops:
+        console.print(f"[bold red]{stop_line(stops)}[/]", soft_wrap=True)
+    for label, text in facts(report):
+        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """check.md: the same content as the console."""
+    lines = [f"# mpsimpact check: {report['model']['source']}", "", headline(report), ""]
+    if report["faulting_calls"]:
+        lines += ["## Calls that hit a rule", "", "| " + " | ".join(CALL_HEADER) + " |", "|---" * len(CALL_HEADER) + "|"]
+        rows = grouped_calls(report["faulting_calls"])
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    else:
+        lines.append("No call crosses a limit.")
+    stops = report["prediction"]["stops"]
+    if stops:
+        lines += ["", "## Where MPS stops the run", "", stop_line(stops)]
+    lines += ["", "## Summary", ""] + [f"- **{label}**: {text}" for label, text in facts(report)]
+    return "\n".join(lines) + "\n"
+
+
+def write_check_folder(folder: Path, report: dict[str, Any]) -> Path:
+    """Writes check.json and check.md into `folder` atomically (all or nothing)."""
+    with folder_written_atomically(folder) as partial:
+        atomic_write_text(partial / "check.json", json.dumps(report, indent=2, default=str) + "\n")
+        atomic_write_text(partial / "check.md", render_markdown(report))
+    return folder

@@ -1,0 +1,144 @@
+"""`mpsimpact compare`'s outputs: the console tables and verdicts, compare.md, a self-contained
+compare.html and compare.json, written atomically into a fresh folder."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.upgrade.compare import Comparison, cell_name
+from mpsimpact.output.files import atomic_write_text, folder_written_atomically
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE
+from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
+from mpsimpact.output.page import format_cell as _show
+
+# Condition statuses as the run command prints them.
+STATUS_NAMES = {"stopped_by_guard": "stopped", "skipped_predicted_abort": "skipped (abort)"}
+
+
+def _old_new(old: Any, new: Any) -> str:
+    """'x' when unchanged, 'old -> new' otherwise."""
+    old, new = STATUS_NAMES.get(old, old), STATUS_NAMES.get(new, new)
+    return _show(new) if old == new else f"{_show(old)} -> {_show(new)}"
+
+
+def tables(comparison: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table of a comparison as (title, header, rows), shared by the console, Markdown and HTML."""
+    environment = [[r["field"], _show(r["old"]), _show(r["new"])] for r in comparison.environment]
+    result = [("Environment", ["", "old", "new"], environment)]
+    if comparison.kind == "run":
+        return result + [_condition_table(comparison)]
+    cells = [[cell_name(c["cell"]), c["old"], c["new"]] for c in comparison.cells]
+    if cells:
+        result.append((f"Cells whose outcome changed ({len(cells)})", ["cell", "old", "new"], cells))
+    keys = ("agree", "disagree", "skipped")
+    counts = [[side, *(_show(counts.get(k)) for k in keys)] for side, counts in comparison.agreement.items()]
+    return result + [("Agreement with the fault model", ["", *keys], counts)]
+
+
+def _condition_table(comparison: Comparison) -> tuple[str, list[str], list[list[str]]]:
+    """One row per condition, each value 'old -> new' (or one value when unchanged)."""
+    with_attention = any(c["attention"] != DEFAULT_ATTENTION for c in comparison.conditions)
+    header = ["guard", *(["attention"] if with_attention else []), *comparison.columns]
+    rows = [
+        [c["guard"], *([c["attention"]] * with_attention), *(_old_new(*c["values"][t]) for t in comparison.columns)]
+        for c in comparison.conditions
+    ]
+    return "Conditions (old -> new)", header, rows
+
+
+def _tag(changed: bool) -> str:
+    return "changed" if changed else "info"
+
+
+def result_line(comparison: Comparison) -> str:
+    """The one-line summary that ends every output."""
+    count = sum(v.changed for v in comparison.verdicts)
+    if count:
+        return f"{count} change(s) that matter: exit code 1."
+    return "Nothing that matters changed: exit code 0."
+
+
+def _side(comparison: Comparison, index: int) -> str:
+    """'old: /path (emulated): EMULATED MPS on cpu ...'."""
+    name = ("old", "new")[index]
+    path = (comparison.old, comparison.new)[index]
+    realness = "emulated" if comparison.emulated[index] else "real"
+    return f"{name}: {path} ({realness}): {comparison.modes[index]}"
+
+
+def render_markdown(comparison: Comparison) -> str:
+    """compare.md: both sides, the verdicts, then every table."""
+    lines = [f"# mpsimpact compare: {comparison.kind}s", "", *(f"- **{_side(comparison, i)}**" for i in (0, 1)), ""]
+    lines += ["## Verdicts", "", *(f"- **{_tag(v.changed)}**: {v.text}" for v in comparison.verdicts)]
+    lines += ["", result_line(comparison), ""]
+    for title, header, rows in tables(comparison):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_html(comparison: Comparison) -> str:
+    """compare.html: self-contained (inline CSS), with an emulated/real banner for each side."""
+    esc = html.escape
+    banners = "".join(
+        f'<p class="banner" style="background:{BANNER_COLOURS[comparison.emulated[i]]}">{esc(_side(comparison, i))}</p>'
+        for i in (0, 1)
+    )
+    verdicts = "".join(
+        f'<li><span class="{_tag(v.changed)}">{_tag(v.changed)}</span> {esc(v.text)}</li>' for v in comparison.verdicts
+    )
+    sections = "".join(
+        f"<h2>{esc(title)}</h2><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in header)}</tr>"
+        + "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+        + "</table>"
+        for title, header, rows in tables(comparison)
+    )
+    title = f"mpsimpact compare: {esc(comparison.kind)}s"
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
+<style>{HTML_STYLE}
+.changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
+</style></head><body>
+<h1>{title}</h1>
+{banners}<h2>Verdicts</h2><ul>{verdicts}</ul><p><strong>{esc(result_line(comparison))}</strong></p>
+{sections}</body></html>
+"""
+
+
+def write_comparison_folder(out: Path, comparison: Comparison) -> Path:
+    """Writes compare.md, compare.html and compare.json into a hidden partial folder, then renames
+    it to `out`: an interrupted write leaves no complete-looking folder."""
+    with folder_written_atomically(out) as partial:
+        data = json.dumps(comparison.to_json(), indent=2, default=str)
+        atomic_write_text(partial / "compare.json", data + "\n")
+        atomic_write_text(partial / "compare.md", render_markdown(comparison))
+        atomic_write_text(partial / "compare.html", render_html(comparison))
+    return Path(out)
+
+
+def print_comparison(comparison: Comparison, folder: Path | None = None) -> None:
+    """The console view: both sides, the environment and condition (or cell) tables, the verdicts."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    for index in (0, 1):
+        style = "bold yellow" if comparison.emulated[index] else "bold green"
+        console.print(f"[{style}]{escape(_side(comparison, index))}[/]", soft_wrap=True)
+    for title, header, rows in tables(comparison):
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(*map(escape, row))
+        console.print(table)
+    for verdict in comparison.verdicts:
+        tag = "[bold red]changed[/]" if verdict.changed else "[dim]info[/]"
+        console.print(f"{tag}  {escape(verdict.text)}", soft_wrap=True)
+    console.print(result_line(comparison), soft_wrap=True)
+    if folder is not None:
+        console.print(f"Written to {folder}/ (compare.md, compare.html, compare.json)", soft_wrap=True)

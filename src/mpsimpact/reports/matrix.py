@@ -1,0 +1,254 @@
+"""`mpsimpact matrix`'s outputs: the console tables, matrix.md, a self-contained matrix.html, the
+heatmap matrix.png and matrix.json, written atomically into a fresh folder; and the progress bars."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.upgrade.matrix import ATTENTIONS, Progress
+from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
+from mpsimpact.output.page import BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE
+
+FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
+UNPROBED_COLOUR = "#dddddd"
+
+
+def _build_note(row: dict[str, Any]) -> str:
+    if row["status"] != "probed":
+        return row["status"]
+    packages = len(row["overlay"]["installed"])
+    return f"{'cached' if row['cached'] else 'built'} ({packages} packages differ)"
+
+
+def summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per release: environment, time, default attention, what output_attentions runs, where eager
+    goes wrong, and whether the guard held."""
+    rows = []
+    for row in report["rows"]:
+        time_cell = " + ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in row["timing"].items()) or "-"
+        if row["status"] != "probed":
+            rows.append([row["transformers"], f"{row['status']}: {row['reason']}", time_cell, "-", "-", "-", "-"])
+            continue
+        f = row["findings"]
+        first = f["eager_first_corrupted_text"]
+        eager = f"text {first}, on every release" if first is not None else "differs by release"
+        rows.append([row["transformers"], _build_note(row), time_cell, f["default_attention"], str(f["output_attentions_runs"]),
+                     eager, "stops and splits" if f["guard_ok"] else "FAILED"])
+    return rows
+
+
+def guard_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Per release and attention: what guard off, raise and chunk did on the tiny emulated run."""
+    rows = []
+    for row in (r for r in report["rows"] if r["status"] == "probed"):
+        for label, run in row["probe"]["emulated"]["runs"].items():
+            off, chunk = run["off"], run["chunk"]
+            first = off.get("first_corrupted_text")
+            wrong = f", {off['corrupted_count']} texts from {first}" if first is not None else ""
+            attention = run["attention"] + (" (default)" if label == "default" else "")
+            rows.append([row["transformers"], attention, f"{off['status']}{wrong} ({len(off['faulted_calls'])} calls)",
+                         run["raise"]["status"], f"{chunk['status']} ({chunk['chunked_calls']} calls split)"])
+    return rows
+
+
+def short_outcome(cell: dict[str, Any], sep: str = " ") -> str:
+    """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (not characterised), "clean"."""
+    if cell["outcome"] == "wrong" and cell["first_corrupted_text"] is not None:
+        return f"wrong{sep}from {cell['first_corrupted_text']}"
+    return {"wrong_other": f"wrong{sep}(not char.)"}.get(cell["outcome"], cell["outcome"])
+
+
+def release_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row per release and attention, one cell per torch release group: the outcome in short."""
+    rows = []
+    for row in report["rows"]:
+        probed = row["status"] == "probed"
+        for attention in ATTENTIONS:
+            cells = row.get("cells", {}).get(attention) or {}
+            reason = row["probe"]["implementations"][attention].get("error", "-") if probed else "not probed"
+            label = attention + (" (default)" if probed and row["findings"]["default_attention"] == attention else "")
+            outcomes = [short_outcome(cells[c["profile"]]) if cells else reason for c in report["columns"]]
+            rows.append([row["transformers"], label, *outcomes])
+    return rows
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table, as (title, header, rows), shared by the console, Markdown and HTML."""
+    emu, cfg = report["emulated"], report["config"]
+    ops = [[r["transformers"], name, "; ".join(lines) or "-"] for r in report["rows"] if r["status"] == "probed"
+           for name, lines in r["findings"]["attention_ops"].items()]
+    summary = ["transformers", "environment", "time", "default attention", "output_attentions=True runs",
+               "eager: first wrong text", "guard"]
+    outcome_title = f"Outcome on MPS at {cfg['batch_size']} x {cfg['max_length']}, by torch release group (predicted from shapes)"
+    guard_title = (f"Guard check: tiny random BERT, {emu['batch']} x {emu['length']}, {EMULATED_LABEL} {emu['profile']}, "
+                   f"{emu['index_bits']}-bit index")
+    return [
+        ("By transformers release", summary, summary_rows(report)),
+        (outcome_title, ["transformers", "attention", *[c["group"] for c in report["columns"]]], release_rows(report)),
+        (guard_title, ["transformers", "attention", "guard off", "guard raise", "guard chunk"], guard_rows(report)),
+        ("Attention calls that reach MPS (bmm and SDPA, per layer)", ["transformers", "attention", "calls: a @ b (layouts)"], ops),
+    ]
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    """Plain-language differences between the releases."""
+    probed = [r for r in report["rows"] if r["status"] == "probed"]
+    lines = []
+    by_runs: dict[str, list[str]] = {}
+    for row in probed:
+        by_runs.setdefault(str(row["findings"]["output_attentions_runs"]), []).append(row["transformers"])
+    if len(by_runs) > 1:
+        runs = "; ".join(f"{k} in {', '.join(v)}" for k, v in by_runs.items())
+        lines.append(f"With output_attentions=True the default model runs {runs}.")
+    for name in ATTENTIONS:
+        differ = [r["transformers"] for r in probed if r["findings"].get("same_ops_as", {}).get(name) is None]
+        if probed and not differ:
+            lines.append(f"{name}: the same attention calls, with the same layouts, in every probed release.")
+        elif differ:
+            lines.append(f"{name}: the attention calls differ from {probed[0]['transformers']}'s in {', '.join(differ)}.")
+    lines += [f"transformers {r['transformers']}: {r['status']}: {r['reason']}" for r in report["rows"] if "reason" in r]
+    return lines
+
+
+def headline(report: dict[str, Any]) -> str:
+    cfg, env = report["config"], report["environment"]
+    return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, torch {env['torch']} "
+            "(the running one, in every environment). Outcomes predicted from shapes (meta tensors); guard checked on a "
+            "tiny random BERT under "
+            f"{EMULATED_LABEL} {report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
+
+
+def result_line(report: dict[str, Any]) -> str:
+    if report["all_ok"]:
+        return "Every environment was probed and the guard stops and splits in each: exit code 0."
+    return "Some environment could not be probed, or the guard did not hold in it: exit code 1."
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """matrix.md: the headline, every table, the notes and the heatmap."""
+    lines = [f"# mpsimpact matrix: {report['config']['scenario']}", "", headline(report), ""]
+    for title, header, rows in tables(report):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        lines.append("")
+    lines += [*(f"- {note}" for note in notes(report)), "", result_line(report), "", "![matrix](matrix.png)", ""]
+    return "\n".join(lines)
+
+
+def render_html(report: dict[str, Any], figure: bytes) -> str:
+    """matrix.html: self-contained (inline CSS and figure), in report.html's look."""
+    esc = html.escape
+    sections = "".join(
+        f"<h2>{esc(title)}</h2><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in header)}</tr>"
+        + "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in rows) + "</table>"
+        for title, header, rows in tables(report)
+    )
+    items = "".join(f"<li>{esc(note)}</li>" for note in notes(report))
+    image = base64.b64encode(figure).decode()
+    title = f"mpsimpact matrix: {esc(report['config']['scenario'])}"
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
+<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[True]}}}</style></head><body>
+<h1>{title}</h1><p class="banner">{esc(headline(report))}</p>
+<figure><img alt="matrix" src="data:image/png;base64,{image}"><figcaption>matrix.png</figcaption></figure>
+{sections}<ul>{items}</ul><p><strong>{esc(result_line(report))}</strong></p></body></html>
+"""
+
+
+def heatmap(report: dict[str, Any]) -> bytes:
+    """PNG: rows are transformers releases, columns attention x torch release group, colours the outcome
+    (grey: not probed); the row label names the release's default attention."""
+    from matplotlib.patches import Patch
+
+    from mpsimpact.output.plot import png, pyplot
+    from mpsimpact.reports.versions import COLORS
+
+    plt = pyplot()
+    groups, rows = report["columns"], report["rows"]
+    columns = [(a, c) for a in ATTENTIONS for c in groups]
+    fig, ax = plt.subplots(figsize=(0.95 * len(columns) + 3, 0.7 * len(rows) + 1.8))
+    for y, row in enumerate(rows):
+        for x, (attention, column) in enumerate(columns):
+            cell = row.get("cells", {}).get(attention, {}).get(column["profile"])
+            colour = COLORS[cell["outcome"]] if cell else UNPROBED_COLOUR
+            ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=1.5))
+            text = short_outcome(cell, "\n") if cell else (row["status"] if x == 0 else "")
+            ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7,
+                    color="black" if not cell or cell["outcome"] == "clean" else "white")
+    for index, attention in enumerate(ATTENTIONS):
+        ax.text(len(groups) * (index + 0.5), -0.15, f"{attention} attention", ha="center", va="bottom", fontsize=9,
+                weight="bold")
+    ax.axvline(len(groups), color="black", linewidth=2)
+    ax.set_xlim(0, len(columns))
+    ax.set_ylim(len(rows), 0)
+    ticks = [c["group"].replace("-", "-\n").replace(" newer", "\nnewer") for _, c in columns]
+    ax.set_xticks([x + 0.5 for x in range(len(columns))], ticks, fontsize=7)
+    labels = [f"transformers {r['transformers']}"
+              + (f"\n(default: {r['findings']['default_attention']})" if r["status"] == "probed" else "") for r in rows]
+    ax.set_yticks([y + 0.5 for y in range(len(rows))], labels, fontsize=8)
+    cfg = report["config"]
+    ax.set_title(f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by transformers release and torch release "
+                 "(predicted from shapes)", fontsize=9, pad=26)
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + [Patch(color=UNPROBED_COLOUR, label="not probed")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return png(fig)
+
+
+def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
+    """matrix.json, matrix.md, matrix.html and matrix.png into a hidden partial folder, then renamed to
+    `out` (from report.fresh_out_dir): an interrupted write leaves no complete-looking folder."""
+    figure = heatmap(report)
+    with folder_written_atomically(out) as partial:
+        atomic_write_bytes(partial / "matrix.png", figure)
+        atomic_write_text(partial / "matrix.md", render_markdown(report))
+        atomic_write_text(partial / "matrix.html", render_html(report, figure))
+        atomic_write_text(partial / "matrix.json", json.dumps(report, indent=2, default=str) + "\n")
+    return Path(out)
+
+
+def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
+    """The console view: the headline, every table, the notes and the exit line."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold yellow]{escape(headline(report))}[/]", soft_wrap=True)
+    for title, header, rows in tables(report):
+        table = Table(title=title, show_lines=True)
+        for column in header:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*map(escape, row))
+        console.print(table)
+    for note in notes(report):
+        console.print(f"note: {escape(note)}", soft_wrap=True)
+    console.print(result_line(report), soft_wrap=True)
+    if folder is not None:
+        console.print(f"Written to {folder}/ ({', '.join(FILES)})", soft_wrap=True)
+
+
+@contextlib.contextmanager
+def progress_bars() -> Iterator[Progress]:
+    """A rich progress bar per environment (building, probing), on stderr when it is a terminal."""
+    from rich.console import Console
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bars
+
+    console = Console(stderr=True)
+    steps = {"building": 0, "probing": 1, "done": 2, "failed": 2}
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Bars(*columns, console=console, disable=not console.is_terminal) as bars:
+        tasks: dict[str, Any] = {}
+
+        def advance(version: str, stage: str) -> None:
+            if version not in tasks:
+                tasks[version] = bars.add_task(f"transformers {version}", total=2)
+            bars.update(tasks[version], description=f"transformers {version}: {stage}", completed=steps[stage])
+
+        yield advance

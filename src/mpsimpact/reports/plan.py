@@ -1,0 +1,116 @@
+"""`mpsimpact plan` shown: rich tables on the console, plan.json (with --versions versions.md and
+versions.png) in a folder, and the sweep figure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def write_sweep_figure(table: dict, path: str, model: str) -> None:
+    from mpsimpact.runs.figures import sweep_figure
+    from mpsimpact.output.files import atomic_write_bytes
+
+    atomic_write_bytes(path, sweep_figure(table, f"{model}: predicted corrupted fraction (MPS, eager attention)"))
+
+
+def print_plan(report: dict[str, Any]) -> None:
+    """The plan as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    cfg, pred = report["config"], report["prediction"]
+    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), decided for MPS on torch {report['profile']['label']}.")
+    table = Table(title="calls that hit a rule")
+    for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (text, head)"):
+        table.add_column(title)
+    for row in report["faulting_calls"]:
+        first = f"{row['first_bad_batch']} ({row['first_bad_text']}, {row['first_bad_head']})" if row["first_bad_text"] is not None else str(row["first_bad_batch"] if row["first_bad_batch"] is not None else "-")
+        where = row["where"].replace("encoder.encoder.", "").replace("model.roberta.encoder.", "") + (" (bwd)" if row["phase"] == "backward" else "")
+        shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
+        table.add_row(str(row["index"]), where, shapes, _count(row["out_numel"]), f"{row['kind']} ({row['rule']})", first)
+    console.print(table if report["faulting_calls"] else "No call crosses a limit.")
+    if pred["stops"]:
+        console.print(f"MPS would [bold red]{'abort the process' if pred['stops']['kind'] == 'abort' else 'raise'}[/] at call {pred['stops']['call']['index']}: {pred['stops']['message']}")
+    else:
+        console.print(f"Predicted: first corrupted text {pred['first_corrupted_text']} (head {pred['first_corrupted_head']}); {pred['corrupted_count']} of {cfg['batch_size']} texts ({pred['corrupted_fraction']:.2%}) silently wrong.")
+    safe = Table(title="largest safe batch")
+    safe.add_column("max length")
+    safe.add_column("texts")
+    for length, value in report["largest_safe_batch_by_length"].items():
+        safe.add_row(str(length), str(value))
+    console.print(safe)
+    console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB. {report['guard_advice']}")
+    if "sweep" in report:
+        _print_sweep(console, report["sweep"])
+    if "versions" in report:
+        _print_versions(console, report["versions"], cfg)
+    if "memory" in report:
+        _print_memory(console, report["memory"])
+
+
+def _print_memory(console, memory: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"the smallest clear demo per dtype and length, against {memory['basis']}")
+    for title in ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"):
+        table.add_column(title)
+    for o in memory["options"]:
+        table.add_row(o["dtype"], str(o["max_length"]), str(o["batch_size"]), o["outcome"], f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no")
+    console.print(table)
+    rec = memory["recommendation"]
+    console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"] else f"[bold red]{rec['why']}[/]", soft_wrap=True)
+
+
+def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
+
+    table = Table(title=f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens (from shapes alone)", show_lines=True)
+    table.add_column("torch")
+    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
+    for attention, phase in columns:
+        table.add_column(f"{attention}, {phase}")
+    for release in dict.fromkeys(r["release"] for r in rows):
+        cells = {(r["attention"], r["phase"]): r["message"] for r in rows if r["release"] == release}
+        table.add_row(release, *[cells[c] for c in columns])
+    console.print(table)
+    for note in sorted({r["note"] for r in rows if r["note"]}):
+        console.print(f"note: {note}", soft_wrap=True)
+
+
+def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
+    """plan.json, and with --versions versions.md and versions.png, atomically into `folder` (from
+    report.fresh_out_dir, checked before any work)."""
+    import json
+
+    from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
+
+    with folder_written_atomically(folder) as partial:
+        atomic_write_text(partial / "plan.json", json.dumps(report, indent=2, default=str) + "\n")
+        if "versions" in report:
+            from mpsimpact.reports.versions import heatmap, to_markdown
+
+            cfg = report["config"]
+            atomic_write_text(partial / "versions.md", to_markdown(report["versions"]))
+            title = f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by torch release (predicted from shapes)"
+            atomic_write_bytes(partial / "versions.png", heatmap(report["versions"], title))
+    return folder
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
+def _print_sweep(console, table: dict) -> None:
+    from rich.table import Table
+
+    out = Table(title="predicted corrupted fraction by batch size")
+    out.add_column("batch")
+    for length in table:
+        out.add_column(f"L={length}", justify="right")
+    for i, row in enumerate(next(iter(table.values()))):
+        cells = [table[length][i] for length in table]
+        out.add_row(str(row["batch"]), *[c["stops"] or f"{c['corrupted_fraction']:.1%}" for c in cells])
+    console.print(out)

@@ -1,0 +1,163 @@
+"""One device pass's workload: the batch (texts, tokens), its geometry (device, emulation, run
+length, checked against memory before anything big is allocated), and the emulation-and-guard
+condition it runs under. Shared by the inference and training runners."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpsimpact.runs.device import GIB, check_memory, device_memory, resolve_emulation
+from mpsimpact.modes.emulator import emulate
+from mpsimpact.errors import MemoryPreflightError, UsageError
+from mpsimpact.prediction.memory import TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes, largest_fitting_batch
+from mpsimpact.modes.guard import guard
+from mpsimpact.prediction.demo_size import DTYPE_BYTES
+
+# Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
+# full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
+REDUCED_LENGTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where and at what size the device passes run, and how MPS is (or is not) emulated."""
+
+    device: str
+    emulated: bool
+    batch_size: int
+    max_length: int
+    run_length: int
+    index_bits: int = 32
+    profile: str = ""  # the torch release whose faults are emulated (or guarded and planned); "" = installed
+    attention: str = "eager"  # the attention implementation of the pass
+    dtype: str = "float32"  # the device passes' dtype
+
+    @property
+    def replayed(self) -> bool:
+        return self.emulated and self.run_length < self.max_length
+
+    @property
+    def mode(self) -> str:
+        from mpsimpact.engine.release import installed_profile, resolve_profile
+        from mpsimpact.output.page import EMULATED_LABEL
+
+        release = resolve_profile(self.profile or None)
+        if not self.emulated:
+            if self.device != "mps":
+                return f"{self.device} control (no emulation)"
+            other = release.release != installed_profile().release
+            return f"real MPS (torch {installed_profile().label})" + (f", guarded and planned as torch {release.label}" if other else "")
+        scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
+        precision = "" if self.dtype == "float32" else f", {self.dtype}"
+        return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
+
+
+def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
+                    training: bool | None = None) -> Geometry:
+    """Picks emulation and the run length; checks memory before anything big is allocated: one
+    device pass's, or for a training scenario one training step's (`training`; None: whatever the
+    config's scenario declares)."""
+    emulated = resolve_emulation(config.emulate, device)
+    if max_length > model.max_positions:
+        raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
+    training = is_training(config) if training is None else training
+    dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
+    full = estimate_training_bytes(model.config, batch, max_length) if training else estimate_peak_bytes(model.config, batch, max_length, dtype_bytes)
+    run_length = _run_length(config, device, emulated, full, max_length)
+    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
+    if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
+        raise UsageError(
+            f"--max-length {max_length} cannot be emulated exactly at reduced length {run_length}: the wrap "
+            "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
+            "or a device with enough memory for the full scale."
+        )
+    if training:
+        check_training_memory(model.config, device, batch, run_length)
+    else:
+        check_memory(
+            device, estimate_peak_bytes(model.config, batch, run_length, dtype_bytes), "one device pass",
+            "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
+        )
+    return geometry
+
+
+def _run_length(config: Any, device: str, emulated: bool, full: int, max_length: int) -> int:
+    """--run-length if given; the full length where it fits on a GPU; else the reduced length, where
+    the plan replays (refused on MPS and on an unemulated GPU, which must run at full scale)."""
+    if config.run_length:
+        return min(config.run_length, max_length)
+    if device != "cpu" and full <= device_memory(device):
+        return max_length
+    if device == "mps" or (not emulated and device != "cpu"):
+        hint = (f" `mpsimpact plan {config.scenario} --memory auto` names the smallest demo that fits this Mac."
+                if device == "mps" else "")
+        raise MemoryPreflightError(
+            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
+            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use --dtype float16.{hint}",
+            device=device, needed_bytes=full,
+        )
+    return min(max_length, REDUCED_LENGTH)
+
+
+def is_training(config: Any) -> bool:
+    """Whether the config's scenario takes training steps (its class's `training`, from its kind)."""
+    from mpsimpact.runs.scenario import get_scenario
+
+    name = getattr(config, "scenario", None)
+    return bool(name) and bool(getattr(get_scenario(name), "training", False))
+
+
+def check_training_memory(model_config: Any, device: str, batch: int, length: int) -> None:
+    """Raises MemoryPreflightError, before anything big is allocated, when one training step of
+    `batch` texts at `length` tokens does not fit on `device`; the message names the largest batch
+    that does."""
+    offered = device_memory(device)
+    fits = largest_fitting_batch(lambda b: estimate_training_bytes(model_config, b, length), offered)
+    advice = (f"Use --batch-size {fits} or less." if fits
+              else "Not even one text fits: free memory, or use a machine with more.")
+    needed = estimate_training_bytes(model_config, batch, length)
+    check_memory(device, needed, f"one training step ({TRAINING_PARTS}) at {batch} x {length}", advice)
+
+
+def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:
+    """The first `batch` texts in the data's fixed order, repeated if there are too few; returns
+    (texts, gold labels, how many positions are repeats)."""
+    reps = -(-batch // len(texts))
+    picked = (list(texts) * reps)[:batch]
+    gold = np.array((list(labels) * reps)[:batch])
+    return picked, gold, max(0, batch - len(texts))
+
+
+@contextlib.contextmanager
+def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
+    """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
+    if not geometry.emulated:
+        emulation = contextlib.nullcontext(None)
+    else:
+        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits, profile=geometry.profile or None)
+    guarding = (guard(guard_mode, index_bits=geometry.index_bits, profile=geometry.profile or None)
+                if guard_mode != "off" else contextlib.nullcontext(None))
+    with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
+        yield emu, g
+
+
+def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Pads every text to the run length; reports which texts a reduced length truncates."""
+    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length", return_tensors="pt")
+    lengths = np.array([len(ids) for ids in tokenizer(texts, truncation=False)["input_ids"]])
+    reduced = np.flatnonzero((lengths > geometry.run_length) & (geometry.run_length < geometry.max_length))
+    stats = {
+        "truncated_at_max_length": int((lengths > geometry.max_length).sum()),
+        "truncated_by_reduced_length": reduced.tolist(),
+        "truncated_by_reduced_length_fraction": reduced.size / len(texts),
+        "mean_tokens": float(lengths.mean()),
+    }
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, stats

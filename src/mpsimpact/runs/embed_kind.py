@@ -1,0 +1,126 @@
+"""The embed kind: a corpus embedded in one forward pass per attention implementation and guard
+condition, judged as a search index against the reference index (ranking.summarize_embeddings);
+its columns, figures, samples and console lines."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+
+from mpsimpact.runs.classify_kind import select_reference
+from mpsimpact.runs.device import full_precision_reductions
+from mpsimpact.prediction.outcome import predict
+from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
+from mpsimpact.output.page import EMULATED_LABEL
+from mpsimpact.runs.kind import RunKind
+from mpsimpact.runs.runner import run_conditions
+from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
+
+
+class EmbedKind(RunKind):
+    """Embedding a corpus for search: corrupted vectors, self-retrieval, query results, hubs."""
+
+    name = "embedding"
+    dtypes = ("float32",)
+    columns = (
+        ("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"), ("corrupted_fraction", "fraction"),
+        ("first_corrupted_index", "first corrupted"), ("predicted_first_corrupted_index", "predicted first"),
+        ("self_retrieval_failures", "self-retrieval failures"), ("recall_at_10", "recall@10"),
+        ("top1_changed", "top-1 changed"), ("wall_s", "wall s"),
+    )
+    files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")
+
+    def run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+        with full_precision_reductions():
+            return self._run(config, scenario, model, geometry, plans, progress)
+
+    def _run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+        from mpsimpact.runs.reference import run_chunked
+
+        texts, _, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
+        inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
+        # Queries on the CPU, so only the index can be corrupted.
+        queries = run_chunked(model.module.to("cpu"), model.tokenizer, list(scenario.queries), geometry.run_length)
+        first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
+        ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
+        info.update(threshold=COSINE_THRESHOLD, measure="cosine to the reference vector", queries=len(queries), query_device="cpu")
+        module = model.module.to(geometry.device)
+        inputs = {k: v.to(geometry.device) for k, v in inputs.items()}
+        twins = twin_ids(ref)
+        conditions = []
+        arrays: dict[str, Any] = {"reference": ref, "queries": queries, "texts": texts, "embeddings": {}, "per_text": {}}
+        for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
+            embeddings = result.pop("logits", None)
+            if embeddings is not None:
+                summary, arrays["per_text"][key] = summarize_embeddings(embeddings, ref, queries, twins)
+                result.update(summary)
+                arrays["embeddings"][key] = embeddings
+            conditions.append(result)
+        model.module.to("cpu")
+        return {"repeated_texts": repeats, "tokens": token_stats, "reference": info, "conditions": conditions}, arrays
+
+    def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
+        from mpsimpact.runs.figures import render_retrieval
+
+        return render_retrieval(report, arrays["per_text"])
+
+    def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
+        buffer = io.BytesIO()
+        np.savez(buffer, reference=arrays["reference"], queries=arrays["queries"],
+                 **{f"guard_{k}": v for k, v in arrays["embeddings"].items()})
+        return {"samples.jsonl": samples_jsonl(arrays).encode("utf-8"), "embeddings.npz": buffer.getvalue()}
+
+    def markdown_lines(self, report: dict) -> list[str]:
+        return [f"- {line}" for line in retrieval_lines(report)]
+
+    def console_table(self, report: dict):
+        table = super().console_table(report)
+        if report["geometry"]["emulated"]:
+            table.title = f"{EMULATED_LABEL}, {table.title}"
+        return table
+
+    def console_lines(self, report: dict) -> list[str]:
+        tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""
+        return [f"{tag}{line}" for line in retrieval_lines(report) + super().console_lines(report)]
+
+
+def retrieval_lines(report: dict) -> list[str]:
+    """Self-retrieval, query results, hubs and direction of each completed condition with corrupted vectors."""
+    lines = []
+    for c in report["conditions"]:
+        if c["status"] != "completed":
+            continue
+        who = f"guard {c['guard']}" if c.get("attention", "eager") == "eager" else f"{c['attention']}, guard {c['guard']}"
+        s, q, h, d = c["self_retrieval"], c["query_results"], c["hubs"], c["direction"]
+        lines.append(f"{who}: {c['corrupted_count']} corrupted vectors (first {c['first_corrupted_index']}, predicted "
+                     f"{c['predicted_first_corrupted_index']}); self-retrieval: {s['failures']} documents are no longer their "
+                     f"own nearest neighbour (median rank {s['median_failed_rank']}, max {s['max_rank']}); queries: mean "
+                     f"recall@10 {q['recall_at_10']:.4f}, top-1 changed for {q['top1_changed']} of {q['queries']}.")
+        if c["corrupted_count"]:
+            lines.append(
+                f"{who}: hubs: corrupted documents fill {h['corrupted_top10_appearances']} top-10 slots (reference "
+                f"{h['reference_top10_appearances']}, uniform expectation {h['expected_if_uniform']:.1f}); mean pairwise cosine "
+                f"of corrupted vectors {_fmt(d['corrupted_mean_pairwise_cosine'])} vs clean {_fmt(d['clean_mean_pairwise_cosine'])} "
+                f"(the same documents in the reference: {_fmt(d['corrupted_reference_mean_pairwise_cosine'])}).")
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def samples_jsonl(arrays: dict) -> str:
+    """One line per document and completed condition."""
+    lines = []
+    for key, per in arrays["per_text"].items():
+        for i, text in enumerate(arrays["texts"]):
+            cos = float(per["cosine"][i])
+            lines.append(json.dumps({
+                "guard": key, "position": i, "text": text, "cosine": cos if np.isfinite(cos) else None,
+                "corrupted": not cos >= COSINE_THRESHOLD, "self_rank": int(per["rank"][i]),
+                "top10_appearances": int(per["appearances"][i]),
+            }))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,96 @@
+"""The kind of run a scenario asks for (classify, train, embed): one object that runs the conditions
+and answers for its report's columns, figures, extra files and console lines. The runner, the report
+writer and the CLI ask the kind; none of them branches on it."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+from mpsimpact.errors import UsageError
+from mpsimpact.output.page import format_cell
+
+# report.json's schema: what readers (compare, CI scripts, notebooks) may rely on.
+SCHEMA_VERSION = 1
+
+
+class RunKind(abc.ABC):
+    """What varies between kinds of run. Subclasses set the class fields and implement `run`."""
+
+    name: ClassVar[str]  # the report's "kind" field
+    backward: ClassVar[bool] = False  # whether the plan traces (and memory is checked for) a backward pass
+    columns: ClassVar[tuple[tuple[str, str], ...]]  # (condition key, title) of the conditions table
+    files: ClassVar[tuple[str, ...]]  # what a run folder holds, for the console's last line
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    attentions: ClassVar[tuple[str, ...]] = ("eager", "sdpa", "both")
+
+    def check(self, config: Any) -> None:
+        """Refuses, before anything is loaded, the options this kind does not support."""
+        if config.attention not in self.attentions or config.dtype not in self.dtypes:
+            raise UsageError(
+                f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and --dtype "
+                f"{' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} --versions` predicts sdpa."
+            )
+
+    def geometry(self, config: Any, model: Any, device: str, batch: int, max_length: int):
+        """Emulation, run length and the memory check for this kind's device pass (or step)."""
+        from mpsimpact.runs.device_pass import decide_geometry
+
+        return decide_geometry(config, model, device, batch, max_length, training=self.backward)
+
+    @abc.abstractmethod
+    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict, progress) -> tuple[dict, dict]:
+        """Every condition against the reference; returns (report body with "conditions",
+        "repeated_texts", "tokens" and "reference"; arrays for figures and files)."""
+
+    def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
+        """PNG figures by file name."""
+        return {}
+
+    def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
+        """Files beside report.json/.md/.html and the figures, by name."""
+        return {}
+
+    def markdown_lines(self, report: dict) -> list[str]:
+        """Kind-specific bullet lines ("- ...") for report.md and report.html."""
+        return []
+
+    def console_table(self, report: dict):
+        """The console's conditions table (a rich Table): by default the report's columns."""
+        from rich.table import Table
+
+        g = report["geometry"]
+        table = Table(title=f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}")
+        for _, title in columns(report):
+            table.add_column(title, justify="right")
+        for row in condition_rows(report):
+            table.add_row(*row)
+        return table
+
+    def console_lines(self, report: dict) -> list[str]:
+        """Lines printed under the table (before the notes)."""
+        return [f"guard {c['guard']}: {c['status']}: {c['message']}" for c in report["conditions"] if c.get("message")]
+
+
+def kind_of(report: dict) -> RunKind:
+    """The kind that wrote `report`, by its "kind" field (reports before the field: inference)."""
+    from mpsimpact.runs.scenario import available
+
+    kinds = {cls.kind.name: cls.kind for cls in available().values()}
+    name = report.get("kind", "inference")
+    if name not in kinds:
+        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows ({', '.join(sorted(kinds))}).")
+    return kinds[name]
+
+
+def columns(run: dict) -> tuple[tuple[str, str], ...]:
+    """The conditions table's (key, title) pairs: the run kind's, led by the attention when it varies."""
+    base = kind_of(run).columns
+    if any("attention" in c for c in run["conditions"]):  # --attention sdpa or both
+        return (("attention", "attention"), *base)
+    return base
+
+
+def condition_rows(run: dict) -> list[list[str]]:
+    """The conditions table: one row per condition (attention implementation and guard)."""
+    return [[format_cell(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)] for c in run["conditions"]]

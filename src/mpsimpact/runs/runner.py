@@ -1,0 +1,289 @@
+"""The runner: turns a RunConfig into the scenario's kind of run (see run_kind.RunKind), one device
+pass per guard condition against a reference, and the report. Scenarios never pick devices; this does."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpsimpact.runs.device import GIB, resolve_device
+from mpsimpact.errors import NotEmulatedError, OversizedOpError
+from mpsimpact.config import (
+    BATCH_SIZE,
+    DEVICE,
+    INDEX_BITS,
+    MAX_LENGTH,
+    TORCH_PROFILE,
+    Check,
+    option,
+    validate,
+)
+from mpsimpact.prediction.outcome import predict, trace_classifier
+from mpsimpact.engine.release import resolve_profile
+from mpsimpact.runs.kind import SCHEMA_VERSION
+from mpsimpact.runs.device_pass import Geometry, condition
+
+GUARDS = ("off", "raise", "chunk")
+# Half precision: a text is corrupted above this relative difference from the same-dtype,
+# small-batch reference (see docs and benchmarks/README.md for the measured margins).
+HALF_THRESHOLD = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything `mpsimpact run` was asked; embedded in every report."""
+
+    scenario: str = "sentiment"
+    batch_size: int | None = option(None, BATCH_SIZE)
+    steps: int = option(1, Check("--steps", low=1))
+    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
+    max_length: int | None = option(None, MAX_LENGTH)
+    device: str = option("auto", DEVICE)
+    emulate: bool | None = None
+    guard: str = option("all", Check("--guard", choices=(*GUARDS, "all")))
+    out: str | None = None
+    seed: int = 0
+    expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
+    model: str | None = None
+    dataset: str | None = None
+    threshold: float = option(1e-3, Check("--threshold", 0, 1, inclusive=False))
+    reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
+    run_length: int | None = option(None, Check("--run-length", low=1))
+    index_bits: int = option(32, INDEX_BITS)
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
+    dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
+
+    @property
+    def corruption_threshold(self) -> float:
+        """fp32: --threshold against the CPU fp32 reference. Half precision: against a same-dtype
+        reference, at least HALF_THRESHOLD (kernel-order rounding of clean texts stays below it)."""
+        return self.threshold if self.dtype == "float32" else max(self.threshold, HALF_THRESHOLD)
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
+
+    @property
+    def guards(self) -> tuple[str, ...]:
+        return GUARDS if self.guard == "all" else (self.guard,)
+
+    @property
+    def attentions(self) -> tuple[str, ...]:
+        return ("eager", "sdpa") if self.attention == "both" else (self.attention,)
+
+
+def condition_key(attention: str, guard_mode: str) -> str:
+    """How arrays and figures name a condition: the guard alone for eager attention (as always)."""
+    return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
+
+
+def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
+    """One forward pass of the whole batch under one guard condition."""
+    if geometry.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
+    if geometry.attention != "eager":
+        result["attention"] = geometry.attention
+    state: dict[str, Any] = {}
+    try:
+        with condition(geometry, plan, guard_mode) as (emu, g):
+            state.update(emu=emu, guard=g)
+            result["logits"] = module(**inputs).float().cpu().numpy()
+    except OversizedOpError as error:
+        result.update(status="stopped_by_guard", message=str(error))
+    except NotEmulatedError as error:  # wrong on MPS, but nobody characterised the values
+        result.update(status="not_emulated", message=error.message)
+    except RuntimeError as error:  # MPS's own error, real or emulated
+        result.update(status="error", message=str(error).splitlines()[0])
+    emu, g = state.get("emu"), state.get("guard")
+    result["wall_s"] = time.perf_counter() - start
+    if geometry.device == "cuda":
+        result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
+    result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
+    result["silent_faults_injected"] = len([r for r in (emu.records if emu else []) if r.fault.kind in ("wrong_all", "wrong_tail", "truncated")])
+    if result["status"] != "completed":
+        result["wrong_values_before_stop"] = result["silent_faults_injected"]
+    return result
+
+
+def prepare_out_dir(config: RunConfig) -> Path:
+    """The final report folder (see report.fresh_out_dir)."""
+    from mpsimpact.output.files import fresh_out_dir
+
+    return fresh_out_dir(config.out, config.scenario)
+
+
+def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
+    """CPU fp32 reference at the run length, from the on-disk cache when present."""
+    from mpsimpact.runs import reference
+
+    key = reference.cache_key(reference.model_fingerprint(model.module), texts, run_length)
+    cached = reference.cached_reference(key)
+    if cached is not None:
+        return cached, True
+    logits = reference.run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance)
+    reference.store_reference(key, logits)
+    return logits, False
+
+
+def device_reference(model, texts: list[str], run_length: int, device: str, boundary: int | None, advance=None) -> tuple[np.ndarray, dict]:
+    """A chunked, unemulated reference on the device itself (for big GPUs), spot-checked on the
+    CPU on a sample that includes the texts around the predicted boundary."""
+    from mpsimpact.runs.metrics import relative_error
+    from mpsimpact.runs.reference import run_chunked
+
+    logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance, device=device)
+    rng = np.random.default_rng(0)
+    around = range(max(0, (boundary or 0) - 8), min(len(texts), (boundary or 0) + 8))
+    sample = sorted(set(around) | set(rng.choice(len(texts), size=min(48, len(texts)), replace=False).tolist()))
+    cpu = run_chunked(model.module.to("cpu"), model.tokenizer, [texts[i] for i in sample], run_length)
+    model.module.to(device)
+    diff = relative_error(logits[sample], cpu)
+    return logits, {"texts": len(sample), "includes_boundary": boundary is not None, "max_relative_difference": float(diff.max())}
+
+
+def model_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the model's largest ModuleList (its transformer layers)."""
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len, default=[]))
+
+
+@contextlib.contextmanager
+def layer_progress(layers: list[torch.nn.Module], advance):
+    """Advances a progress bar as each layer finishes its forward."""
+    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _no_progress(description: str, total: int):
+    return None
+
+
+def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs every guard condition of `config` as the scenario's kind of run; returns (report, arrays
+    for samples and figures).
+
+    `progress(description, total)` returns a callable that advances that task (or None).
+    """
+    from mpsimpact.runs.scenario import get_scenario
+
+    config.validate()
+    scenario_cls = get_scenario(config.scenario)
+    device = resolve_device(config.device)
+    scenario = scenario_cls(model=config.model, dataset=config.dataset)
+    kind = scenario.kind
+    batch = config.batch_size or scenario_cls.default_batch_size
+    max_length = config.max_length or scenario_cls.default_max_length
+    kind.check(config)
+    torch.manual_seed(config.seed)
+    scenario.load()
+    model = scenario.model
+    geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
+                                   profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
+    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits,
+                                 backward=kind.backward, profile=geometry.profile) for a in config.attentions}
+    body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
+    report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
+    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
+    return report, arrays
+
+
+def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int, max_length: int) -> dict[str, Any]:
+    """What every run report starts with: config, environment, geometry, model, data and the predictions."""
+    from mpsimpact.runs.environment import collect_environment
+
+    model = scenario.model
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind_name,
+        "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
+        "environment": collect_environment(),
+        "geometry": geometry.to_json(),
+        "model": model.name,
+        "label_names": list(model.label_names),
+        "data_source": scenario.data.source,
+        "prediction": predict(plans[config.attentions[0]], batch, model.heads).to_json(),
+        "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
+        "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
+    }
+
+
+def run_conditions(config: RunConfig, module, inputs, geometry: Geometry, plans: dict, heads: int, progress):
+    """Every condition, attention implementation by guard mode: yields (key, result); the module is
+    back on eager attention afterwards."""
+    from mpsimpact.models.classifier import use_attention
+
+    for attention, plan in plans.items():
+        use_attention(module, attention)
+        prediction = predict(plan, geometry.batch_size, heads)
+        for guard_mode in config.guards:
+            yield condition_key(attention, guard_mode), condition_pass(
+                module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
+    use_attention(module, "eager")
+
+
+def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
+    """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
+    if would_abort(geometry, prediction, guard_mode):
+        return skipped_abort(guard_mode, prediction)
+    layers = model_layers(module)
+    label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
+    with layer_progress(layers, progress(label, len(layers))):
+        result = device_pass(module, inputs, geometry, plan, guard_mode)
+    result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
+    return result
+
+
+def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> list[dict[str, Any]]:
+    """The version table at this run's full-scale geometry (see versions.version_table)."""
+    from mpsimpact.prediction.version_table import version_table
+
+    return version_table(lambda attention: scenario.meta_module(attention=attention), batch, length, model.heads, index_bits)
+
+
+def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
+    """On real MPS an unguarded call the plan says aborts would kill this process (and the report)."""
+    stop = prediction.stop
+    return geometry.device == "mps" and not geometry.emulated and guard_mode == "off" and stop is not None and stop.fault.kind == "abort"
+
+
+def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
+    call = prediction.stop
+    return {
+        "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0,
+        "predicted_first_corrupted_index": prediction.first_corrupted_text,
+        "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process on MPS "
+                   f"({call.fault.message}); see `mpsimpact plan`.",
+    }
+
+
+def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
+    notes = [geometry.mode + "."]
+    if geometry.index_bits != 32:
+        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by 2^{32 - geometry.index_bits}.")
+    if geometry.emulated:
+        release = resolve_profile(geometry.profile or None)
+        notes.append(f"No Apple GPU was used: MPS's faults were emulated from the published fault model for torch {release.label}.")
+    if geometry.replayed:
+        reduced = token_stats["truncated_by_reduced_length"]
+        notes.append(
+            f"Texts run at {geometry.run_length} tokens with the fault plan traced at {geometry.max_length}; "
+            f"{len(reduced)} texts ({token_stats['truncated_by_reduced_length_fraction']:.2%}) are longer than "
+            f"{geometry.run_length} tokens and were truncated by the reduction (positions {reduced[:20]})."
+        )
+    if repeats:
+        notes.append(f"The data has fewer texts than the batch: {repeats} positions repeat earlier texts.")
+    return notes

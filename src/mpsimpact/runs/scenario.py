@@ -1,0 +1,109 @@
+"""The scenario base class and registry: a scenario declares a model, data and default geometry;
+the runner does the rest (device, emulation, guard, reports)."""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from mpsimpact.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+_REGISTRY: dict[str, type[Scenario]] = {}
+
+
+class Scenario(abc.ABC):
+    """One demo workload. Cheap constructor; heavy work (weights, data) in `load()`.
+
+    Everything the runner, the planner and the reports use is declared here: the name,
+    description and default geometry; the kind of run (a `RunKind`, which runs the conditions and
+    answers for the report); after `load()`, `model` (a classifier.LoadedModel-like object: module,
+    tokenizer, config, label_names, name, max_positions, heads) and `data` (dataset.LabelledTexts);
+    and, without weights, `load_config()` and `meta_module()` for the shape-only tracer.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    default_batch_size: ClassVar[int] = 2048
+    default_max_length: ClassVar[int] = 512
+    kind: ClassVar[Any]  # a run_kind.RunKind (not imported here: run_kind finds kinds through this registry)
+    # Derived from `kind` (workload.is_training reads it from the class); never set it by hand.
+    training: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            cls.training = cls.kind.backward
+
+    def __init__(self, model: str | None = None, dataset: str | None = None, **options: Any) -> None:
+        self.options = {"model": model, "dataset": dataset, **options}
+        self.model: Any = None
+        self.data: Any = None
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Loads weights and data into `model` and `data`; called once by the runner."""
+
+    @abc.abstractmethod
+    def load_config(self) -> Any:
+        """The model's config alone (no weights): enough to trace."""
+
+    @abc.abstractmethod
+    def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
+        """The model built on `meta` from `config` (default: the loaded model's) with an attention
+        implementation; called as `module(input_ids=...)` by the tracer, it makes exactly the
+        bmm/mm calls the device pass makes."""
+
+
+def load_model_config(model_name: str | None) -> Any:
+    """The config of `model_name` (an id in the Hugging Face cache or a local folder), or of the
+    embedded all-MiniLM-L6-v2 for None: enough to trace, no weights."""
+    from transformers import AutoConfig
+
+    from mpsimpact.models.classifier import embedded_model_path
+    from mpsimpact.errors import ModelLoadError
+
+    source = str(embedded_model_path()) if model_name is None else model_name
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"The config of model '{source}' is not a local path and not in the Hugging Face cache "
+            f"({type(error).__name__}). Download it once with network access, or pass a local directory."
+        ) from None
+
+
+def register(cls: type[Scenario]) -> type[Scenario]:
+    """Class decorator: makes `cls` available under `cls.name` (= its file name = CLI word)."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _import_scenarios() -> None:
+    package = importlib.import_module("mpsimpact.scenarios")
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"mpsimpact.scenarios.{info.name}")
+
+
+def available() -> dict[str, type[Scenario]]:
+    """Every registered scenario, by name."""
+    _import_scenarios()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_scenario(name: str) -> type[Scenario]:
+    """The scenario class called `name`, or a UsageError that suggests the closest name."""
+    scenarios = available()
+    if name in scenarios:
+        return scenarios[name]
+    close = difflib.get_close_matches(name, scenarios, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise UsageError(
+        f"Unknown scenario '{name}'.{hint} Available: {', '.join(scenarios) or 'none'}.",
+        scenario=name,
+    )

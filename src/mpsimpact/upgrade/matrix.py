@@ -1,0 +1,216 @@
+"""`mpsimpact matrix`: the transformers side of an upgrade check. Each transformers release runs the probe
+(matrix_probe) in an overlay environment (overlay) over the installed torch; a row says which attention a
+model gets, which calls reach MPS with which layout, their outcome per torch release group, and whether
+the guard still stops and splits them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.errors import UsageError
+from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
+from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, Check, option, validate
+from mpsimpact.upgrade.overlay import (
+    OverlayCache,
+    OverlayError,
+    is_offline_env,
+    probe_environment,
+)
+
+SCHEMA_VERSION = 1
+DEFAULT_VERSIONS = ("4.44.2", "4.57.6", "5.24.0")
+ATTENTIONS = ("eager", "sdpa")  # the heatmap's column groups; the default is one of them
+# The tiny emulated run's release: the last where both eager's P V wraps and fused SDPA is wrong, so
+# the guard has something to stop and split on either attention path.
+EMULATED_PROFILE = "2.12.1"
+NEWER = "unmeasured newer"
+_RELEASE = re.compile(r"^\d+\.\d+(\.\d+)?((a|b|rc|\.post|\.dev)\d+)*$")
+
+Progress = Callable[[str, str], None]  # (transformers version, stage: building, probing, done, failed)
+Prober = Callable[[Path, dict[str, Any]], dict[str, Any]]
+
+
+def _parse_versions(versions: tuple[str, ...]) -> None:
+    if not versions:
+        raise ValueError("no release given")
+    for version in versions:
+        if not _RELEASE.match(version):
+            raise ValueError(f"'{version}' is not a release")
+    repeated = sorted({v for v in versions if versions.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} given twice")
+
+
+TRANSFORMERS = Check("--transformers", parse=_parse_versions,
+                     hint="; give a comma-separated list of transformers releases such as 4.44.2,4.57.6,5.24.0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixConfig:
+    """What `mpsimpact matrix` was asked; embedded in matrix.json."""
+
+    scenario: str
+    transformers: tuple[str, ...] = option(DEFAULT_VERSIONS, TRANSFORMERS)
+    model: str | None = None
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
+    out: str | None = None
+    offline: bool = False
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is built."""
+        validate(self)
+
+
+def split_versions(text: str) -> tuple[str, ...]:
+    """"4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name."""
+    return tuple(part.strip() for part in text.split(","))
+
+
+def profile_columns() -> list[dict[str, str]]:
+    """One torch profile per release group, oldest first, and the conservative one for newer releases."""
+    from mpsimpact.engine.release import CONSERVATIVE, group_representatives
+
+    measured = [{"profile": p.release, "group": p.group} for p in group_representatives()]
+    return [*measured, {"profile": CONSERVATIVE, "group": NEWER}]
+
+
+def probe_job(config: MatrixConfig) -> dict[str, Any]:
+    """What every environment's probe is asked: the model's config source, task and geometry."""
+    from mpsimpact.models.classifier import embedded_model_path, usable_positions
+    from mpsimpact.runs.scenario import get_scenario
+
+    scenario_cls = get_scenario(config.scenario)
+    batch = config.batch_size or scenario_cls.default_batch_size
+    length = config.max_length or scenario_cls.default_max_length
+    model_config = scenario_cls(model=config.model).load_config()  # fails early on a bad --model
+    if length > usable_positions(model_config):
+        raise UsageError(f"--max-length {length} exceeds the model's {usable_positions(model_config)} positions.")
+    return {
+        "model": config.model or str(embedded_model_path()),
+        "task": "sequence-classification" if config.model else "base",
+        "batch_size": batch, "max_length": length, "profiles": [c["profile"] for c in profile_columns()],
+        "emulated_profile": EMULATED_PROFILE,
+    }
+
+
+def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, prober: Prober = probe_environment,
+                 progress: Progress | None = None) -> dict[str, Any]:
+    """Builds (or finds) each release's environment, probes it, and assembles matrix.json's content."""
+    from mpsimpact.models.classifier import EMBEDDED
+    from mpsimpact.runs.environment import collect_environment
+
+    config.validate()
+    started = time.perf_counter()
+    job = probe_job(config)
+    cache = cache or OverlayCache()
+    offline = config.offline or is_offline_env()
+    progress = progress or (lambda *_: None)
+    rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
+    compare_op_paths(rows)
+    return {
+        "schema": SCHEMA_VERSION, "kind": "matrix",
+        "config": dataclasses.asdict(config) | {"batch_size": job["batch_size"], "max_length": job["max_length"]},
+        "model": config.model or EMBEDDED, "job": job, "offline": offline, "cache": str(cache.root),
+        "emulated": {"profile": EMULATED_PROFILE, **TINY_RUN},
+        "environment": collect_environment(), "columns": profile_columns(), "rows": rows,
+        "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def environment_row(version: str, job: dict[str, Any], cache: OverlayCache, prober: Prober, offline: bool,
+                    progress: Progress) -> dict[str, Any]:
+    """One release: its environment (built or cached), the probe's result and the findings, or why not."""
+    row: dict[str, Any] = {"transformers": version, "timing": {}}
+    try:
+        progress(version, "building")
+        overlay = cache.ensure(version, offline=offline)
+        marker = overlay.marker
+        row |= {"cached": overlay.cached,
+                "overlay": {"path": str(overlay.path), "installed": marker.get("installed", []), "first_build_s": marker.get("build_s")}}
+        row["timing"]["build_s"] = overlay.build_s
+        progress(version, "probing")
+        started = time.perf_counter()
+        result = prober(overlay.path, job)
+        row["timing"]["probe_s"] = round(time.perf_counter() - started, 2)
+        check_probe(result, version)
+        row |= {"status": "probed", "probe": result, "findings": findings(result), "cells": cells(result)}
+        progress(version, "done")
+    except OverlayError as error:
+        missing = error.fields.get("stage") == "missing"
+        row |= {"status": "missing" if missing else "failed", "reason": error.message}
+        progress(version, "failed")
+    return row
+
+
+def check_probe(result: dict[str, Any], version: str) -> None:
+    """The probe ran the asked transformers over the running torch, or the row says otherwise."""
+    import torch
+
+    got = result["versions"]["transformers"]
+    if got != version:
+        raise OverlayError(f"the environment imports transformers {got}, not {version}", stage="probe")
+    if Path(result["paths"]["torch"]).resolve() != Path(torch.__file__).resolve():
+        where = result["paths"]["torch"]
+        raise OverlayError(f"the environment imports torch from {where}, not the running one", stage="probe")
+
+
+def _operand(spec: dict[str, Any]) -> str:
+    return f"[{','.join(map(str, spec['shape']))}] ({spec['layout']})"
+
+
+def _attention_ops(path: list[dict[str, Any]]) -> list[str]:
+    """The op path's attention calls (bmm and SDPA, not the linear layers), as one line each."""
+    return [f"{e['op']}{_operand(e['a'])} @ {_operand(e['b'])}{' in sdpa' if e['within_sdpa'] else ''} x{e['count']}"
+            for e in path if e["op"] not in ("mm", "addmm")]
+
+
+def findings(result: dict[str, Any]) -> dict[str, Any]:
+    """What a reader wants from one release: default attention, what output_attentions runs, where eager
+    goes wrong, the attention calls per implementation, and whether the guard held."""
+    impls = result["implementations"]
+    with_weights = impls[WITH_WEIGHTS]
+    eager = impls["eager"].get("outcomes", {})
+    firsts = {o["first_corrupted_text"] for o in eager.values()}
+    runs = result["emulated"]["runs"]
+    return {
+        "default_attention": result["default_attention"],
+        "output_attentions_runs": with_weights.get("runs", with_weights.get("error")),
+        "eager_first_corrupted_text": firsts.pop() if len(firsts) == 1 else None,
+        "attention_ops": {name: _attention_ops(impl.get("op_path", [])) for name, impl in impls.items()},
+        "guard_ok": all(run["guard_ok"] for run in runs.values()),
+        "guard": {label: {"attention": run["attention"], **{mode: run[mode]["status"] for mode in ("off", "raise", "chunk")}}
+                  for label, run in runs.items()},
+    }
+
+
+def cells(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{attention: {profile: {outcome, message, first_corrupted_text}}} for the heatmap and tables."""
+    table = {}
+    for name in ATTENTIONS:
+        impl = result["implementations"][name]
+        if "error" in impl:
+            table[name] = {}
+            continue
+        keep = ("outcome", "message", "first_corrupted_text")
+        table[name] = {profile: {k: o[k] for k in keep} for profile, o in impl["outcomes"].items()}
+    return table
+
+
+def compare_op_paths(rows: list[dict[str, Any]]) -> None:
+    """Marks, per attention implementation, whether a release's attention calls equal the first probed
+    release's (the layouts that reach MPS are what changes the faults)."""
+    probed = [r for r in rows if r["status"] == "probed"]
+    if not probed:
+        return
+    first = probed[0]
+    for row in probed:
+        ops, base = row["findings"]["attention_ops"], first["findings"]["attention_ops"]
+        row["findings"]["same_ops_as"] = {name: first["transformers"] if ops[name] == base[name] else None
+                                          for name in ops}

@@ -1,0 +1,272 @@
+"""Overlay environments: one folder per transformers release holding that release and the packages it
+needs in versions other than the running interpreter's (torch always comes from the running
+interpreter). Built with uv, cached under the mpsimpact cache folder, reused offline; a probe runs
+in each with the overlay first on PYTHONPATH."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.errors import OverlayError
+
+MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
+EXCLUDED = frozenset({"torch"})  # must come from the running interpreter, never from an overlay
+INSTALL_TIMEOUT_S = 900
+PROBE_TIMEOUT_S = 600
+# Package-index offline switches (HF_HUB_OFFLINE is about models, not packages: overlays ignore it).
+OFFLINE_VARIABLES = ("UV_OFFLINE", "PIP_NO_INDEX")
+
+Builder = Callable[[str, Path], dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlay:
+    """A complete overlay folder for one transformers release."""
+
+    version: str
+    path: Path
+    cached: bool  # found complete in the cache (not built by this call)
+    build_s: float  # seconds this call spent finding or building it
+    marker: dict[str, Any]
+
+
+def cache_root() -> Path:
+    """The mpsimpact cache folder ($MPSIMPACT_CACHE, else ~/.cache/mpsimpact), as the reference uses it."""
+    from mpsimpact.runs.reference import cache_dir
+
+    return cache_dir().parent
+
+
+def is_offline_env() -> bool:
+    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX)."""
+    values = (os.environ.get(name, "").strip().lower() for name in OFFLINE_VARIABLES)
+    return any(value not in ("", "0", "false", "no") for value in values)
+
+
+def normalize(name: str) -> str:
+    """A distribution name as package indexes compare them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_distributions() -> dict[str, str]:
+    """{normalized name: version} of every distribution the running interpreter sees."""
+    import importlib.metadata
+
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(normalize(name), dist.version)
+    return found
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a tool's output: where pip and uv put the reason."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def tool_error(text: str) -> str:
+    """uv's or pip's failure in one line: its "error:" line, then the last line (the innermost cause)."""
+    last = re.sub(r"^(cause|error|ERROR):\s*", "", last_line(text))
+    error = next((line.strip()[6:].strip() for line in text.splitlines() if line.strip().startswith("error:")), "")
+    return f"{error}: {last}" if error and error != last else last
+
+
+def uv_executable() -> str:
+    """The uv binary: the `uv` package's, else one on PATH."""
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("uv")
+    if found is None:
+        raise OverlayError("uv is needed to build transformers environments and is not installed; "
+                           "run: pip install uv")
+    return found
+
+
+def _run(command: list[str], timeout: float) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False,
+                              env=os.environ | {"NO_COLOR": "1"})
+    except subprocess.TimeoutExpired:
+        what = " ".join([Path(command[0]).name, *command[1:3]])
+        raise OverlayError(f"{what} took longer than {timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise OverlayError(tool_error(done.stderr or done.stdout))
+    return done.stdout
+
+
+class UvBuilder:
+    """Builds an overlay with uv: resolves `transformers==V` preferring the running interpreter's
+    versions, then installs (without dependencies) only the pins that differ from them, never torch."""
+
+    def __init__(self, python: str = sys.executable, timeout: float = INSTALL_TIMEOUT_S) -> None:
+        self.python = python
+        self.timeout = timeout
+
+    def __call__(self, version: str, target: Path) -> dict[str, Any]:
+        installed = installed_distributions()
+        if installed.get("transformers") == version:  # the running interpreter's own: nothing differs
+            return {"installed": [], "reused": {"transformers": version}, "excluded": []}
+        pins = self.resolve(version, installed)
+        differ = [(n, v) for n, v in pins if n not in EXCLUDED and installed.get(n) != v]
+        if differ:
+            _run([uv_executable(), "pip", "install", "--target", str(target), "--no-deps", "--python", self.python,
+                  *[f"{n}=={v}" for n, v in differ]], self.timeout)
+        return {
+            "installed": [f"{n}=={v}" for n, v in differ],
+            "reused": {n: v for n, v in pins if n not in EXCLUDED and installed.get(n) == v},
+            "excluded": [f"{n}=={v}" for n, v in pins if n in EXCLUDED],
+        }
+
+    def resolve(self, version: str, installed: dict[str, str]) -> list[tuple[str, str]]:
+        """(name, version) of transformers==V and everything it needs, as uv resolves them for this
+        interpreter; an existing output file is uv's preference list, so it keeps installed versions."""
+        with tempfile.TemporaryDirectory(prefix="mpsimpact-resolve-") as work:
+            wanted, pinned = Path(work, "requirements.in"), Path(work, "requirements.txt")
+            wanted.write_text(f"transformers=={version}\n")
+            pinned.write_text("".join(f"{n}=={v}\n" for n, v in sorted(installed.items()) if n not in EXCLUDED))
+            _run([uv_executable(), "pip", "compile", str(wanted), "-o", str(pinned), "--python", self.python,
+                  "--no-header", "--no-annotate", "--quiet"], self.timeout)
+            lines = pinned.read_text().splitlines()
+        pins = []
+        for line in lines:
+            match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", line.strip())
+            if match:
+                pins.append((normalize(match[1]), match[2]))
+        return pins
+
+
+def python_tag() -> str:
+    return f"py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def stale_reason(marker: dict[str, Any], installed: dict[str, str]) -> str | None:
+    """Why a built overlay no longer fits the running interpreter (a package it relies on changed)."""
+    if marker.get("python") != python_tag():
+        return f"built for {marker.get('python')}, running {python_tag()}"
+    for name, version in marker.get("reused", {}).items():
+        if installed.get(name) != version:
+            return f"{name} {version} is now {installed.get(name, 'missing')} in the running environment"
+    return None
+
+
+class OverlayCache:
+    """The overlay folders under <cache>/envs, one per transformers release and Python version."""
+
+    def __init__(self, root: Path | None = None, builder: Builder | None = None) -> None:
+        self.root = Path(root) if root is not None else cache_root() / "envs"
+        self.builder = builder or UvBuilder()
+
+    def path_for(self, version: str) -> Path:
+        return self.root / f"transformers-{version}-{python_tag()}"
+
+    def read_marker(self, version: str) -> dict[str, Any] | None:
+        """The marker of a complete overlay, or None (absent, interrupted or unreadable)."""
+        try:
+            return json.loads((self.path_for(version) / MARKER).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def ensure(self, version: str, *, offline: bool = False) -> Overlay:
+        """The overlay of `version`: from the cache when complete and fresh, else built (not offline).
+
+        Raises:
+            OverlayError: offline and not cached (or stale), or the build failed (uv's last line).
+        """
+        started = time.perf_counter()
+        marker = self.read_marker(version)
+        stale = stale_reason(marker, installed_distributions()) if marker is not None else None
+        if marker is not None and stale is None:
+            return Overlay(version, self.path_for(version), True, round(time.perf_counter() - started, 2), marker)
+        if offline:
+            why = f"stale ({stale})" if stale else "not in the cache"
+            raise OverlayError(f"transformers {version}: {why} at {self.path_for(version)}; run once with the package "
+                               "index reachable (without --offline)", version=version, stage="missing")
+        marker = self._build(version)
+        return Overlay(version, self.path_for(version), False, round(time.perf_counter() - started, 2), marker)
+
+    def _build(self, version: str) -> dict[str, Any]:
+        """Builds into a hidden partial folder, writes the marker last, then renames it into place."""
+        final = self.path_for(version)
+        self._remove_dead_partials(final)
+        partial = final.parent / f".{final.name}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        started = time.perf_counter()
+        try:
+            details = self.builder(version, partial)
+            if any((partial / name).exists() for name in EXCLUDED):
+                raise OverlayError(f"transformers {version}: the overlay would install torch, which must come from the "
+                                   "running interpreter")
+            marker = {"transformers": version, "python": python_tag(), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      "build_s": round(time.perf_counter() - started, 2), **details}
+            (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+            shutil.rmtree(final, ignore_errors=True)  # an older, stale or markerless folder
+            os.replace(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return marker
+
+    @staticmethod
+    def _remove_dead_partials(final: Path) -> None:
+        """Partial folders of this version left by processes that no longer run."""
+        for partial in final.parent.glob(f".{final.name}.partial-*"):
+            pid = partial.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _is_running(int(pid)):
+                shutil.rmtree(partial, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def package_parent() -> Path:
+    """The folder holding the running mpsimpact package (src/ in a checkout, site-packages installed)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def probe_environment(overlay: Path, job: dict[str, Any], timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """Runs `python -m mpsimpact.upgrade.probe` with `overlay` first on PYTHONPATH; its JSON result.
+
+    Raises:
+        OverlayError: the probe crashed, timed out or reported an error (its first line).
+    """
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(overlay), str(package_parent())]), "PYTHONNOUSERSITE": "1",
+                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        # -P: the working folder is not put on sys.path, so nothing there shadows the overlay.
+        done = subprocess.run([sys.executable, "-P", "-m", "mpsimpact.upgrade.probe"], input=json.dumps(job),
+                              capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        raise OverlayError(f"the probe took longer than {timeout:.0f} s", stage="probe") from None
+    try:
+        result = json.loads(last_line(done.stdout))
+    except ValueError:
+        message = f"the probe exited with code {done.returncode}: {last_line(done.stderr)}"
+        raise OverlayError(message, stage="probe") from None
+    if "error" in result:
+        raise OverlayError(result["error"], stage="probe")
+    return result
