@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.prediction.check import CheckConfig, build_check_report, prepare, summarise
+from mpsimpact.prediction.check import CheckConfig, build_check_report, prepare
+from mpsimpact.prediction.outcome import summarise
 from mpsimpact.prediction.safe_size import _fit, _value, is_clean, longest_safe_length
 from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert
@@ -272,3 +273,20 @@ def test_guard_advice_agrees_with_the_guard_at_a_narrow_index(tmp_path):
                 except mpsimpact.MpsImpactError:
                     guarded = None
         assert (guarded is not None and torch.allclose(guarded, reference, atol=1e-5)) == splits, length
+
+
+def test_plan_and_check_answer_with_one_pipeline_on_the_same_model_and_geometry():
+    # The embedded model at 4096 x 512, eager: divmod(2**32 // 512**2, 12) = (1365, 4) in both.
+    from mpsimpact.models.classifier import embedded_model_path
+
+    plan = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "4096", "--max-length", "512",
+                                          "--json"]).stdout)
+    check = check_json(embedded_model_path(), "--batch-size", 4096, "--seq-len", 512, "--attention", "eager")
+    words = ("first_wrong_sample", "first_wrong_head", "wrong_samples", "outcome")
+    assert [plan["prediction"][w] for w in words] == [check["prediction"][w] for w in words] == [1365, 4, 2731, "wrong"]
+    assert plan["prediction"].keys() == check["prediction"].keys()
+    plan_rows, check_rows = plan["faulting_calls"], check["faulting_calls"]
+    assert [r.keys() for r in plan_rows] == [r.keys() for r in check_rows] and len(plan_rows) == 6
+    first = ("first_bad_batch", "first_bad_sample", "first_bad_head")
+    assert {tuple(r[k] for k in first) for r in plan_rows + check_rows} == {(16384, 1365, 4)}
+    assert plan["largest_safe_batch"] == check["largest_safe_batch"] == 1365

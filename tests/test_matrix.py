@@ -14,7 +14,8 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from mpsimpact.upgrade import probe, overlay
+from mpsimpact.upgrade import overlay
+from mpsimpact.upgrade import probe as matrix_probe
 from mpsimpact.cli import app
 from mpsimpact.upgrade.matrix import MatrixConfig, build_matrix, probe_job
 from mpsimpact.upgrade.overlay import (

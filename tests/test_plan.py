@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from mpsimpact.cli import app
 from mpsimpact.modes.emulator import emulate
-from mpsimpact.prediction.outcome import largest_safe_batch, per_text_calls, plan_at, predict, trace_classifier
+from mpsimpact.prediction.outcome import predict
+from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at, trace_classifier
 from tiny import tiny_bert, token_batch
 
 runner = CliRunner()
@@ -28,7 +29,7 @@ def test_embedded_model_at_4096_by_512_matches_the_published_arithmetic():
     report = plan_json("--batch-size", "4096", "--max-length", "512")
     pred = report["prediction"]
     # divmod(2**32 // 512**2, 12) = (1365, 4); 4096 - 1365 = 2731 texts.
-    assert (pred["first_corrupted_text"], pred["first_corrupted_head"], pred["corrupted_count"]) == (1365, 4, 2731)
+    assert (pred["first_wrong_sample"], pred["first_wrong_head"], pred["wrong_samples"]) == (1365, 4, 2731)
     assert [(c["op"], c["a"], c["kind"]) for c in report["faulting_calls"]] == [("bmm", [49152, 512, 512], "wrong_tail")] * 6
     # floor(2**32 / (12 * L**2)) texts: the text the wrap starts in counts as unsafe.
     assert report["largest_safe_batch_by_length"] == {"128": 21845, "256": 5461, "384": 2427, "512": 1365}
@@ -52,7 +53,7 @@ def test_plan_runs_in_a_small_process():
     # the pytest parent's size through fork and exec, and RUSAGE_CHILDREN every earlier child's.
     done = subprocess.run([sys.executable, "-c", PLAN_IN_A_CHILD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "first corrupted text 1365" in done.stdout
+    assert "2731 of 4096 samples silently wrong, from sample 1365 (head 4)" in done.stdout
     peak_rss_gib = int(done.stdout.rsplit("peak RSS KiB", 1)[1]) / 2**20
     assert peak_rss_gib < 1.5, f"peak RSS {peak_rss_gib:.2f} GiB"
 
@@ -60,13 +61,13 @@ def test_plan_runs_in_a_small_process():
 def test_published_roberta_config_predicts_the_feed_forward_abort():
     # 5462 * 256 * 3072 = 4,295,491,584 >= 2**32: the FFN's addmm aborts the process on MPS.
     report = plan_json("--model", str(ROBERTA), "--batch-size", "5462", "--max-length", "256")
-    stop = report["prediction"]["stops"]
+    stop = report["prediction"]["stops"][0]
     assert stop["kind"] == "abort" and "Encode failed" in stop["message"]
-    assert "intermediate" in stop["call"]["module"] and stop["call"]["out_numel"] == 5462 * 256 * 3072
-    assert report["prediction"]["corrupted_count"] == 0  # no silent outputs: the process dies
+    assert "intermediate" in stop["module"] and stop["out_numel"] == 5462 * 256 * 3072
+    assert report["prediction"]["first_wrong_sample"] is None  # no silent outputs: the process dies
     assert report["largest_safe_batch_by_length"]["512"] == 1365
     clean = plan_json("--model", str(ROBERTA), "--batch-size", "1365", "--max-length", "512")
-    assert clean["faulting_calls"] == [] and clean["prediction"]["corrupted_count"] == 0
+    assert clean["faulting_calls"] == [] and clean["prediction"]["wrong_samples"] == 0
 
 
 def test_scaled_plan_equals_a_direct_trace():

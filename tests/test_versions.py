@@ -44,7 +44,7 @@ def test_version_table_at_the_demo_geometry(tmp_path):
 def test_the_profile_decides_the_plan_and_bad_profiles_are_refused(tmp_path):
     result = runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--torch-profile", "2.5.1", "--json"])
     report = json.loads(result.stdout)
-    assert report["profile"]["release"] == "2.5.1" and report["prediction"]["first_corrupted_text"] == 1365
+    assert report["profile"]["release"] == "2.5.1" and report["prediction"]["first_wrong_sample"] == 1365
     result = runner.invoke(app, ["plan", "sentiment", "--torch-profile", "newest", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--torch-profile: 'newest' is not a torch release" in result.stderr
     assert not (tmp_path / "x").exists()

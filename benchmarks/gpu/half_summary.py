@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mpsimpact.runs.metrics import relative_error
-from mpsimpact.prediction.outcome import estimate_peak_bytes
+from mpsimpact.prediction.memory import estimate_peak_bytes
 from mpsimpact.prediction.demo_size import DTYPE_BYTES
 
 for folder in map(Path, sys.argv[1:]):

@@ -20,7 +20,7 @@ _EXPORTS = {
     "EmulateMode": "mpsimpact.modes.emulator",
     "trace_faults": "mpsimpact.modes.tracer",
     "trace_module": "mpsimpact.modes.tracer",
-    "FaultPlan": "mpsimpact.modes.tracer",
+    "FaultPlan": "mpsimpact.engine.fault_plan",
     "guard": "mpsimpact.modes.guard",
     "install_guard": "mpsimpact.modes.guard",
     "uninstall_guard": "mpsimpact.modes.guard",

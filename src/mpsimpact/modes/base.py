@@ -1,10 +1,9 @@
-"""What a matrix-multiply call is: the aten ops that reach MPS's bmm/mm, their operands, and the
-record of one call that the emulator, the tracer and the guard share."""
+"""What the modes share: the aten ops that reach MPS's bmm/mm and their operands, the registry of
+active modes by role, and `MatmulMode`, the dispatch mode under the emulator, the guard and the tracer."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -12,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa
+from mpsimpact.engine.faults import Fault
 
 aten = torch.ops.aten
 
@@ -32,55 +31,6 @@ DECOMPOSED_OPS = frozenset({
 })
 
 
-@dataclasses.dataclass(frozen=True)
-class CallRecord:
-    """One bmm/mm call as a dispatch mode saw it, with the fault decided for it."""
-
-    index: int
-    op: str
-    a: TensorSpec
-    b: TensorSpec
-    fault: Fault
-    phase: str = "forward"
-    module: str = ""
-    needs_grad: bool = False  # sdpa: whether it needed gradients (which decides its path)
-    within: int | None = None  # a call of an sdpa's math path: the index of that sdpa call
-
-    @property
-    def family(self) -> str:
-        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa", "cat": "cat"}.get(self.op, "bmm")
-
-    @property
-    def out_numel(self) -> int:
-        """Output elements; for sdpa, the score elements B*H*Lq*Lk."""
-        if self.family == "sdpa":
-            return self.a.numel // self.a.shape[-1] * self.b.shape[-2]
-        if self.family == "cat":
-            return self.a.numel  # a: the output
-        return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
-
-    def describe(self) -> str:
-        if self.family == "sdpa":
-            return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
-        if self.family == "cat":
-            return f"cat to {self.a.numel} elements ({self.a.dtype})"
-        return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "op": self.op,
-            "phase": self.phase,
-            "module": self.module,
-            "a": self.a.to_json(),
-            "b": self.b.to_json(),
-            "out_numel": self.out_numel,
-            "fault": self.fault.to_json(),
-            **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
-            **({"within_sdpa": self.within} if self.within is not None else {}),
-        }
-
-
 def op_name(func: Any) -> str:
     return func.__name__.split(".")[0]
 
@@ -89,16 +39,6 @@ def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
     """(family, a, b) of a call to one of MATMUL_OPS."""
     family, ia, ib = MATMUL_OPS[func]
     return family, args[ia], args[ib]
-
-
-def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
-    """The fault of one call, by family ("bmm", "mm", or "sdpa" with a = query, b = key; fused path).
-    See Note [MPS 32-bit index faults]."""
-    if family == "bmm":
-        return classify_bmm(a, b, index_bits=index_bits, profile=profile)
-    if family == "sdpa":
-        return classify_sdpa(a, b, index_bits=index_bits, profile=profile)
-    return classify_mm(a, b, index_bits=index_bits, profile=profile)
 
 
 def needs_grad(tensors: Any) -> bool:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    CallRecord, MatmulMode, activated, classify_call, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
+    MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
@@ -20,7 +21,7 @@ from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_cat, co
 from mpsimpact.engine.release import resolve_profile
 
 if TYPE_CHECKING:
-    from mpsimpact.modes.tracer import FaultPlan
+    from mpsimpact.engine.fault_plan import FaultPlan
 
 def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
     """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""

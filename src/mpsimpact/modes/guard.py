@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    CallRecord, MatmulMode, activated, active_emulator, classify_call, current_phase, innermost, needs_grad, op_name,
+    MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import cat_in_place, entry_bound, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk

@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import CallRecord, classify_call
+from mpsimpact.engine.call import CallRecord
 from mpsimpact.errors import UsageError
-from mpsimpact.engine.faults import TensorSpec, largest_safe_batch as rows_per_safe_chunk
 from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
     TASKS, MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import BATCH_SIZE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
-from mpsimpact.prediction.outcome import TRACE_TEXTS, PerTextCall, largest_safe_batch, plan_at, predict
+from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
+from mpsimpact.prediction.safe_size import TRACE_TEXTS, PerTextCall, largest_safe_batch, plan_at
 from mpsimpact.engine.release import FaultProfile, resolve_profile
-from mpsimpact.modes.tracer import FaultPlan
+from mpsimpact.engine.fault_plan import FaultPlan
 
 ATTENTIONS = ("eager", "sdpa", "default")
 PHASES = ("inference", "training")
@@ -96,28 +96,6 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     return model, info
 
 
-def first_bad_row(call: CallRecord, batch: int, heads: int) -> tuple[int, int] | None:
-    """(sample, head) of a call's first wrong row, where its kind says which: a bmm over batch*heads
-    rows wrong from row j reads sample, head = divmod(j, heads)."""
-    first = call.fault.first_bad_batch
-    if first is None or call.family != "bmm" or call.a.shape[0] != batch * heads:
-        return None
-    return divmod(first, heads)
-
-
-def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
-    """One faulting call as a table row / JSON object."""
-    row = first_bad_row(call, batch, heads)
-    return {
-        "index": call.index, "phase": call.phase, "module": call.module, "op": call.op,
-        "a": list(call.a.shape), "b": list(call.b.shape), "a_layout": call.a.layout, "b_layout": call.b.layout,
-        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule,
-        "inferred": call.fault.inferred,
-        "first_bad_batch": call.fault.first_bad_batch, "first_bad_sample": row[0] if row else None,
-        "first_bad_head": row[1] if row else None, "message": call.fault.message,
-    }
-
-
 def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     """The largest batch B such that every batch up to B is clean at this length: traces at 2 and 4
     samples scaled by arithmetic (planner.largest_safe_batch, as `plan` does), checked against the
@@ -179,116 +157,6 @@ def estimate_peak(model: MetaModel, plan: FaultPlan, parameters: int, batch: int
     return elements * model.module.dtype.itemsize, basis + "; rough"
 
 
-def _one_row(spec: TensorSpec, rows: int = 1) -> TensorSpec:
-    """A later slice of `rows` rows of a batched operand: a view, as the guard's chunks are."""
-    if spec.shape[0] <= rows:
-        return spec
-    offset = spec.storage_offset + spec.stride[0]
-    return dataclasses.replace(spec, shape=(rows, *spec.shape[1:]), storage_offset=offset)
-
-
-def splits_safely(call: CallRecord, model: MetaModel) -> bool:
-    """Whether guard 'chunk' can make this call safe: one row of it (one head of one sample for SDPA)
-    is ok under the same rules."""
-    if call.family == "sdpa":
-        q, k = (dataclasses.replace(s, shape=(1, 1, *s.shape[2:]), stride=s.stride) for s in (call.a, call.b))
-        return classify_call("sdpa", q, k, model.index_bits, model.profile).is_ok
-    b = call.b if call.family == "mm" else _one_row(call.b)
-    return classify_call(call.family, _one_row(call.a), b, model.index_bits, model.profile).is_ok
-
-
-def rows_per_safe_eager_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
-    """Rows of batch*heads per chunk that mps_safe_eager (mpsimpact.attention) would use for these
-    attention calls: every chunk is a slice held below the view limit; fewer rows than heads split
-    one sample over its heads."""
-    pairs = []
-    for call in calls:
-        if call.family == "sdpa":  # Q K^T: (rows, L, D) @ (rows, D, Lk); P V: (rows, L, Lk) @ (rows, Lk, D)
-            rows, length, dim, keys = heads * batch, call.a.shape[-2], call.a.shape[-1], call.b.shape[-2]
-            pairs += [((rows, length, dim), (rows, dim, keys)), ((rows, length, keys), (rows, keys, dim))]
-        else:
-            pairs.append((call.a.shape, call.b.shape))
-    spec = TensorSpec.contiguous
-    fits = [rows_per_safe_chunk(spec(a), spec(b), index_bits=index_bits, as_slices=True) for a, b in pairs]
-    return min(fits, default=heads * batch)
-
-
-def guard_advice(plan: FaultPlan, model: MetaModel, info: dict[str, Any], batch: int) -> list[str]:
-    """Which guard makes this run safe, in plain words (first line: the one to use)."""
-    faults = plan.faults
-    if not faults:
-        return ["Nothing crosses a limit: no guard needed."]
-    stuck = [c for c in faults if not splits_safely(c, model)]
-    if stuck:
-        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
-                 "already crosses a limit; shorten the sequence (see the longest safe length)."]
-    else:
-        lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls safe: "
-                 "it splits each along its batch rows into pieces below the limits; the result equals the correct "
-                 "one."]
-    first, stop = faults[0], plan.first_stop
-    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) with "
-                 "OversizedOpError instead of " + ("an MPS error or a crash." if stop is first else "wrong values."))
-    lines.append(_safe_eager_advice(faults, model, info, batch))
-    if any(c.fault.rule == "sdpa-fused" for c in faults):
-        lines.append("The fused SDPA op is correct from torch 2.13.0 (--torch-profile 2.13.0 shows it): "
-                     "upgrading torch fixes those calls.")
-    return lines
-
-
-def _safe_eager_advice(faults: list[CallRecord], model: MetaModel, info: dict[str, Any], batch: int) -> str:
-    name = "attn_implementation='mps_safe_eager' (name = mpsimpact.attention.register())"
-    if not info["supports_attention_interface"]:
-        return (f"{info['class']} does not support transformers' attention interface: {name} is not an option; "
-                "use the guard.")
-    heads = info["heads"]
-    attention = [c for c in faults if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
-    others = [c for c in faults if c not in attention]
-    if not attention:
-        return f"{name} does not help: no faulting call is in attention."
-    rows = rows_per_safe_eager_chunk(attention, batch, heads, model.index_bits)
-    unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
-    tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
-            "the guard") if others else ""
-    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
-            f"dispatch mode{tail}.")
-
-
-def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, Any]:
-    """The first wrong (sample, head), the fraction of the batch that goes wrong (None where nobody
-    characterised which samples), and the calls where MPS stops the run."""
-    prediction = predict(plan, batch, heads, phase)
-    first, wrong = prediction.first_corrupted_text, prediction.corrupted_count
-    unknown = bool(prediction.uncharacterised) and prediction.stop is None
-    if prediction.stop is not None:  # the run ends there: no output, right or wrong
-        first = None
-    elif unknown and first is None:  # wrong_other alone: some sample is wrong, which is not known...
-        first, wrong = (0, 1) if batch == 1 else (None, None)  # ...unless there is only one
-    return {
-        "outcome": prediction.outcome, "describe": _describe(prediction, batch),
-        "first_wrong_sample": first,
-        "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
-        "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
-        "uncharacterised_calls": len(prediction.uncharacterised),
-        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" if unknown else "",
-        "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
-    }
-
-
-def _describe(prediction: Any, batch: int) -> str:
-    if prediction.stop is not None:
-        what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
-        stop = prediction.stop
-        return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
-    if prediction.first_corrupted_text is not None:
-        return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
-                f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
-    if prediction.uncharacterised:
-        which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
-        return f"silently wrong ({which})"
-    return "clean"
-
-
 def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
     cfg.validate()
@@ -314,6 +182,6 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "largest_safe_batch": by_batch.largest_safe, "largest_safe_batch_search": by_batch.to_json(),
         "longest_safe_length": by_length.largest_safe, "longest_safe_length_search": by_length.to_json(),
         "estimated_peak_gib": round(peak / 2**30, 2), "estimated_peak_basis": peak_basis,
-        "guard_advice": guard_advice(plan, model, info, batch),
+        "guard_advice": guard_advice(plan, batch, Subject(heads, info["class"], info["supports_attention_interface"])),
         "traces": model.traces,
     }

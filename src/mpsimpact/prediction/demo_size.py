@@ -9,7 +9,9 @@ from typing import Any
 
 from mpsimpact.prediction import memory
 from mpsimpact.errors import UsageError
-from mpsimpact.prediction.outcome import estimate_peak_bytes, plan_at, predict
+from mpsimpact.prediction.outcome import predict
+from mpsimpact.prediction.memory import estimate_peak_bytes
+from mpsimpact.prediction.safe_size import plan_at
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -13,7 +13,8 @@ import torch
 
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
-from mpsimpact.modes.tracer import FaultPlan, trace_module
+from mpsimpact.modes.tracer import trace_module
+from mpsimpact.engine.fault_plan import FaultPlan
 
 # --task -> the transformers auto class, and the name of its MODEL_..._MAPPING_NAMES table.
 TASKS = {

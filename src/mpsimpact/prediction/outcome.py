@@ -1,17 +1,16 @@
-"""From a traced fault plan to what a user cares about: which texts go wrong, where the run stops,
-the largest safe batch, and how much memory a real run needs. `run` and `plan` both use it, so
-their predictions cannot disagree."""
+"""From a traced fault plan to what a user cares about: which samples go wrong (one computation of the
+first bad sample and head), where the run stops, each faulting call as a row (one JSON vocabulary),
+and which guard makes the run safe. `run`, `plan` and `check` all use it, so they cannot disagree."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import torch
-
-from mpsimpact.modes.base import CallRecord, classify_call
-from mpsimpact.engine.faults import Profile
-from mpsimpact.modes.tracer import FaultPlan, trace_module
+from mpsimpact.engine.call import CallRecord, classify_call
+from mpsimpact.engine.faults import Profile, TensorSpec
+from mpsimpact.engine.faults import largest_safe_batch as rows_per_safe_chunk
+from mpsimpact.engine.fault_plan import FaultPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,102 +78,151 @@ def predict(plan: FaultPlan, batch: int, heads: int, phase: str = "forward") -> 
     calls = [c for c in plan.calls if c.phase == phase or phase == "all"]
     stop = next((c for c in calls if c.fault.is_stop), None)
     silent = tuple(c for c in calls if c.fault.is_silent and (stop is None or c.index < stop.index))
-    rows = [_first_bad_text(c, batch, heads) for c in silent if c.fault.first_bad_batch is not None]
-    first = min(rows, default=None, key=lambda r: r[0] * heads + r[1])
+    # A wrapped call whose rows are not whole samples could start anywhere: sample 0, conservatively.
+    rows = [first_bad_row(c, batch, heads) or (0, None) for c in silent if c.fault.first_bad_batch is not None]
+    first = min(rows, default=None, key=lambda r: (r[0], r[1] or 0))
     return Prediction(batch, heads, first[0] if first else None, first[1] if first else None, stop, silent)
 
 
-def _first_bad_text(call: CallRecord, batch: int, heads: int) -> tuple[int, int]:
-    rows = call.a.shape[0]
-    first = call.fault.first_bad_batch or 0
-    if rows == batch * heads:
-        return divmod(first, heads)
-    per_text = max(rows // batch, 1)
-    return first // per_text, 0
+def first_bad_row(call: CallRecord, batch: int, heads: int) -> tuple[int, int | None] | None:
+    """(sample, head) of a call's first wrong row: a bmm over rows = batch * r wrong from row j reads
+    sample j // r, and head j % r when r is the head count (attention); None where the rows are not
+    whole samples, or the call's kind does not say which rows are wrong."""
+    first = call.fault.first_bad_batch
+    if first is None or call.family != "bmm" or call.a.shape[0] % batch:
+        return None
+    per_sample = call.a.shape[0] // batch
+    return first // per_sample, (first % per_sample if per_sample == heads else None)
 
 
-def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = 32,
-                     profile: Profile = None) -> FaultPlan:
-    """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
-    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile)
+def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
+    """One faulting call as a table row / JSON object (the words plan, check and run all use)."""
+    row = first_bad_row(call, batch, heads)
+    return {
+        "index": call.index, "phase": call.phase, "module": call.module, "op": call.op,
+        "a": list(call.a.shape), "b": list(call.b.shape), "a_layout": call.a.layout, "b_layout": call.b.layout,
+        "a_numel": call.a.numel, "b_numel": call.b.numel, "out_numel": call.out_numel,
+        "kind": call.fault.kind, "rule": call.fault.rule, "inferred": call.fault.inferred,
+        "first_bad_batch": call.fault.first_bad_batch, "first_bad_sample": row[0] if row else None,
+        "first_bad_head": row[1] if row else None, "message": call.fault.message,
+    }
 
 
-from mpsimpact.prediction.memory import estimate_peak_bytes  # noqa: F401
+def _one_row(spec: TensorSpec, rows: int = 1) -> TensorSpec:
+    """A later slice of `rows` rows of a batched operand: a view, as the guard's chunks are."""
+    if spec.shape[0] <= rows:
+        return spec
+    offset = spec.storage_offset + spec.stride[0]
+    return dataclasses.replace(spec, shape=(rows, *spec.shape[1:]), storage_offset=offset)
+
+
+def splits_safely(call: CallRecord, index_bits: int, profile: Profile = None) -> bool:
+    """Whether guard 'chunk' can make this call safe: one row of it (one head of one sample for SDPA)
+    is ok under the same rules."""
+    if call.family == "sdpa":
+        q, k = (dataclasses.replace(s, shape=(1, 1, *s.shape[2:])) for s in (call.a, call.b))
+        return classify_call("sdpa", q, k, index_bits, profile).is_ok
+    b = call.b if call.family == "mm" else _one_row(call.b)
+    return classify_call(call.family, _one_row(call.a), b, index_bits, profile).is_ok
+
+
+def rows_per_safe_eager_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
+    """Rows of batch*heads per chunk that mps_safe_eager (mpsimpact.attention) would use for these
+    attention calls: every chunk is a slice held below the view limit; fewer rows than heads split
+    one sample over its heads."""
+    pairs = []
+    for call in calls:
+        if call.family == "sdpa":  # Q K^T: (rows, L, D) @ (rows, D, Lk); P V: (rows, L, Lk) @ (rows, Lk, D)
+            rows, length, dim, keys = heads * batch, call.a.shape[-2], call.a.shape[-1], call.b.shape[-2]
+            pairs += [((rows, length, dim), (rows, dim, keys)), ((rows, length, keys), (rows, keys, dim))]
+        else:
+            pairs.append((call.a.shape, call.b.shape))
+    spec = TensorSpec.contiguous
+    fits = [rows_per_safe_chunk(spec(a), spec(b), index_bits=index_bits, as_slices=True) for a, b in pairs]
+    return min(fits, default=heads * batch)
 
 
 @dataclasses.dataclass(frozen=True)
-class PerTextCall:
-    """A call traced at two texts, with which operands grow with the batch (to rescale it).
+class Subject:
+    """What the advice needs to know about the model beyond its calls."""
 
-    Two, not one: at one text torch.matmul can fold a transposed view without copying, so its
-    layout differs from every larger batch.
-    """
-
-    call: CallRecord
-    a_scales: bool
-    b_scales: bool
-
-    def at(self, batch: int) -> tuple[Any, Any]:
-        return _scaled(self.call.a, batch, self.a_scales), _scaled(self.call.b, batch, self.b_scales)
+    heads: int
+    model_class: str = ""
+    supports_attention_interface: bool = True
 
 
-def _scaled(spec, batch: int, scales: bool):
-    # Strides of dims > 0 and the batch stride do not depend on the batch size (batch-major).
-    if not scales:
-        return spec
-    return dataclasses.replace(spec, shape=(spec.shape[0] // TRACE_TEXTS * batch, *spec.shape[1:]))
+def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
+    """Which guard makes this run safe, in plain words (first line: the one to use)."""
+    faults = plan.faults
+    if not faults:
+        return ["Nothing crosses a limit: no guard needed."]
+    stuck = [c for c in faults if not splits_safely(c, plan.index_bits, plan.profile)]
+    if stuck:
+        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
+                 "already crosses a limit; shorten the sequence (see the longest safe length)."]
+    else:
+        lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
+                 "safe: it splits each along its batch rows into pieces below the limits; the result equals "
+                 "the correct one."]
+    first, stop = faults[0], plan.first_stop
+    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) "
+                 "with OversizedOpError instead of "
+                 + ("an MPS error or a crash." if stop is first else "wrong values."))
+    lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
+    if any(c.fault.rule == "sdpa-fused" for c in faults):
+        lines.append("The fused SDPA op is correct from torch 2.13.0 (--torch-profile 2.13.0 shows it): "
+                     "upgrading torch fixes those calls.")
+    return lines
 
 
-TRACE_TEXTS = 2
+def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, subject: Subject) -> str:
+    name = "attn_implementation='mps_safe_eager' (name = mpsimpact.attention.register())"
+    if not subject.supports_attention_interface:
+        return (f"{subject.model_class} does not support transformers' attention interface: {name} is not an "
+                "option; use the guard.")
+    heads = subject.heads
+    attention = [c for c in faults if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
+    others = [c for c in faults if c not in attention]
+    if not attention:
+        return f"{name} does not help: no faulting call is in attention."
+    rows = rows_per_safe_eager_chunk(attention, batch, heads, index_bits)
+    unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
+    tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
+            "the guard") if others else ""
+    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
+            f"dispatch mode{tail}.")
 
 
-def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
-    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles. Every call of the
-    trace is kept (SDPA and its math path): `plan_at` picks those a release makes."""
-    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward)
-    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward)
-    return [
-        PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
-        for c2, c4 in zip(two.trace, four.trace)
-    ]
+def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, Any]:
+    """The first wrong (sample, head), the fraction of the batch that goes wrong (None where nobody
+    characterised which samples), and the calls where MPS stops the run."""
+    prediction = predict(plan, batch, heads, phase)
+    first, wrong = prediction.first_corrupted_text, prediction.corrupted_count
+    unknown = bool(prediction.uncharacterised) and prediction.stop is None
+    if prediction.stop is not None:  # the run ends there: no output, right or wrong
+        first = None
+    elif unknown and first is None:  # wrong_other alone: some sample is wrong, which is not known...
+        first, wrong = (0, 1) if batch == 1 else (None, None)  # ...unless there is only one
+    return {
+        "outcome": prediction.outcome, "describe": _describe(prediction, batch),
+        "first_wrong_sample": first,
+        "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
+        "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
+        "uncharacterised_calls": len(prediction.uncharacterised),
+        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" if unknown else "",
+        "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
+    }
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> bool:
-    """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
-    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
-
-
-def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24,
-                       profile: Profile = None) -> int:
-    """The largest batch B such that every batch up to B is safe. The rules change outcome only
-    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
-    candidate sizes are checked."""
-    limits_ = (1 << (index_bits - 1), 1 << index_bits)
-    candidates = set()
-    for p in calls:
-        a, b = p.at(1)  # per-text shapes (only used for element counts)
-        if p.call.family == "sdpa":
-            out = a.numel // a.shape[-1] * b.shape[-2]  # score elements
-        else:
-            out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
-        for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
-            for limit in limits_:
-                if per_text:
-                    candidates.update({limit // per_text, limit // per_text + 1, -(-limit // per_text)})
-        if p.call.family == "bmm":  # where the first wrapped row enters the batch
-            for spec in (a, b):
-                candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
-    for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
-        if not is_safe(calls, batch, index_bits, profile):
-            return batch - 1
-    return ceiling
-
-
-def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> FaultPlan:
-    """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
-    records = []
-    for p in calls:
-        a, b = p.at(batch)
-        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits, profile)))
-    return FaultPlan.from_trace(tuple(records), index_bits, profile)
+def _describe(prediction: Any, batch: int) -> str:
+    if prediction.stop is not None:
+        what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
+        stop = prediction.stop
+        return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
+    if prediction.first_corrupted_text is not None:
+        return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
+                f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
+    if prediction.uncharacterised:
+        which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
+        return f"silently wrong ({which})"
+    return "clean"

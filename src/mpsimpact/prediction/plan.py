@@ -8,7 +8,9 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, option, validate
-from mpsimpact.prediction.outcome import estimate_peak_bytes, largest_safe_batch, per_text_calls, plan_at, predict
+from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
+from mpsimpact.prediction.memory import estimate_peak_bytes
+from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 SWEEP_BATCHES = (256, 512, 1024, 1365, 1366, 2048, 3072, 4096, 5461, 5462, 8192, 16384, 21845, 21846, 32768)
@@ -34,17 +36,6 @@ class PlanConfig:
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
         validate(self)
-
-
-def _call_row(call, heads: int, batch: int) -> dict[str, Any]:
-    first = call.fault.first_bad_batch
-    text_head = divmod(first, heads) if first is not None and call.family == "bmm" and call.a.shape[0] == batch * heads else None
-    return {
-        "index": call.index, "phase": call.phase, "where": call.module, "op": call.op,
-        "a": list(call.a.shape), "b": list(call.b.shape), "a_numel": call.a.numel, "b_numel": call.b.numel,
-        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule, "first_bad_batch": first,
-        "first_bad_text": text_head[0] if text_head else None, "first_bad_head": text_head[1] if text_head else None,
-    }
 
 
 def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
@@ -77,12 +68,12 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         "profile": profile.to_json(),
         "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
         "calls_traced": len(plan.calls),
-        "faulting_calls": [_call_row(c, heads, batch) for c in plan.faults],
-        "prediction": forward.to_json(),
+        "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
+        "prediction": summarise(plan, batch, heads, "forward"),
         "largest_safe_batch": safe[length],
         "largest_safe_batch_by_length": dict(sorted(safe.items())),
         "estimated_peak_gib": round(estimate_peak_bytes(model_config, batch, length) / 2**30, 1),
-        "guard_advice": guard_advice(plan),
+        "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__)),
     }
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
@@ -106,16 +97,6 @@ def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config
     first = safe.get(512, 0) + 1
     return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
             "recommendation": recommend(options, budget, scenario), "mac_table": mac_table(model_config, first)}
-
-
-def guard_advice(plan) -> str:
-    if not plan.faults:
-        return "Nothing crosses a limit: no guard needed."
-    stop = plan.first_stop
-    first = plan.faults[0]
-    stops = f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase})"
-    extra = f"; unguarded, MPS would {'abort' if stop.fault.kind == 'abort' else 'raise'} at call {stop.index}" if stop else ""
-    return f"guard 'chunk' makes all {len(plan.faults)} faulting calls safe; {stops}{extra}."
 
 
 def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:

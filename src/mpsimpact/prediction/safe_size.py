@@ -1,6 +1,7 @@
-"""The longest safe sequence length of a model at a batch size: its calls traced at three lengths, every
-shape, stride and offset fitted as a quadratic in the length, each length then decided by arithmetic
-alone, and the answer checked by tracing at the boundary (bisection over traces if that fails)."""
+"""How big a run may be: the largest safe batch (calls traced at 2 and 4 samples, rescaled by
+arithmetic) and the longest safe sequence length at a batch size (calls traced at three lengths, every
+shape, stride and offset fitted as a quadratic in the length, each length decided by arithmetic, the
+answer checked by tracing at the boundary; bisection over traces if that fails)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.modes.base import CallRecord, classify_call
+import torch
+
+from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.engine.faults import Profile, TensorSpec, limits
-from mpsimpact.modes.tracer import FaultPlan
+from mpsimpact.modes.tracer import trace_module
+from mpsimpact.engine.fault_plan import FaultPlan
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
 Fit = tuple[int, int, int, int]
@@ -197,3 +201,87 @@ def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> B
         traces += 1
         good, bad = (mid, bad) if is_clean(trace_at(mid)) else (good, mid)
     return BoundarySearch(good, high, f"bisection over {traces} traces, assuming smaller is never worse ({why})")
+
+
+def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = 32,
+                     profile: Profile = None) -> FaultPlan:
+    """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
+    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTextCall:
+    """A call traced at two texts, with which operands grow with the batch (to rescale it).
+
+    Two, not one: at one text torch.matmul can fold a transposed view without copying, so its
+    layout differs from every larger batch.
+    """
+
+    call: CallRecord
+    a_scales: bool
+    b_scales: bool
+
+    def at(self, batch: int) -> tuple[Any, Any]:
+        return _scaled(self.call.a, batch, self.a_scales), _scaled(self.call.b, batch, self.b_scales)
+
+
+def _scaled(spec, batch: int, scales: bool):
+    # Strides of dims > 0 and the batch stride do not depend on the batch size (batch-major).
+    if not scales:
+        return spec
+    return dataclasses.replace(spec, shape=(spec.shape[0] // TRACE_TEXTS * batch, *spec.shape[1:]))
+
+
+TRACE_TEXTS = 2
+
+
+def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
+    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles. Every call of the
+    trace is kept (SDPA and its math path): `plan_at` picks those a release makes."""
+    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward)
+    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward)
+    return [
+        PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
+        for c2, c4 in zip(two.trace, four.trace)
+    ]
+
+
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> bool:
+    """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
+    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
+
+
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24,
+                       profile: Profile = None) -> int:
+    """The largest batch B such that every batch up to B is safe. The rules change outcome only
+    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
+    candidate sizes are checked."""
+    limits_ = (1 << (index_bits - 1), 1 << index_bits)
+    candidates = set()
+    for p in calls:
+        a, b = p.at(1)  # per-text shapes (only used for element counts)
+        if p.call.family == "sdpa":
+            out = a.numel // a.shape[-1] * b.shape[-2]  # score elements
+        else:
+            out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
+        for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
+            for limit in limits_:
+                if per_text:
+                    candidates.update({limit // per_text, limit // per_text + 1, -(-limit // per_text)})
+        if p.call.family == "bmm":  # where the first wrapped row enters the batch
+            for spec in (a, b):
+                candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
+    for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
+        if not is_safe(calls, batch, index_bits, profile):
+            return batch - 1
+    return ceiling
+
+
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> FaultPlan:
+    """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
+    records = []
+    for p in calls:
+        a, b = p.at(batch)
+        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits, profile)))
+    return FaultPlan.from_trace(tuple(records), index_bits, profile)

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from mpsimpact.prediction.outcome import Prediction, predict, trace_classifier
+from mpsimpact.prediction.outcome import Prediction, predict
+
+from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
 
 ATTENTIONS = ("eager", "sdpa")

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.output.page import format_cell
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
 CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)", "first bad row (sample, head)"]
@@ -24,9 +25,10 @@ def _layer_pattern(modules: list[str]) -> str:
     return patterns.pop() if len(patterns) == 1 and len(set(modules)) > 1 else modules[0]
 
 
-def _first_row(row: dict[str, Any]) -> str:
+def first_bad_cell(row: dict[str, Any]) -> str:
+    """A faulting call's first wrong row, with its (sample, head) where known; plan's table too."""
     if row["first_bad_sample"] is not None:
-        return f"{row['first_bad_batch']} ({row['first_bad_sample']}, {row['first_bad_head']})"
+        return f"{row['first_bad_batch']} ({row['first_bad_sample']}, {format_cell(row['first_bad_head'])})"
     if row["kind"] == "wrong_other":
         return "not characterised"
     return str(row["first_bad_batch"]) if row["first_bad_batch"] is not None else "-"
@@ -47,7 +49,7 @@ def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
         shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
         kind = f"{row['kind']} ({row['rule']}{', inferred' if row['inferred'] else ''})"
         layouts = f"{row['a_layout']}, {row['b_layout']}"
-        table.append([calls, where, shapes, layouts, _count(row["out_numel"]), kind, _first_row(row)])
+        table.append([calls, where, shapes, layouts, _count(row["out_numel"]), kind, first_bad_cell(row)])
     return table
 
 

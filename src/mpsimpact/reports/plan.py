@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpsimpact.reports.check import first_bad_cell
+
 
 def write_sweep_figure(table: dict, path: str, model: str) -> None:
     from mpsimpact.runs.figures import sweep_figure
@@ -22,25 +24,29 @@ def print_plan(report: dict[str, Any]) -> None:
     cfg, pred = report["config"], report["prediction"]
     console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), decided for MPS on torch {report['profile']['label']}.")
     table = Table(title="calls that hit a rule")
-    for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (text, head)"):
+    for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (sample, head)"):
         table.add_column(title)
     for row in report["faulting_calls"]:
-        first = f"{row['first_bad_batch']} ({row['first_bad_text']}, {row['first_bad_head']})" if row["first_bad_text"] is not None else str(row["first_bad_batch"] if row["first_bad_batch"] is not None else "-")
-        where = row["where"].replace("encoder.encoder.", "").replace("model.roberta.encoder.", "") + (" (bwd)" if row["phase"] == "backward" else "")
+        first = first_bad_cell(row)
+        where = row["module"].replace("encoder.encoder.", "").replace("model.roberta.encoder.", "") + (" (bwd)" if row["phase"] == "backward" else "")
         shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
         table.add_row(str(row["index"]), where, shapes, _count(row["out_numel"]), f"{row['kind']} ({row['rule']})", first)
     console.print(table if report["faulting_calls"] else "No call crosses a limit.")
-    if pred["stops"]:
-        console.print(f"MPS would [bold red]{'abort the process' if pred['stops']['kind'] == 'abort' else 'raise'}[/] at call {pred['stops']['call']['index']}: {pred['stops']['message']}")
+    stop = pred["stops"][0] if pred["stops"] else None
+    if stop is not None:
+        what = "abort the process" if stop["kind"] == "abort" else "raise"
+        console.print(f"MPS would [bold red]{what}[/] at call {stop['index']}: {stop['message']}")
     else:
-        console.print(f"Predicted: first corrupted text {pred['first_corrupted_text']} (head {pred['first_corrupted_head']}); {pred['corrupted_count']} of {cfg['batch_size']} texts ({pred['corrupted_fraction']:.2%}) silently wrong.")
+        console.print(f"Predicted: {pred['describe']}.")
     safe = Table(title="largest safe batch")
     safe.add_column("max length")
     safe.add_column("texts")
     for length, value in report["largest_safe_batch_by_length"].items():
         safe.add_row(str(length), str(value))
     console.print(safe)
-    console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB. {report['guard_advice']}")
+    console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB.")
+    for line in report["guard_advice"]:
+        console.print(line, soft_wrap=True)
     if "sweep" in report:
         _print_sweep(console, report["sweep"])
     if "versions" in report:

@@ -24,7 +24,8 @@ from mpsimpact.config import (
     option,
     validate,
 )
-from mpsimpact.prediction.outcome import predict, trace_classifier
+from mpsimpact.prediction.outcome import predict
+from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import resolve_profile
 from mpsimpact.runs.kind import SCHEMA_VERSION
 from mpsimpact.runs.device_pass import Geometry, condition

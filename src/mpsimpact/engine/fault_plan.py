@@ -1,0 +1,66 @@
+"""A fault plan: every call one run makes on MPS under a torch release, in order, each with its fault;
+built by the tracer, replayed by the emulator, read by plan, check and run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mpsimpact.engine.call import CallRecord, classify_call
+from mpsimpact.engine.faults import Profile, sdpa_path
+from mpsimpact.engine.release import FaultProfile, resolve_profile
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPlan:
+    """Every bmm/mm/SDPA call one run makes on MPS under a torch release, in order, with its fault.
+
+    `trace` keeps every call the tracer saw, SDPA's math-path calls included, so the same trace
+    can be re-decided for another release (`under`): whether an SDPA call is one fused op or its
+    math path's bmm calls depends on the release.
+    """
+
+    calls: tuple[CallRecord, ...]
+    index_bits: int = 32
+    profile: str = ""
+    trace: tuple[CallRecord, ...] = ()
+
+    @classmethod
+    def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None) -> FaultPlan:
+        """The calls MPS makes under `profile`, each re-decided by that release's rules."""
+        prof = resolve_profile(profile)
+        parents = {c.index: c for c in trace if c.family == "sdpa"}
+        kept = []
+        for call in trace:
+            sdpa = parents.get(call.within) if call.within is not None else call if call.family == "sdpa" else None
+            if sdpa is not None and (sdpa_path(sdpa.needs_grad, prof) == "math") != (call.family != "sdpa"):
+                continue  # the fused op and its math path are two ways of one call: keep the one MPS runs
+            fault = classify_call(call.family, call.a, call.b, index_bits, prof)
+            kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
+        return cls(tuple(kept), index_bits, prof.release, tuple(trace))
+
+    def under(self, profile: Profile) -> FaultPlan:
+        """The same trace, decided for another torch release."""
+        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, profile)
+
+    @property
+    def fault_profile(self) -> FaultProfile:
+        return resolve_profile(self.profile or None)
+
+    @property
+    def faults(self) -> list[CallRecord]:
+        """The calls that do not simply compute correctly."""
+        return [call for call in self.calls if not call.fault.is_ok]
+
+    @property
+    def first_stop(self) -> CallRecord | None:
+        """The first call that raises or aborts: on MPS the run ends there."""
+        return next((c for c in self.calls if c.fault.kind in ("error", "abort")), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index_bits": self.index_bits,
+            "profile": self.profile,
+            "calls": len(self.calls),
+            "faults": [call.to_json() for call in self.faults],
+        }
