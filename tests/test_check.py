@@ -234,7 +234,7 @@ def test_bad_options_exit_2_with_one_line(tmp_path, args, message):
 def test_bad_models_exit_2_with_one_line(tmp_path):
     assert bad_input("nobody/no-such-model-anywhere") == (
         "error: 'nobody/no-such-model-anywhere' is not in the Hugging Face cache (offline); download it once with "
-        "`huggingface-cli download nobody/no-such-model-anywhere` or pass a local folder or config.json.")
+        "`hf download nobody/no-such-model-anywhere` or pass a local folder or config.json.")
     unknown = tmp_path / "config.json"
     unknown.write_text(json.dumps({"model_type": "frobnicator", "hidden_size": 8}))
     assert "model_type 'frobnicator', an architecture transformers" in bad_input(unknown)

@@ -309,8 +309,8 @@ def _empty_folder(tmp_path):
         (lambda t: (write_run(t / "run", report()), write_sweep(t / "sweep")), "Cannot compare a run ('{old}') with a sweep ('{new}')"),
         (lambda t: (write_run(t / "a", report(schema_version=0)), write_run(t / "b", report())),
          "'{old}' has schema_version 0 and '{new}' has 1"),
-        (lambda t: (write_run(t / "a", report()), write_run(t / "b", report(schema_version=2))),
-         "'{new}/report.json' has schema_version 2, newer than this mpsimpact reads (1)"),
+        (lambda t: (write_run(t / "a", report()), write_run(t / "b", report(schema_version=3))),
+         "'{new}/report.json' has schema_version 3, newer than this mpsimpact reads (2)"),
     ],
     ids=["missing", "not-a-run-or-sweep", "unreadable-json", "not-a-report", "run-vs-sweep", "schema-mismatch", "schema-newer"],
 )
@@ -377,3 +377,13 @@ def test_two_real_small_runs_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "same" / "compare.md").stat().st_size > 0
     result, text = compare(tmp_path / "b16", tmp_path / "b10")
     assert result.exit_code == 1 and "different geometry: not comparable (batch size 16 vs 10)" in text
+
+
+def test_a_schema_1_folder_compares_with_a_schema_2_folder_that_records_its_columns(tmp_path):
+    # Schema 2 only adds "columns"; a schema-1 folder's columns come from its kind.
+    columns = [["guard", "guard"], ["status", "status"], ["corrupted_count", "corrupted"]]
+    write_run(tmp_path / "old", report())
+    write_run(tmp_path / "new", report(schema_version=2, columns=columns))
+    result = runner.invoke(app, ["compare", str(tmp_path / "old"), str(tmp_path / "new"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "bug still present" in result.stdout

@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.prediction import memory
 from mpsimpact.models.classifier import SentenceClassifier
-from mpsimpact.prediction.memory import (
-    estimate_training_bytes, largest_fitting_batch, recompute_activations, training_step_parts,
-)
+from mpsimpact.prediction.memory import estimate_training_bytes, largest_fitting_batch, training_step_parts
+from mpsimpact.runs import activations
+from mpsimpact.runs.activations import recompute_activations
 from tiny import tiny_bert, token_batch
 
 TINY = types.SimpleNamespace(vocab_size=10, hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16)
@@ -65,7 +64,7 @@ def _step(model, ids, mask, context):
 @pytest.fixture
 def classifier(monkeypatch):
     # Every saved tensor of the tiny model is small: let all of them take recipes.
-    monkeypatch.setattr(memory, "MIN_RECOMPUTED_BYTES", 0)
+    monkeypatch.setattr(activations, "MIN_RECOMPUTED_BYTES", 0)
     model = SentenceClassifier(tiny_bert(hidden_size=32, intermediate_size=64)).train()
     ids = token_batch(6, 12)
     mask = (torch.arange(12)[None] < torch.tensor([[12], [9], [5], [12], [3], [7]])).long()
@@ -74,13 +73,13 @@ def classifier(monkeypatch):
 
 def _kept_kinds(model, ids, mask):
     """The producing ops of the saved tensors kept as tensors (not recipes) in one forward."""
-    recomputer = memory._Recomputer((1e-12,), memory.MATMULS)
+    recomputer = activations._Recomputer((1e-12,), activations.MATMULS)
     kept = []
 
     def pack(tensor):
         saved = recomputer.pack(tensor)
         if not callable(saved) and tensor.grad_fn is not None:
-            kept.append(type(memory._view_chain(tensor.grad_fn)[1]).__name__)
+            kept.append(type(activations._view_chain(tensor.grad_fn)[1]).__name__)
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, recomputer.unpack):
@@ -91,7 +90,7 @@ def _kept_kinds(model, ids, mask):
 def test_recomputed_step_equals_the_kept_one_bit_for_bit(classifier):
     model, ids, mask = classifier
     kept_logits, kept_grads = _step(model, ids, mask, contextlib.nullcontext)
-    for trusted in (memory.MATMULS, frozenset()):
+    for trusted in (activations.MATMULS, frozenset()):
         logits, grads = _step(model, ids, mask, lambda: recompute_activations(model, trusted))
         assert torch.equal(logits, kept_logits)
         assert grads.keys() == kept_grads.keys() and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
@@ -149,8 +148,8 @@ class _StopInBackward(TorchDispatchMode):
 def test_a_step_stopped_in_backward_leaves_no_activation_behind(classifier, monkeypatch):
     model, ids, mask = classifier
     packed = []
-    pack = memory._Recomputer.pack
-    monkeypatch.setattr(memory._Recomputer, "pack", lambda self, t: packed.append(weakref.ref(t)) or pack(self, t))
+    pack = activations._Recomputer.pack
+    monkeypatch.setattr(activations._Recomputer, "pack", lambda self, t: packed.append(weakref.ref(t)) or pack(self, t))
     with pytest.raises(RuntimeError, match="stopped in backward"):
         _step(model, ids, mask, lambda: _stopped(model))
     gc.collect()

@@ -7,14 +7,14 @@ import torch
 
 from mpsimpact.modes.base import active_emulator
 from mpsimpact.modes.chunking import pieces
-from mpsimpact.engine.faults import TensorSpec, largest_safe_batch
+from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, largest_safe_batch
 
 NAME = "mps_safe_eager"
 
 
 def _index_bits() -> int:
     active = active_emulator()
-    return active.index_bits if active is not None and active.plan is None else 32
+    return active.index_bits if active is not None and active.plan is None else MPS_INDEX_BITS
 
 
 def safe_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:

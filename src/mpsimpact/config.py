@@ -7,10 +7,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 
-# The index widths the emulator, planner and sweep accept; 32 is MPS's.
-INDEX_BITS_RANGE = (8, 32)
+# The index widths the emulator, planner and sweep accept; MPS_INDEX_BITS is MPS's.
+INDEX_BITS_RANGE = (8, MPS_INDEX_BITS)
+# A sample is corrupted above this relative error against the reference (the study's criterion).
+CORRUPTION_THRESHOLD = 1e-3
 DEVICES = ("auto", "mps", "cuda", "cpu")
 
 
@@ -71,7 +74,7 @@ def validate(config: Any) -> None:
 
 BATCH_SIZE = Check("--batch-size", low=1)
 MAX_LENGTH = Check("--max-length", low=1)
-INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=" (32 is MPS)")
+INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} is MPS)")
 DEVICE = Check("--device", choices=DEVICES)
 
 

@@ -4,11 +4,22 @@ mode, plan and check uses: `classify_call`, a family -> rule table. Pure: shapes
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}
+
+
+def out_elements(family: str, a: Any, b: Any) -> int:
+    """A call's output elements (shapes of `a` and `b`); for sdpa (a = query, b = key), its score
+    elements B*H*Lq*Lk, the tensor whose size decides the fused op's fault."""
+    if family == "sdpa":
+        return math.prod(a.shape[:-1]) * b.shape[-2]
+    if family == "cat":
+        return math.prod(a.shape)  # a: the output
+    return a.shape[-2] * b.shape[-1] * (a.shape[0] if family == "bmm" else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +43,7 @@ class CallRecord:
     @property
     def out_numel(self) -> int:
         """Output elements; for sdpa, the score elements B*H*Lq*Lk."""
-        if self.family == "sdpa":
-            return self.a.numel // self.a.shape[-1] * self.b.shape[-2]
-        if self.family == "cat":
-            return self.a.numel  # a: the output
-        return self.a.shape[-2] * self.b.shape[-1] * (self.a.shape[0] if self.family == "bmm" else 1)
+        return out_elements(self.family, self.a, self.b)
 
     def describe(self) -> str:
         if self.family == "sdpa":

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.engine.call import CallRecord, classify_call
-from mpsimpact.engine.faults import Profile, sdpa_path
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, sdpa_path
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 
 
@@ -21,7 +21,7 @@ class FaultPlan:
     """
 
     calls: tuple[CallRecord, ...]
-    index_bits: int = 32
+    index_bits: int = MPS_INDEX_BITS
     profile: str = ""
     trace: tuple[CallRecord, ...] = ()
 
@@ -55,7 +55,7 @@ class FaultPlan:
     @property
     def first_stop(self) -> CallRecord | None:
         """The first call that raises or aborts: on MPS the run ends there."""
-        return next((c for c in self.calls if c.fault.kind in ("error", "abort")), None)
+        return next((c for c in self.calls if c.fault.is_stop), None)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -49,6 +49,8 @@ FaultKind = Literal["ok", "error", "wrong_all", "wrong_tail", "abort", "truncate
 Layout = Literal["contiguous", "offset", "transposed", "strided"]
 SILENT_KINDS = frozenset({"wrong_all", "wrong_tail", "truncated", "wrong_other"})
 STOP_KINDS = frozenset({"error", "abort"})
+# The index width of MPS's kernels; every limit is a power of two of it (smaller widths scale them).
+MPS_INDEX_BITS = 32
 
 
 @dataclasses.dataclass(frozen=True)

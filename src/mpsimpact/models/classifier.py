@@ -143,7 +143,7 @@ def load_hub_classifier(name: str) -> LoadedModel:
         raise ModelLoadError(
             f"Model '{name}' could not be loaded: it is not a local path and not in the Hugging Face "
             f"cache, or the network is off ({type(error).__name__}). Download it once with network access "
-            "(e.g. huggingface-cli download NAME), or pass a local directory."
+            "(e.g. hf download NAME), or pass a local directory."
         ) from None
     _check_eager(model, name)
     labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))

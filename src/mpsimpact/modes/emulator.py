@@ -17,7 +17,7 @@ from mpsimpact.modes.base import (
 )
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
-from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_cat, contiguous_strides, limits, sdpa_path, wrap_start_batch
+from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, contiguous_strides, Fault, limits, Profile, sdpa_path, TensorSpec, wrap_start_batch
 from mpsimpact.engine.release import resolve_profile
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class EmulateMode(MatmulMode):
     instead of classifying its own, smaller shapes. See `emulate()`.
     """
 
-    def __init__(self, index_bits: int = 32, plan: FaultPlan | None = None, profile: Profile = None) -> None:
+    def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> None:
         super().__init__()
         limits(index_bits)
         self.index_bits = index_bits
@@ -251,7 +251,7 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
 
 
 @contextlib.contextmanager
-def emulate(index_bits: int = 32, plan: FaultPlan | None = None, profile: Profile = None) -> Iterator[EmulateMode]:
+def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> Iterator[EmulateMode]:
     """Makes bmm/mm/SDPA/cat on CPU or CUDA tensors behave like MPS's, faults included.
 
     Args:

@@ -25,7 +25,7 @@ from mpsimpact.modes.base import (
 from mpsimpact.modes.chunking import cat_in_place, entry_bound, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_cat, largest_safe_batch, limits, sdpa_path
+from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, Fault, largest_safe_batch, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -46,7 +46,7 @@ class GuardMode(MatmulMode):
     dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
     `everywhere`: under an emulator, or strict)."""
 
-    def __init__(self, mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+    def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
                  profile: Profile = None, strict: bool = False):
         super().__init__()
         if mode not in GUARD_MODES:
@@ -221,7 +221,7 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
 
 
 @contextlib.contextmanager
-def guard(mode: str = "raise", *, index_bits: int = 32, devices: tuple[str, ...] | None = None,
+def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
           profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
     """Guards every bmm/mm/SDPA/cat call that would fault on MPS.
 

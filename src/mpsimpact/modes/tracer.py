@@ -13,7 +13,7 @@ from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name,
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.engine.faults import Profile, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.release import resolve_profile
 
@@ -22,7 +22,7 @@ class TraceMode(MatmulMode):
     """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
     fault; computes nothing on meta tensors."""
 
-    def __init__(self, index_bits: int = 32, module: torch.nn.Module | None = None, profile: Profile = None) -> None:
+    def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None, profile: Profile = None) -> None:
         super().__init__()
         self.index_bits = index_bits
         self.profile = resolve_profile(profile)
@@ -84,7 +84,7 @@ class TraceMode(MatmulMode):
 def trace_faults(
     fn: Callable[..., Any],
     *args: Any,
-    index_bits: int = 32,
+    index_bits: int = MPS_INDEX_BITS,
     module: torch.nn.Module | None = None,
     profile: Profile = None,
     **kwargs: Any,
@@ -111,7 +111,7 @@ def trace_module(
     inputs: dict[str, torch.Tensor],
     *,
     backward: bool = False,
-    index_bits: int = 32,
+    index_bits: int = MPS_INDEX_BITS,
     profile: Profile = None,
 ) -> FaultPlan:
     """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked."""

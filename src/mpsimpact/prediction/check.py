@@ -5,18 +5,18 @@ longest safe length, the memory a real run needs and which guard makes it safe."
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 
-from mpsimpact.engine.call import CallRecord
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
     TASKS, MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import BATCH_SIZE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
+from mpsimpact.prediction.memory import traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
 from mpsimpact.prediction.safe_size import TRACE_TEXTS, PerTextCall, largest_safe_batch, plan_at
 from mpsimpact.engine.release import FaultProfile, resolve_profile
@@ -47,7 +47,7 @@ class CheckConfig:
     attention: str = option("default", ATTENTION)
     phase: str = option("inference", PHASE)
     torch_profile: str | None = option(None, TORCH_PROFILE)
-    index_bits: int = option(32, INDEX_BITS)
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     out: str | None = None
 
     def validate(self) -> None:
@@ -125,38 +125,6 @@ def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
     return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
 
 
-def _layer_count(calls: list[CallRecord]) -> int:
-    """Distinct numbered blocks ("model.layers.3", "encoder.block.3") the calls were made in."""
-    return len({m[1] for c in calls if (m := re.match(r"^(.*?\.\d+)(\.|$)", c.module))}) or 1
-
-
-def estimate_peak(model: MetaModel, plan: FaultPlan, parameters: int, batch: int,
-                  length: int) -> tuple[int, str]:
-    """Bytes at a real run's peak, and the basis of the estimate. Inference: weights, 4 hidden-state
-    copies, and the larger of the attention peak (2 x the largest bmm tensor, e.g. scores and P, plus
-    the (B, 1, L, L) mask) and the feed-forward peak (2 x the largest mm output); `plan`'s estimate
-    on a generic footing (all-MiniLM-L6-v2 at 4096 x 512: 112 GiB, 115 measured)."""
-    dtype = str(model.module.dtype).removeprefix("torch.")
-    hidden = int(getattr(model.config, "hidden_size", 0) or 0)
-    forward = [c for c in plan.calls if c.phase == "forward"]
-    bmm = max((max(c.a.numel, c.b.numel, c.out_numel) for c in forward if c.family == "bmm"), default=0)
-    mm = max((c.out_numel for c in forward if c.family == "mm"), default=0)
-    in_layers = [c.out_numel for c in forward if c.family == "mm" and re.search(r"\.\d+\.", c.module)]
-    layer_mm = max(in_layers, default=mm)
-    states = 4 * batch * length * hidden
-    mask = bmm // heads_of(model.config)
-    elements = parameters + states + max(2 * bmm + mask, 2 * mm)
-    basis = (f"{dtype}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state copies + the larger of "
-             f"2 x the largest bmm tensor ({bmm / 1e9:.2f}G elements) + the L x L mask, and 2 x the largest mm "
-             f"output ({mm / 1e9:.2f}G)")
-    if model.backward:
-        layers = _layer_count(forward)
-        elements += parameters + layers * (bmm + mask + 2 * layer_mm + 2 * states)
-        basis += (f"; training adds gradients and, in each of {layers} layers, the tensors autograd keeps "
-                  "(P, mask, FFN outputs, 8 hidden-state copies)")
-    return elements * model.module.dtype.itemsize, basis + "; rough"
-
-
 def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
     cfg.validate()
@@ -167,7 +135,9 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
                                     known=length)
     by_batch = safe_batch(model, batch, length)
-    peak, peak_basis = estimate_peak(model, plan, info["parameters"], batch, length)
+    peak, peak_basis = traced_peak_bytes(plan, info["parameters"], batch, length,
+                                         int(getattr(model.config, "hidden_size", 0) or 0), heads,
+                                         model.module.dtype, model.backward)
     target = (cfg.target_len or length) if info["encoder_decoder"] else None
     return {
         "config": dataclasses.asdict(cfg),

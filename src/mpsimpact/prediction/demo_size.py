@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction import memory
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.outcome import predict
@@ -49,7 +50,7 @@ def visible_batch(first_corrupted: int) -> int:
     return first_corrupted + needed
 
 
-def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int], index_bits: int = 32) -> list[dict[str, Any]]:
+def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int], index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
     """Per dtype and length: the smallest clearly-visible run, its predicted corruption and peak."""
     options = []
     for length in (L for L in DEMO_LENGTHS if L in traced):

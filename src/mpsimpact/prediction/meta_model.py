@@ -53,7 +53,7 @@ def load_model_config(source: str) -> tuple[Any, str]:
             raise ModelLoadError(f"Cannot read a config from '{source}'.") from None
         raise ModelLoadError(
             f"'{source}' is not in the Hugging Face cache (offline); download it once with "
-            f"`huggingface-cli download {source}` or pass a local folder or config.json."
+            f"`hf download {source}` or pass a local folder or config.json."
         ) from None
     except ValueError as error:
         raise ModelLoadError(f"Cannot load the config of '{source}': {_first_line(error)}") from None

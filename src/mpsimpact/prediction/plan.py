@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, option, validate
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
@@ -13,7 +14,15 @@ from mpsimpact.prediction.memory import estimate_peak_bytes
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
-SWEEP_BATCHES = (256, 512, 1024, 1365, 1366, 2048, 3072, 4096, 5461, 5462, 8192, 16384, 21845, 21846, 32768)
+ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
+BOUNDARY_LENGTHS = (128, 256, 512)  # lengths whose P V wrap boundary the sweep straddles
+
+
+def sweep_batches(heads: int, index_bits: int) -> list[int]:
+    """Round batch sizes, and each side of where P (B*heads, L, L) passes the limit at each boundary
+    length: floor(2**bits / (heads * L * L)) is the last clean batch (1365 at 12 heads and 512)."""
+    edges = {2**index_bits // (heads * length * length) for length in BOUNDARY_LENGTHS}
+    return sorted({*ROUND_BATCHES, *edges, *(edge + 1 for edge in edges)} - {0})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +34,7 @@ class PlanConfig:
     max_length: int | None = option(None, MAX_LENGTH)
     model: str | None = None
     backward: bool = False
-    index_bits: int = option(32, INDEX_BITS)
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     sweep: bool = False
     figure: str | None = None
     torch_profile: str | None = option(None, TORCH_PROFILE)
@@ -100,12 +109,12 @@ def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config
 
 
 def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:
-    """Predicted corrupted fraction (or stop) over SWEEP_BATCHES, for each table length."""
+    """Predicted corrupted fraction (or stop) over `sweep_batches`, for each table length."""
     table = {}
     for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
         calls = traced[length]
         rows = []
-        for batch in SWEEP_BATCHES:
+        for batch in sweep_batches(heads, index_bits):
             p = predict(plan_at(calls, batch, index_bits, profile), batch, heads)
             rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch, "stops": p.stop.fault.kind if p.stop else None})
         table[str(length)] = rows

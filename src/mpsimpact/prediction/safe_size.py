@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.call import CallRecord, classify_call
-from mpsimpact.engine.faults import Profile, TensorSpec, limits
+from mpsimpact.engine.call import CallRecord, classify_call, out_elements
+from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
 
@@ -85,7 +85,7 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
     return fitted
 
 
-def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int = 32,
+def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int = MPS_INDEX_BITS,
                    profile: Profile = None) -> FaultPlan:
     """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
     records = []
@@ -120,7 +120,7 @@ def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int |
     return low
 
 
-def candidate_lengths(calls: list[LengthFittedCall], high: int, index_bits: int = 32) -> list[int]:
+def candidate_lengths(calls: list[LengthFittedCall], high: int, index_bits: int = MPS_INDEX_BITS) -> list[int]:
     """The lengths where some rule's condition can change: every count reaching 2**(bits-1) or 2**bits
     (>=) or passing it (>). Between two candidates every call's outcome stays the same."""
     limit, view_limit = limits(index_bits)
@@ -156,7 +156,7 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
     return n, 2 * n, known if known is not None and 2 * n < known <= high else 3 * n
 
 
-def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = 32,
+def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = MPS_INDEX_BITS,
                         profile: Profile = None, known: int | None = None) -> BoundarySearch:
     """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase);
     `known` is a length already traced (reused as a fit point).
@@ -203,7 +203,7 @@ def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> B
     return BoundarySearch(good, high, f"bisection over {traces} traces, assuming smaller is never worse ({why})")
 
 
-def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = 32,
+def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = MPS_INDEX_BITS,
                      profile: Profile = None) -> FaultPlan:
     """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
     ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
@@ -247,12 +247,12 @@ def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool 
     ]
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> bool:
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> bool:
     """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
     return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
 
 
-def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 32, ceiling: int = 1 << 24,
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS, ceiling: int = 1 << 24,
                        profile: Profile = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
     where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
@@ -261,10 +261,7 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 3
     candidates = set()
     for p in calls:
         a, b = p.at(1)  # per-text shapes (only used for element counts)
-        if p.call.family == "sdpa":
-            out = a.numel // a.shape[-1] * b.shape[-2]  # score elements
-        else:
-            out = a.shape[0] * b.shape[-1] * (a.shape[-2] if p.call.family == "bmm" else 1)
+        out = out_elements(p.call.family, a, b)
         for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
             for limit in limits_:
                 if per_text:
@@ -278,7 +275,7 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = 3
     return ceiling
 
 
-def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = 32, profile: Profile = None) -> FaultPlan:
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
     records = []
     for p in calls:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict
 
 from mpsimpact.prediction.safe_size import trace_classifier
@@ -36,7 +37,7 @@ def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
     }
 
 
-def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int, index_bits: int = 32) -> list[dict[str, Any]]:
+def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int, index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
     """Rows {release, attention, phase, outcome, first_corrupted_text, corrupted_count, message, note}:
     one per release range whose cells agree, and one for unmeasured newer releases.
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE
 from mpsimpact.output.page import format_cell as _fmt
+from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
 from mpsimpact.runs.kind import columns, condition_rows, kind_of
 
 

@@ -10,8 +10,11 @@ from typing import Any, ClassVar
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import format_cell
 
-# report.json's schema: what readers (compare, CI scripts, notebooks) may rely on.
-SCHEMA_VERSION = 1
+# report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
+# (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
+SCHEMA_VERSION = 2
+# Every kind by its report name, filled as kind classes are defined (see RunKind.__init_subclass__).
+KINDS: dict[str, RunKind] = {}
 
 
 class RunKind(abc.ABC):
@@ -23,6 +26,11 @@ class RunKind(abc.ABC):
     files: ClassVar[tuple[str, ...]]  # what a run folder holds, for the console's last line
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     attentions: ClassVar[tuple[str, ...]] = ("eager", "sdpa", "both")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "__abstractmethods__", None):
+            KINDS[cls.name] = cls()
 
     def check(self, config: Any) -> None:
         """Refuses, before anything is loaded, the options this kind does not support."""
@@ -73,22 +81,27 @@ class RunKind(abc.ABC):
 
 
 def kind_of(report: dict) -> RunKind:
-    """The kind that wrote `report`, by its "kind" field (reports before the field: inference)."""
-    from mpsimpact.runs.scenario import available
-
-    kinds = {cls.kind.name: cls.kind for cls in available().values()}
+    """The kind that wrote `report`, by its "kind" field (reports before the field: inference). Kinds
+    register when their module is imported (the scenario's, or reports.run for any report)."""
     name = report.get("kind", "inference")
-    if name not in kinds:
-        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows ({', '.join(sorted(kinds))}).")
-    return kinds[name]
+    if name not in KINDS:
+        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows ({', '.join(sorted(KINDS))}).")
+    return KINDS[name]
 
 
 def columns(run: dict) -> tuple[tuple[str, str], ...]:
-    """The conditions table's (key, title) pairs: the run kind's, led by the attention when it varies."""
-    base = kind_of(run).columns
-    if any("attention" in c for c in run["conditions"]):  # --attention sdpa or both
-        return (("attention", "attention"), *base)
-    return base
+    """The conditions table's (key, title) pairs, as report.json records them (schema 2); for a
+    schema-1 report, the kind's, led by the attention when it varies."""
+    if "columns" in run:
+        return tuple((key, title) for key, title in run["columns"])
+    return columns_of(kind_of(run), run["conditions"])
+
+
+def columns_of(kind: RunKind, conditions: list[dict]) -> tuple[tuple[str, str], ...]:
+    """A kind's conditions table for these conditions: led by the attention when it varies."""
+    if any("attention" in c for c in conditions):  # --attention sdpa or both
+        return (("attention", "attention"), *kind.columns)
+    return kind.columns
 
 
 def condition_rows(run: dict) -> list[list[str]]:

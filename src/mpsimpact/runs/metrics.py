@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_THRESHOLD = 1e-3
+from mpsimpact.config import CORRUPTION_THRESHOLD
+
 
 
 def relative_error(logits: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -26,7 +27,7 @@ def summarize(
     reference: np.ndarray,
     gold: np.ndarray,
     label_names: tuple[str, ...],
-    threshold: float = DEFAULT_THRESHOLD,
+    threshold: float = CORRUPTION_THRESHOLD,
 ) -> dict[str, Any]:
     """The aggregate metrics of one completed condition."""
     err = relative_error(logits, reference)

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.runs.device import GIB, resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
 from mpsimpact.config import (
     BATCH_SIZE,
+    CORRUPTION_THRESHOLD,
     DEVICE,
     INDEX_BITS,
     MAX_LENGTH,
@@ -27,7 +29,7 @@ from mpsimpact.config import (
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import resolve_profile
-from mpsimpact.runs.kind import SCHEMA_VERSION
+from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, condition
 
 GUARDS = ("off", "raise", "chunk")
@@ -53,10 +55,10 @@ class RunConfig:
     expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
     model: str | None = None
     dataset: str | None = None
-    threshold: float = option(1e-3, Check("--threshold", 0, 1, inclusive=False))
+    threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False))
     reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
     run_length: int | None = option(None, Check("--run-length", low=1))
-    index_bits: int = option(32, INDEX_BITS)
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
@@ -110,7 +112,7 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
     result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
-    result["silent_faults_injected"] = len([r for r in (emu.records if emu else []) if r.fault.kind in ("wrong_all", "wrong_tail", "truncated")])
+    result["silent_faults_injected"] = sum(r.fault.is_silent for r in (emu.records if emu else []))
     if result["status"] != "completed":
         result["wrong_values_before_stop"] = result["silent_faults_injected"]
     return result
@@ -198,6 +200,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
                                  backward=kind.backward, profile=geometry.profile) for a in config.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
+    report["columns"] = [list(pair) for pair in columns_of(kind, report["conditions"])]
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
     return report, arrays
 

@@ -61,21 +61,13 @@ class Scenario(abc.ABC):
 
 
 def load_model_config(model_name: str | None) -> Any:
-    """The config of `model_name` (an id in the Hugging Face cache or a local folder), or of the
+    """The config of `model_name` (a hub id in the offline cache, a folder or a config.json), or of the
     embedded all-MiniLM-L6-v2 for None: enough to trace, no weights."""
-    from transformers import AutoConfig
-
     from mpsimpact.models.classifier import embedded_model_path
-    from mpsimpact.errors import ModelLoadError
+    from mpsimpact.prediction.meta_model import load_model_config as load_any
 
-    source = str(embedded_model_path()) if model_name is None else model_name
-    try:
-        return AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(
-            f"The config of model '{source}' is not a local path and not in the Hugging Face cache "
-            f"({type(error).__name__}). Download it once with network access, or pass a local directory."
-        ) from None
+    return load_any(str(embedded_model_path()) if model_name is None else model_name)[0]
+
 
 
 def register(cls: type[Scenario]) -> type[Scenario]:

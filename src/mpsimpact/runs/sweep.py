@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.faults import TensorSpec, classify_bmm
+from mpsimpact.engine.faults import SILENT_KINDS, TensorSpec, classify_bmm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
@@ -184,7 +184,7 @@ def agrees(row: dict[str, Any]) -> bool:
     if pred["kind"] == "abort" and seen == "crash":
         return True  # a real abort ends the worker process
     if pred["kind"] == "wrong_other" and row.get("device") == "mps":
-        return seen in ("wrong_all", "wrong_tail", "wrong_other", "truncated")  # pattern not characterised
+        return seen in SILENT_KINDS  # pattern not characterised
     if seen != pred["kind"]:
         return False
     if seen == "wrong_tail":

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.config import CORRUPTION_THRESHOLD
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.prediction.memory import MATMULS, recompute_activations
+from mpsimpact.runs.activations import MATMULS, recompute_activations
 from mpsimpact.runs.device_pass import Geometry, build_batch, condition, tokenize
 
-GRADIENT_THRESHOLD = 1e-3
+GRADIENT_THRESHOLD = CORRUPTION_THRESHOLD  # a gradient tensor is wrong above it, as a text is
 
 
 @dataclasses.dataclass

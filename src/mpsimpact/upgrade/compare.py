@@ -8,8 +8,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
-from mpsimpact.runs.kind import columns
+from mpsimpact.runs.kind import SCHEMA_VERSION, columns
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
 
 VERSIONS = ("torch", "transformers")
@@ -19,7 +20,7 @@ NOT_COMPARED = (
     "guard", "wall_s", "corrupted_fraction", "predicted_first_corrupted_index", "reference_accuracy",
 )
 # Observed sweep classes in which MPS (or its emulation) did something wrong.
-FAULTED = ("wrong_all", "wrong_tail", "wrong_other", "error", "crash")
+FAULTED = SILENT_KINDS | STOP_KINDS | {"crash"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,8 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
             f"Cannot compare a {before.kind} ('{old}') with a {after.kind} ('{new}'); "
             "pass two run folders or two sweep folders."
         )
-    if before.schema_version != after.schema_version:
+    readable = range(1, SCHEMA_VERSION + 1)  # each schema only adds to the one before
+    if before.schema_version != after.schema_version and not {before.schema_version, after.schema_version} <= set(readable):
         raise UsageError(
             f"'{old}' has schema_version {before.schema_version} and '{new}' has {after.schema_version}; "
             "re-run the older one with this mpsimpact to compare them."

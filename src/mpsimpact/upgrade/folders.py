@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.config import CORRUPTION_THRESHOLD
 from mpsimpact.errors import UsageError
+from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
 from mpsimpact.runs.kind import SCHEMA_VERSION
 
 # What must match for two runs to be comparable: (name on a slide, path in report.json).
@@ -167,7 +169,7 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
         raise UsageError(f"Cannot read '{path}': {error}.") from None
     if "reference" not in arrays:
         raise UsageError(f"'{path}' has no reference logits; it was not written by `mpsimpact run`.")
-    threshold = report.get("config", {}).get("threshold", 1e-3)
+    threshold = report.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
     return {
         (name.removeprefix("guard_"), DEFAULT_ATTENTION): frozenset(
             np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist()

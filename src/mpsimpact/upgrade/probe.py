@@ -34,13 +34,6 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def load_model_config(source: str) -> Any:
-    """The model's config from a local folder or the offline Hugging Face cache."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(source)
-
-
 def build_meta(config: Any, task: str, attention: str | None) -> Any:
     """The model on meta from its config; `attention` None leaves the choice to transformers."""
     import torch
@@ -215,7 +208,9 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
     import transformers
 
     imported = time.perf_counter()
-    config = load_model_config(job["model"])
+    from mpsimpact.prediction.meta_model import load_model_config
+
+    config, _ = load_model_config(job["model"])
     result: dict[str, Any] = {
         "schema": PROBE_SCHEMA,
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
