@@ -8,12 +8,14 @@ See Note [Entry points and the dispatch mode].
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.jit import _builtins as jit_builtins
 
 # Note [Entry points and the dispatch mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,7 +31,35 @@ import torch.nn.functional as F
 # cost one thread-local lookup per call while no handler is active. Calls made from C++
 # (autograd's backward, TorchScript, compiled graphs) and names bound before mpsimpact was imported
 # (`from torch import matmul`) bypass them: handlers cover backward themselves, and
-# `guard(strict=True)` covers the rest.
+# `guard(strict=True)` covers the rest. See Note [Wrappers as good guests] for what the rest of
+# the process sees of them.
+
+# Note [Wrappers as good guests]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The wrappers replace torch's callables for the whole process, also for code that never enters a
+# guard, so everything but the guard must take them for torch's own:
+# - TorchScript resolves a Python callable it meets in scripted code through
+#   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
+#   source; each wrapper is entered there under the aten op of the callable it replaces
+#   (torch.matmul -> aten::matmul), so scripted code compiles to the same graph as without
+#   mpsimpact. The originals stay in the table too (names bound before installation).
+# - pickle stores a function as `__module__` + `__qualname__` and checks that this path leads back
+#   to the same object. Each wrapper carries the public path of what it replaces
+#   (torch.matmul, torch.nn.functional.linear, torch.Tensor.bmm), which leads to the wrapper
+#   while it is installed; unpickling gives whatever that path holds in the loading process:
+#   the wrapper here, torch's own callable in a process without mpsimpact.
+# - torch.compile: Dynamo traces the callable a function names in `_torchdynamo_inline` (its own
+#   protocol, used for torch.jit.script's results), so compiled graphs call torch's builtins
+#   whichever of Dynamo and mpsimpact was loaded first; `_compiling()` folds the wrapper away for a
+#   Dynamo that ignores the attribute.
+# - `__name__`, `__doc__`, annotations and `__wrapped__` (so inspect.signature) are torch's.
+# - They stay plain functions: a callable object with `__reduce__`/`__eq__` would pickle and compare
+#   more freely, but costs a slot call more on every call. Identity that holds: `torch.matmul is
+#   torch.matmul` everywhere, also after a pickle round trip. Identity that cannot: the `func` a
+#   `__torch_function__` override receives is torch's builtin (the C++ side passes it), not the
+#   wrapper now at torch.matmul; `isinstance(torch.matmul, types.BuiltinFunctionType)` is False, so
+#   torch.fx.operator_schemas.normalize_function(torch.matmul, ...) raises (FX graphs record
+#   torch's builtins, so FX passes do not meet the wrappers).
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -55,8 +85,15 @@ class EntryHandler(Protocol):
 
 
 _LOCAL = threading.local()
-_ORIGINALS: dict[tuple[Any, str], tuple[Any, bool]] = {}  # -> (callable, whether the owner defined it itself)
 
+
+class _Installed(NamedTuple):
+    original: Any
+    own: bool  # whether the owner defined the attribute itself (not inherited)
+    wrapper: Callable[..., Any]
+
+
+_INSTALLED: dict[tuple[Any, str], _Installed] = {}
 
 _compiling = torch.compiler.is_compiling
 
@@ -65,7 +102,8 @@ def _handlers() -> list[EntryHandler]:
     return _LOCAL.__dict__.setdefault("handlers", [])
 
 
-def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler], depth: int) -> Callable[..., Any]:
+def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler],
+           depth: int) -> Callable[..., Any]:
     if depth < 0:
         return original
 
@@ -75,7 +113,7 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
     return proceed
 
 
-def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = None if _compiling() else _LOCAL.__dict__.get("handlers")
         if not handlers:  # also while torch.compile traces: the wrapper folds away there
@@ -84,31 +122,72 @@ def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             return handlers[0].on_entry(name, original, args, kwargs)
         return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
-    wrapped.__name__ = getattr(original, "__name__", name)
-    wrapped.__doc__ = getattr(original, "__doc__", None)
-    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+    # Torch's name, doc, annotations and __wrapped__ (so inspect.signature), the public path (not
+    # torch._C._nn.linear) for pickle, and the original for torch.compile to trace: see
+    # Note [Wrappers as good guests].
+    functools.update_wrapper(wrapped, original)
+    wrapped.__module__, wrapped.__qualname__ = _public_path(owner, attribute)
+    wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]
     return wrapped
 
 
+def _public_path(owner: Any, attribute: str) -> tuple[str, str]:
+    """(module, qualified name) of `owner.attribute` as reached from outside: ("torch", "matmul"),
+    ("torch.nn.functional", "linear"), ("torch", "Tensor.bmm")."""
+    if isinstance(owner, type):
+        return owner.__module__, f"{owner.__qualname__}.{attribute}"
+    return owner.__name__, attribute
+
+
 def install() -> None:
-    """Puts the wrappers in place (done on import; idempotent)."""
-    if _ORIGINALS:
+    """Puts the wrappers in place (done when this module is first imported; idempotent).
+
+    Each wrapper is also entered in TorchScript's builtin table under its original's aten op, so
+    scripted code that calls it compiles as before (Note [Wrappers as good guests]).
+
+    Note:
+        Installation happens on import, not when a guard, emulator or tracer is first entered:
+        code often takes `torch.bmm` or `F.linear` before it enters a guard (a test that builds
+        its case `op = torch.bmm` first, a library that binds a kernel at import, a closure made
+        by a model's constructor); waiting for the first `with guard()` would leave those calls
+        unseen by that guard and by every later one (tests/test_guard.py's
+        test_guard_ignores_cpu_tensors_outside_emulation_unless_asked, run alone, fails that way).
+        The wrappers cost one thread-local lookup per call while no handler is active;
+        `uninstall()` removes them.
+    """
+    if _INSTALLED:
         return
+    table = jit_builtins._get_builtin_table()  # built now, if not yet, from torch's own callables
     for name, places in ENTRY_POINTS.items():
         for owner, attribute in places:
             original = getattr(owner, attribute)
-            _ORIGINALS[(owner, attribute)] = (original, attribute in vars(owner))
-            setattr(owner, attribute, _wrapper(name, original))
+            wrapper = _wrapper(name, original, owner, attribute)
+            _INSTALLED[(owner, attribute)] = _Installed(original, attribute in vars(owner), wrapper)
+            setattr(owner, attribute, wrapper)
+            if id(original) in table:
+                table[id(wrapper)] = table[id(original)]
 
 
 def uninstall() -> None:
-    """Restores torch's own callables (tests; a process that wants torch untouched)."""
-    for (owner, attribute), (original, own) in _ORIGINALS.items():
+    """Restores torch exactly as `install()` found it.
+
+    Every wrapped attribute is the original callable again (an inherited one, such as
+    `Tensor.__matmul__` from `TensorBase`, inherited again), and TorchScript's builtin table no
+    longer lists the wrappers. An attribute another library replaced after us keeps that library's
+    callable. A wrapper someone kept a reference to still works, but no longer pickles (its public
+    path leads to the original now). Entering a guard, emulator or tracer installs the wrappers
+    again.
+    """
+    table = jit_builtins._get_builtin_table()
+    for (owner, attribute), (original, own, wrapper) in _INSTALLED.items():
+        table.pop(id(wrapper), None)  # the wrapper is alive until here, so no other object has its id
+        if getattr(owner, attribute) is not wrapper:
+            continue  # replaced again since: not ours to undo
         if own:
             setattr(owner, attribute, original)
         else:
             delattr(owner, attribute)  # inherited (Tensor.__matmul__ from TensorBase): uncover it again
-    _ORIGINALS.clear()
+    _INSTALLED.clear()
 
 
 def push_handler(handler: EntryHandler) -> None:
