@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpsimpact.entrypoint import ENTRY_POINTS, _INSTALLED
+from mpsimpact.modes.entrypoint import ENTRY_POINTS, _INSTALLED
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.safeguard import guard
+from mpsimpact.modes.guard import guard
 
 D = 8
 
@@ -251,13 +251,13 @@ def test_names_bound_before_installation_still_script_and_compile(tmp_path):
         # Dynamo's tables built before the wrappers exist:
         torch.compile(lambda x: x + 1, backend="eager", fullgraph=True)(torch.ones(1))
 
-        import mpsimpact.safeguard
+        import mpsimpact.modes.guard
         from torch._dynamo.testing import CompileCounter
 
         def f(x, w):
             return torch.cat([early_matmul(x, w), early_linear(x, w), torch.matmul(x, w)])
 
-        with mpsimpact.safeguard.guard("raise"):
+        with mpsimpact.modes.guard.guard("raise"):
             pass
         assert torch.matmul is not early_matmul
         x, w = torch.randn(3, 3), torch.randn(3, 3)
@@ -285,8 +285,8 @@ def test_uninstall_restores_torch_exactly():
             kept = all(table_now.get(k) == v for k, v in table.items())
             return sorted(moved), kept, [w.__name__ for w in wrappers if id(w) in table_now]
         before = state()
-        import mpsimpact.entrypoint as entrypoint
-        from mpsimpact.safeguard import guard
+        import mpsimpact.modes.entrypoint as entrypoint
+        from mpsimpact.modes.guard import guard
         with guard("raise"):
             pass
         wrappers = [entry.wrapper for entry in entrypoint._INSTALLED.values()]  # alive: ids stay theirs
