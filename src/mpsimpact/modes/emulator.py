@@ -1,6 +1,6 @@
 """The MPS emulator: a dispatch mode that makes CPU or CUDA tensors fault the way MPS does.
 
-See Note [MPS 32-bit index faults] in mpsimpact/faults.py for the rules it applies.
+See Note [MPS 32-bit index faults] in engine/faults.py for the rules it applies.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 call that would fault on MPS under a torch release's profile, deciding through the same fault rules
 as the emulator, at near-zero cost for every other op.
 
-See Note [MPS 32-bit index faults] in mpsimpact/faults.py and Note [Entry points and the dispatch
-mode] in mpsimpact/entrypoint.py.
+See Note [MPS 32-bit index faults] in engine/faults.py and Note [Entry points and the dispatch
+mode] in modes/entrypoint.py.
 """
 
 from __future__ import annotations

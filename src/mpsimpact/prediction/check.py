@@ -98,7 +98,7 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
 
 def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     """The largest batch B such that every batch up to B is clean at this length: traces at 2 and 4
-    samples scaled by arithmetic (planner.largest_safe_batch, as `plan` does), checked against the
+    samples scaled by arithmetic (safe_size.largest_safe_batch, as `plan` does), checked against the
     trace at the asked batch. One sample is traced as itself where it decides (a 4-D matmul at one
     sample hands bmm strided views): when asked, or when the scaled answer is below 2."""
     def trace_at(n: int) -> FaultPlan:
