@@ -201,7 +201,7 @@ def heatmap(report: dict[str, Any]) -> bytes:
 
 def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
     """matrix.json, matrix.md, matrix.html and matrix.png into a hidden partial folder, then renamed to
-    `out` (from report.fresh_out_dir): an interrupted write leaves no complete-looking folder."""
+    `out` (from output.files.fresh_out_dir): an interrupted write leaves no complete-looking folder."""
     figure = heatmap(report)
     with folder_written_atomically(out) as partial:
         atomic_write_bytes(partial / "matrix.png", figure)

@@ -88,7 +88,7 @@ def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) ->
 
 def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
     """plan.json, and with --versions versions.md and versions.png, atomically into `folder` (from
-    report.fresh_out_dir, checked before any work)."""
+    output.files.fresh_out_dir, checked before any work)."""
     import json
 
     from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically

@@ -1,4 +1,4 @@
-"""The runner: turns a RunConfig into the scenario's kind of run (see run_kind.RunKind), one device
+"""The runner: turns a RunConfig into the scenario's kind of run (see runs.kind.RunKind), one device
 pass per guard condition against a reference, and the report. Scenarios never pick devices; this does."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
 
 
 def prepare_out_dir(config: RunConfig) -> Path:
-    """The final report folder (see report.fresh_out_dir)."""
+    """The final report folder (see output.files.fresh_out_dir)."""
     from mpsimpact.output.files import fresh_out_dir
 
     return fresh_out_dir(config.out, config.scenario)

@@ -31,7 +31,7 @@ class Scenario(abc.ABC):
     description: ClassVar[str]
     default_batch_size: ClassVar[int] = 2048
     default_max_length: ClassVar[int] = 512
-    kind: ClassVar[Any]  # a run_kind.RunKind (not imported here: run_kind finds kinds through this registry)
+    kind: ClassVar[Any]  # a runs.kind.RunKind (kinds register themselves there)
     # Derived from `kind` (workload.is_training reads it from the class); never set it by hand.
     training: ClassVar[bool] = False
 
