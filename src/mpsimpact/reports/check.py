@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.output.page import format_cell
+from mpsimpact.output.page import format_cell, rich_table
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
 CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)", "first bad row (sample, head)"]
@@ -96,17 +96,10 @@ def stop_line(stops: list[dict[str, Any]]) -> str:
 def print_check(report: dict[str, Any]) -> None:
     """The check as rich tables."""
     from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     console.print(headline(report), soft_wrap=True)
     if report["faulting_calls"]:
-        table = Table(title="calls that hit a rule")
-        for title in CALL_HEADER:
-            table.add_column(title, overflow="fold")
-        for row in grouped_calls(report["faulting_calls"]):
-            table.add_row(*row)
-        console.print(table)
+        console.print(rich_table("calls that hit a rule", CALL_HEADER, grouped_calls(report["faulting_calls"])))
     else:
         console.print("[bold green]No call crosses a limit.[/]")
     stops = report["prediction"]["stops"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from mpsimpact.upgrade.compare import Comparison, cell_name
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, rich_table
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
 from mpsimpact.output.page import format_cell as _show
 
@@ -123,19 +123,12 @@ def print_comparison(comparison: Comparison, folder: Path | None = None) -> None
     """The console view: both sides, the environment and condition (or cell) tables, the verdicts."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
-
     console = Console()
     for index in (0, 1):
         style = "bold yellow" if comparison.emulated[index] else "bold green"
         console.print(f"[{style}]{escape(_side(comparison, index))}[/]", soft_wrap=True)
     for title, header, rows in tables(comparison):
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column, justify="right")
-        for row in rows:
-            table.add_row(*map(escape, row))
-        console.print(table)
+        console.print(rich_table(title, header, rows, justify="right"))
     for verdict in comparison.verdicts:
         tag = "[bold red]changed[/]" if verdict.changed else "[dim]info[/]"
         console.print(f"{tag}  {escape(verdict.text)}", soft_wrap=True)

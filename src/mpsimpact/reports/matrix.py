@@ -13,7 +13,7 @@ from typing import Any
 
 from mpsimpact.upgrade.matrix import ATTENTIONS, Progress
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE
+from mpsimpact.output.page import BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, rich_table
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
 UNPROBED_COLOUR = "#dddddd"
@@ -215,17 +215,10 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
     """The console view: the headline, every table, the notes and the exit line."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
-
     console = Console()
     console.print(f"[bold yellow]{escape(headline(report))}[/]", soft_wrap=True)
     for title, header, rows in tables(report):
-        table = Table(title=title, show_lines=True)
-        for column in header:
-            table.add_column(column)
-        for row in rows:
-            table.add_row(*map(escape, row))
-        console.print(table)
+        console.print(rich_table(title, header, rows, show_lines=True))
     for note in notes(report):
         console.print(f"note: {escape(note)}", soft_wrap=True)
     console.print(result_line(report), soft_wrap=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.reports.check import first_bad_cell
+from mpsimpact.output.page import rich_table
+from mpsimpact.reports.check import CALL_HEADER, grouped_calls
 
 
 def write_sweep_figure(table: dict, path: str, model: str) -> None:
@@ -18,32 +19,19 @@ def write_sweep_figure(table: dict, path: str, model: str) -> None:
 def print_plan(report: dict[str, Any]) -> None:
     """The plan as rich tables."""
     from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     cfg, pred = report["config"], report["prediction"]
     console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), decided for MPS on torch {report['profile']['label']}.")
-    table = Table(title="calls that hit a rule")
-    for title in ("#", "where", "op: a @ b", "out", "outcome (rule)", "first bad row (sample, head)"):
-        table.add_column(title)
-    for row in report["faulting_calls"]:
-        first = first_bad_cell(row)
-        where = row["module"].replace("encoder.encoder.", "").replace("model.roberta.encoder.", "") + (" (bwd)" if row["phase"] == "backward" else "")
-        shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
-        table.add_row(str(row["index"]), where, shapes, _count(row["out_numel"]), f"{row['kind']} ({row['rule']})", first)
-    console.print(table if report["faulting_calls"] else "No call crosses a limit.")
+    calls = grouped_calls(report["faulting_calls"])
+    console.print(rich_table("calls that hit a rule", CALL_HEADER, calls) if calls else "No call crosses a limit.")
     stop = pred["stops"][0] if pred["stops"] else None
     if stop is not None:
         what = "abort the process" if stop["kind"] == "abort" else "raise"
         console.print(f"MPS would [bold red]{what}[/] at call {stop['index']}: {stop['message']}")
     else:
         console.print(f"Predicted: {pred['describe']}.")
-    safe = Table(title="largest safe batch")
-    safe.add_column("max length")
-    safe.add_column("texts")
-    for length, value in report["largest_safe_batch_by_length"].items():
-        safe.add_row(str(length), str(value))
-    console.print(safe)
+    console.print(rich_table("largest safe batch", ("max length", "texts"),
+                                list(report["largest_safe_batch_by_length"].items())))
     console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB.")
     for line in report["guard_advice"]:
         console.print(line, soft_wrap=True)
@@ -56,32 +44,24 @@ def print_plan(report: dict[str, Any]) -> None:
 
 
 def _print_memory(console, memory: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"the smallest clear demo per dtype and length, against {memory['basis']}")
-    for title in ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"):
-        table.add_column(title)
-    for o in memory["options"]:
-        table.add_row(o["dtype"], str(o["max_length"]), str(o["batch_size"]), o["outcome"], f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no")
-    console.print(table)
+    rows = [[o["dtype"], o["max_length"], o["batch_size"], o["outcome"], f"{o['estimated_peak_gib']} GiB",
+             "yes" if o["fits"] else "no"] for o in memory["options"]]
+    console.print(rich_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
+                                ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
     rec = memory["recommendation"]
     console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"] else f"[bold red]{rec['why']}[/]", soft_wrap=True)
 
 
 def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    from rich.table import Table
-
     from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
 
-    table = Table(title=f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens (from shapes alone)", show_lines=True)
-    table.add_column("torch")
     columns = [(a, p) for a in ATTENTIONS for p in PHASES]
-    for attention, phase in columns:
-        table.add_column(f"{attention}, {phase}")
+    body = []
     for release in dict.fromkeys(r["release"] for r in rows):
         cells = {(r["attention"], r["phase"]): r["message"] for r in rows if r["release"] == release}
-        table.add_row(release, *[cells[c] for c in columns])
-    console.print(table)
+        body.append([release, *[cells[c] for c in columns]])
+    title = f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens (from shapes alone)"
+    console.print(rich_table(title, ["torch", *(f"{a}, {p}" for a, p in columns)], body, show_lines=True))
     for note in sorted({r["note"] for r in rows if r["note"]}):
         console.print(f"note: {note}", soft_wrap=True)
 
@@ -110,13 +90,7 @@ def _count(n: int) -> str:
 
 
 def _print_sweep(console, table: dict) -> None:
-    from rich.table import Table
-
-    out = Table(title="predicted corrupted fraction by batch size")
-    out.add_column("batch")
-    for length in table:
-        out.add_column(f"L={length}", justify="right")
-    for i, row in enumerate(next(iter(table.values()))):
-        cells = [table[length][i] for length in table]
-        out.add_row(str(row["batch"]), *[c["stops"] or f"{c['corrupted_fraction']:.1%}" for c in cells])
-    console.print(out)
+    rows = [[row["batch"], *[(c := table[length][i])["stops"] or f"{c['corrupted_fraction']:.1%}" for length in table]]
+            for i, row in enumerate(next(iter(table.values())))]
+    console.print(rich_table("predicted corrupted fraction by batch size", ["batch", *(f"L={n}" for n in table)],
+                                rows, justify="right"))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.output.page import rich_table
 from mpsimpact.errors import UsageError
 from mpsimpact.config import DEVICE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
 from mpsimpact.runs.sweep import DTYPES, LAYOUTS
@@ -73,14 +74,8 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
 
 
 def print_summary(console, summary: dict[str, Any], out: Path) -> None:
-    from rich.table import Table
-
     for key, title in (("by_class", "observed class"), ("by_layout", "layout")):
-        table = Table(title=f"agreement with the fault model, by {title}")
-        for column in (title, "agree", "disagree", "skipped"):
-            table.add_column(column)
-        for name, counts in sorted(summary[key].items()):
-            table.add_row(name, *map(str, counts))
-        console.print(table)
+        rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
+        console.print(rich_table(f"agreement with the fault model, by {title}", (title, "agree", "disagree", "skipped"), rows))
     verdict = "[green]every cell agrees[/]" if not summary["disagree"] else f"[red]{summary['disagree']} cells disagree[/]"
     console.print(f"{summary['mode']}: {summary['cells']} cells, {verdict}. Written to {out}/ (sweep.jsonl, summary.json, outcome_map.png)")

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.output.page import rich_table
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.kind import RunKind
@@ -75,15 +76,10 @@ class ClassifyKind(RunKind):
         return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"), "logits.npz": logits_npz(arrays)}
 
     def console_table(self, report: dict):
-        from rich.table import Table
-
         g = report["geometry"]
-        table = Table(title=f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}")
-        for title in ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall"):
-            table.add_column(title, justify="right")
-        for c in report["conditions"]:
-            table.add_row(*_console_row(c))
-        return table
+        header = ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall")
+        return rich_table(f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}",
+                             header, [_console_row(c) for c in report["conditions"]], justify="right")
 
     def console_lines(self, report: dict) -> list[str]:
         lines = []

@@ -8,7 +8,7 @@ import abc
 from typing import Any, ClassVar
 
 from mpsimpact.errors import UsageError
-from mpsimpact.output.page import format_cell
+from mpsimpact.output.page import format_cell, rich_table
 
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
 # (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
@@ -65,15 +65,9 @@ class RunKind(abc.ABC):
 
     def console_table(self, report: dict):
         """The console's conditions table (a rich Table): by default the report's columns."""
-        from rich.table import Table
-
         g = report["geometry"]
-        table = Table(title=f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}")
-        for _, title in columns(report):
-            table.add_column(title, justify="right")
-        for row in condition_rows(report):
-            table.add_row(*row)
-        return table
+        return rich_table(f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}",
+                             [title for _, title in columns(report)], condition_rows(report), justify="right")
 
     def console_lines(self, report: dict) -> list[str]:
         """Lines printed under the table (before the notes)."""
