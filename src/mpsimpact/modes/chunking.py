@@ -1,9 +1,12 @@
-"""Splitting a call that would fault on MPS into pieces that do not: bmm/mm along the leading dim,
-SDPA over batch and heads, cat by copying into place. Each result equals the unsplit correct one.
-Also: running a call with its backward pass under a dispatch mode (for the guard's big calls)."""
+"""Splitting a call that would fault on MPS into pieces that do not: bmm/mm along the leading dim, and
+where one batch alone would still fault, a bmm along its output rows and columns; SDPA over batch and
+heads, then along query rows (a causal mask placed at each block's offset); cat by copying into
+place. Each result equals the unsplit correct one; a call no split makes safe is refused, never
+computed. Also: running a call with its backward pass under a dispatch mode (for the guard's big calls)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -13,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.modes.base import MATMUL_OPS, sdpa_operands
-from mpsimpact.engine.faults import limits
+from mpsimpact.engine.faults import TensorSpec, largest_safe_batch, limits
 
 
 def _piece(x: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -21,7 +24,67 @@ def _piece(x: torch.Tensor, copy: bool) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format) if copy and x.storage_offset() else x
 
 
-def run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int, copy: bool = False) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one bmm/mm is cut: `batches` leading-dim rows a piece; where one batch alone would still
+    fault, each batch is cut into blocks of `rows` output rows and `cols` output columns."""
+
+    batches: int
+    rows: int | None = None
+    cols: int | None = None
+
+    @property
+    def size(self) -> int:
+        """The pieces' size in the unit the guard reports (batches, or output rows of one batch)."""
+        return self.batches if self.rows is None else self.rows
+
+
+def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, op: str = "bmm") -> Split | None:
+    """The pieces of a bmm (or mm) that every release computes correctly: whole batches where one batch
+    is safe as a slice (every operand a view below VIEW_LIMIT, the output at most LIMIT); otherwise
+    contiguous copies of blocks of rows of `a` and columns of `b`, each below VIEW_LIMIT, whose output
+    block is too. None when even one row of `a` times one column block crosses a limit."""
+    limit, view_limit = limits(index_bits)
+    cap = view_limit - 1
+    if op == "mm":
+        return Split(largest_safe_batch(a, b, index_bits=index_bits, op="mm"))
+    m, k, n = a.shape[1], a.shape[2], b.shape[2]
+    if max(m * k, k * n) <= cap and m * n <= limit:
+        return Split(largest_safe_batch(a, b, index_bits=index_bits, as_slices=True))
+    cols = n if k * n <= cap else cap // k
+    rows = min(m, cap // k, cap // max(cols, 1))
+    return Split(1, rows, cols) if rows >= 1 and cols >= 1 else None
+
+
+def run_in_pieces(func, family: str, args: tuple, kwargs: dict, split: Split, copy: bool = False) -> torch.Tensor:
+    """Computes one bmm/baddbmm/mm/addmm piece by piece (see `split_bmm`) into one output."""
+    if split.rows is not None:
+        return _run_in_blocks(func, args, kwargs, split)
+    return _run_chunked(func, family, args, kwargs, split.batches, copy)
+
+
+def _run_in_blocks(func, args: tuple, kwargs: dict, split: Split) -> torch.Tensor:
+    # One batch at a time, in (rows x cols) output blocks; every operand a contiguous copy, so no
+    # piece is a view and no layout the study did not measure reaches MPS.
+    _, ia, ib = MATMUL_OPS[func]
+    a, b = args[ia], args[ib]
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
+    base = args[0].expand(out.shape) if ia == 1 else None  # baddbmm: its input, broadcast (a view)
+    for i in range(a.shape[0]):
+        for r in range(0, a.shape[1], split.rows):
+            rows = slice(r, r + split.rows)
+            a_block = a[i:i + 1, rows].contiguous()
+            for c in range(0, b.shape[2], split.cols):
+                cols = slice(c, c + split.cols)
+                part = list(args)
+                part[ia], part[ib] = a_block, b[i:i + 1, :, cols].contiguous()
+                if base is not None:
+                    part[0] = base[i:i + 1, rows, cols]
+                out[i:i + 1, rows, cols] = func(*part, **kwargs)
+    return out
+
+
+def _run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int, copy: bool = False) -> torch.Tensor:
     """Computes one bmm/baddbmm/mm/addmm in leading-dim chunks of at most `chunk`."""
     _, ia, ib = MATMUL_OPS[func]
     a, b = args[ia], args[ib]
@@ -44,14 +107,29 @@ def run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int, copy: 
     return out
 
 
-def sdpa_chunk(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int, index_bits: int) -> int:
-    """Rows of batch*heads per piece such that a piece's scores stay at or below LIMIT and its
-    operands (slices, so views) below VIEW_LIMIT on every release."""
+@dataclasses.dataclass(frozen=True)
+class SdpaSplit:
+    """SDPA pieces: `rows` of batch*heads a piece, each over `block` query rows."""
+
+    rows: int
+    block: int
+
+
+def split_sdpa(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
+               index_bits: int) -> SdpaSplit | None:
+    """Pieces whose scores stay at or below LIMIT and whose operands (slices, so views) stay below
+    VIEW_LIMIT on every release: whole batch-head rows where one row fits, else one row over blocks of
+    query rows. None when one key or value head alone crosses the view limit."""
     limit, view_limit = limits(index_bits)
     lq, d = query_shape[-2], query_shape[-1]
     lk = key_shape[-2]
+    if max(lk * d, lk * value_dim) >= view_limit:
+        return None
     per_row_view = max(lq * d, lk * d, lk * value_dim, lq * value_dim)
-    return max(1, min(limit // (lq * lk), (view_limit - 1) // per_row_view))
+    rows = min(limit // (lq * lk), (view_limit - 1) // per_row_view)
+    if rows >= 1:
+        return SdpaSplit(rows, lq)
+    return SdpaSplit(1, min(limit // lk, (view_limit - 1) // max(d, value_dim)))
 
 
 def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
@@ -66,30 +144,50 @@ def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
             yield slice(text, text + 1), slice(start, min(heads, start + rows))
 
 
-def _mask_piece(mask: Any, texts: slice, heads: slice, batch: int, num_heads: int) -> Any:
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 3:
+def _mask_piece(mask: Any, texts: slice, heads: slice, batch: int, num_heads: int, queries: slice) -> Any:
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
         return mask
+    rows = mask[..., queries, :] if mask.shape[-2] > 1 else mask  # a (.., 1, Lk) mask broadcasts
+    if mask.dim() == 2:
+        return rows
     if mask.dim() == 3:  # (H or 1, Lq, Lk), broadcast over the batch
-        return mask[heads] if mask.shape[0] == num_heads else mask
-    mask = mask[texts] if mask.shape[0] == batch else mask
-    return mask[:, heads] if mask.shape[1] == num_heads else mask
+        return rows[heads] if mask.shape[0] == num_heads else rows
+    rows = rows[texts] if mask.shape[0] == batch else rows
+    return rows[:, heads] if mask.shape[1] == num_heads else rows
 
 
-def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, rows: int, copy: bool = False) -> torch.Tensor:
-    """scaled_dot_product_attention over pieces of at most `rows` (batch, head) rows, written into one
-    output. Queries, keys and values are (B, H, L, D) (4-D, as transformers passes them)."""
+def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, split: SdpaSplit,
+                     copy: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention over pieces of at most `split.rows` (batch, head) rows and
+    `split.block` query rows, written into one output. Queries, keys and values are (B, H, L, D) (4-D,
+    as transformers passes them); grouped key/value heads are read, never copied per query head."""
     query, key, value = sdpa_operands(args, kwargs)
-    batch, heads = query.shape[0], query.shape[1]
-    if key.shape[1] != heads:
-        rows = max(rows, heads)  # grouped-query attention: split over the batch only
-    rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value", "attn_mask")}
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    batch, heads, lq = query.shape[0], query.shape[1], query.shape[2]
+    groups = heads // key.shape[1]
+    rows = split.rows if groups == 1 else (max(split.rows // groups, 1) * groups if split.rows >= groups else 1)
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    rest = dict(zip(names, args[3:])) | {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
+    mask, causal = rest.pop("attn_mask", None), rest.pop("is_causal", False)
+    if rows < groups:
+        rest.pop("enable_gqa", None)  # one query head and its own key/value head a piece
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, Lq, Dv)
     for texts, head in pieces(batch, heads, rows):
-        kv_heads = head if key.shape[1] == heads else slice(None)
-        q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv_heads), (value, kv_heads)))
-        out[texts, head] = proceed(q, k, v, _mask_piece(mask, texts, head, batch, heads), *args[4:], **rest)
+        kv = head if groups == 1 else _kv_heads(head, groups, heads)
+        for start in range(0, lq, split.block):
+            queries = slice(start, min(lq, start + split.block))
+            q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv), (value, kv)))
+            piece_mask = _mask_piece(mask, texts, head, batch, heads, queries)
+            if causal:  # rows `queries` of tril(ones(Lq, Lk)): torch's top-left causal mask, at this offset
+                piece_mask = torch.ones(queries.stop - start, key.shape[2], dtype=torch.bool,
+                                        device=query.device).tril(diagonal=start)
+            out[texts, head, queries] = proceed(_piece(q[:, :, queries], copy), k, v, piece_mask, **rest)
     return out
+
+
+def _kv_heads(head: slice, groups: int, heads: int) -> slice:
+    """The key/value heads of a piece of query heads: whole groups, or the one head a single query reads."""
+    start, stop = head.start or 0, heads if head.stop is None else head.stop
+    return slice(start // groups, (stop - 1) // groups + 1)
 
 
 def cat_in_place(tensors: Any, dim: int = 0) -> torch.Tensor:

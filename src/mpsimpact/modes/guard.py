@@ -22,10 +22,13 @@ from mpsimpact.modes.base import (
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
-from mpsimpact.modes.chunking import cat_in_place, entry_bound, flat_arguments, run_chunked, run_sdpa_chunked, run_with_backward_under, sdpa_chunk
+from mpsimpact.modes.chunking import (
+    Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, run_with_backward_under, split_bmm,
+    split_sdpa,
+)
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, Fault, largest_safe_batch, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, Fault, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -123,9 +126,10 @@ class GuardMode(MatmulMode):
         if fault.is_ok:
             return proceed(*args, **kwargs)
         spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
-        rows = sdpa_chunk(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active))
+        split = split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active))
         record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
-        return self._act(record, fault, rows, lambda: run_sdpa_chunked(proceed, args, kwargs, rows, self._copies(active)),
+        return self._act(record, fault, split and split.rows,
+                         lambda: run_sdpa_chunked(proceed, args, kwargs, split, self._copies(active)),
                          lambda: proceed(*args, **kwargs), active)
 
     # Dispatch level: one bmm/mm with its real operands.
@@ -140,9 +144,10 @@ class GuardMode(MatmulMode):
             return func(*args, **kwargs)
         # Under plan replay the decision, the chunk and the record are those of the full-scale call.
         spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
-        chunk = _chunk_here(family, spec_a, spec_b, a, self._bits(active))
+        split = _split_here(family, spec_a, spec_b, a, self._bits(active))
         record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
-        return self._act(record, fault, chunk, lambda: run_chunked(func, family, args, kwargs, chunk, self._copies(active)),
+        return self._act(record, fault, split and split.batches,
+                         lambda: run_in_pieces(func, family, args, kwargs, split, self._copies(active)),
                          lambda: func(*args, **kwargs), active)
 
     def on_other(self, func, args, kwargs):
@@ -155,9 +160,11 @@ class GuardMode(MatmulMode):
                 return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs), lambda: func(*args, **kwargs), active)
         return func(*args, **kwargs)
 
-    def _act(self, record: CallRecord, fault: Fault, chunk: int, split: Callable[[], Any], unguarded: Callable[[], Any], active) -> Any:
-        """The one place a decision turns into raise, warn or chunk."""
-        if self.mode == "chunk":
+    def _act(self, record: CallRecord, fault: Fault, chunk: int | None, split: Callable[[], Any],
+             unguarded: Callable[[], Any], active) -> Any:
+        """The one place a decision turns into raise, warn or chunk; a call no split makes safe (chunk
+        None) is refused in every mode but warn."""
+        if self.mode == "chunk" and chunk is not None:
             self.chunked.append(record)
             self.chunk_sizes.append(chunk)
             with active.as_one_call() if active else contextlib.nullcontext():
@@ -191,16 +198,16 @@ def _user_site() -> tuple[str, int]:
     return "", 0
 
 
-def _chunk_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> int:
-    """The safe chunk of the (full-scale) call, in this call's rows: bmm batches are the same at
+def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:
+    """The safe pieces of the (full-scale) call, in this call's rows: bmm batches are the same at
     both scales; mm rows scale with the sequence length."""
-    chunk = largest_safe_batch(full_a, full_b, index_bits=index_bits, op=family, as_slices=True)
-    if family == "mm" and full_a.shape[0] != a.shape[0]:
-        chunk = max(1, chunk * a.shape[0] // full_a.shape[0])
-    return chunk
+    split = split_bmm(full_a, full_b, index_bits, family)
+    if split is not None and family == "mm" and full_a.shape[0] != a.shape[0]:
+        split = Split(max(1, split.batches * a.shape[0] // full_a.shape[0]))
+    return split
 
 
-def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
+def describe_stop(record: CallRecord, fault: Fault, chunk: int | None) -> str:
     """The error text: what, the numbers, the rule it would hit, the safe chunk, what to do."""
     what = {
         "wrong_all": "return wrong values in every batch",
@@ -212,11 +219,14 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int) -> str:
     }[fault.kind]
     unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
     release = f"MPS (torch {fault.release})" if fault.release else "MPS"
-    why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "") + (f"; {fault.message}" if fault.kind == "wrong_other" and fault.message else "")
+    why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "")
+    why += f"; {fault.message}" if fault.kind == "wrong_other" and fault.message else ""
+    advice = (f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode "
+              "'chunk'." if chunk is not None else
+              "No split makes it safe (one row of it alone crosses a limit): shorten the sequence.")
     return (
         f"mpsimpact guard: {record.describe()} in {record.phase} (output {record.out_numel} elements, "
-        f"a {record.a.numel}, b {record.b.numel}) would {what} on {release} ({why}). "
-        f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode 'chunk'."
+        f"a {record.a.numel}, b {record.b.numel}) would {what} on {release} ({why}). {advice}"
     )
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mpsimpact.engine.call import CallRecord, classify_call
-from mpsimpact.engine.faults import Profile, TensorSpec
-from mpsimpact.engine.faults import largest_safe_batch as rows_per_safe_chunk
+from mpsimpact.attention import Blocks, attention_blocks
+from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.modes.chunking import split_bmm, split_sdpa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,38 +108,25 @@ def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
     }
 
 
-def _one_row(spec: TensorSpec, rows: int = 1) -> TensorSpec:
-    """A later slice of `rows` rows of a batched operand: a view, as the guard's chunks are."""
-    if spec.shape[0] <= rows:
-        return spec
-    offset = spec.storage_offset + spec.stride[0]
-    return dataclasses.replace(spec, shape=(rows, *spec.shape[1:]), storage_offset=offset)
-
-
-def splits_safely(call: CallRecord, index_bits: int, profile: Profile = None) -> bool:
-    """Whether guard 'chunk' can make this call safe: one row of it (one head of one sample for SDPA)
-    is ok under the same rules."""
+def splits_safely(call: CallRecord, index_bits: int) -> bool:
+    """Whether guard 'chunk' can make this call safe: the split it would make exists (modes.chunking;
+    down to blocks of rows and columns of one batch, or of query rows of one head for SDPA)."""
     if call.family == "sdpa":
-        q, k = (dataclasses.replace(s, shape=(1, 1, *s.shape[2:])) for s in (call.a, call.b))
-        return classify_call("sdpa", q, k, index_bits, profile).is_ok
-    b = call.b if call.family == "mm" else _one_row(call.b)
-    return classify_call(call.family, _one_row(call.a), b, index_bits, profile).is_ok
+        return split_sdpa(call.a.shape, call.b.shape, call.a.shape[-1], index_bits) is not None
+    return split_bmm(call.a, call.b, index_bits, call.family) is not None
 
 
-def rows_per_safe_eager_chunk(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> int:
-    """Rows of batch*heads per chunk that mps_safe_eager (mpsimpact.attention) would use for these
-    attention calls: every chunk is a slice held below the view limit; fewer rows than heads split
-    one sample over its heads."""
-    pairs = []
+def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> Blocks | None:
+    """The pieces mps_safe_eager (mpsimpact.attention) would use for these attention calls: its own
+    `attention_blocks` at their largest geometry (grouped heads counted as copied, as eager does)."""
+    length = keys = dim = 0
     for call in calls:
-        if call.family == "sdpa":  # Q K^T: (rows, L, D) @ (rows, D, Lk); P V: (rows, L, Lk) @ (rows, Lk, D)
-            rows, length, dim, keys = heads * batch, call.a.shape[-2], call.a.shape[-1], call.b.shape[-2]
-            pairs += [((rows, length, dim), (rows, dim, keys)), ((rows, length, keys), (rows, keys, dim))]
-        else:
-            pairs.append((call.a.shape, call.b.shape))
-    spec = TensorSpec.contiguous
-    fits = [rows_per_safe_chunk(spec(a), spec(b), index_bits=index_bits, as_slices=True) for a, b in pairs]
-    return min(fits, default=heads * batch)
+        if call.family == "sdpa":  # a = query (B, H, L, D), b = key (B, Hkv, Lk, D)
+            inner, outer = call.a.shape[-1], call.b.shape[-2]
+        else:  # Q K^T: (L, D) @ (D, Lk); P V: (L, Lk) @ (Lk, Dv): the keys are the wider of the two
+            inner, outer = sorted((call.a.shape[-1], call.b.shape[-1]))
+        length, keys, dim = max(length, call.a.shape[-2]), max(keys, outer), max(dim, inner)
+    return attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +143,14 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     faults = plan.faults
     if not faults:
         return ["Nothing crosses a limit: no guard needed."]
-    stuck = [c for c in faults if not splits_safely(c, plan.index_bits, plan.profile)]
+    stuck = [c for c in faults if not splits_safely(c, plan.index_bits)]
     if stuck:
         lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
                  "already crosses a limit; shorten the sequence (see the longest safe length)."]
     else:
         lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
-                 "safe: it splits each along its batch rows into pieces below the limits; the result equals "
-                 "the correct one."]
+                 "safe: it splits each along its batch rows (down to blocks of one batch's rows) into pieces "
+                 "below the limits; the result equals the correct one."]
     first, stop = faults[0], plan.first_stop
     lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) "
                  "with OversizedOpError instead of "
@@ -185,8 +172,12 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
-    rows = rows_per_safe_eager_chunk(attention, batch, heads, index_bits)
-    unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
+    blocks = safe_eager_blocks(attention, batch, heads, index_bits)
+    if blocks is None:
+        return f"{name} cannot make them safe: one query row of a head already crosses a limit."
+    length = max(c.a.shape[-2] for c in attention)
+    unit = (f"blocks of {blocks.block} query rows of one head" if blocks.block < length else
+            f"{blocks.rows // heads} samples" if blocks.rows >= heads else f"{blocks.rows} heads of one sample")
     tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
             "the guard") if others else ""
     return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
