@@ -347,7 +347,7 @@ def test_json_output(tmp_path):
     assert result.exit_code == 0, text
     data = json.loads(text)
     assert data["changed"] is False and data["kind"] == "run" and data["emulated"] == [True, True]
-    assert {"text": "bug still present (same 683 texts)", "changed": False} in data["verdicts"]
+    assert {"text": "bug still present (same 683 texts)", "changed": False, "undecided": False} in data["verdicts"]
 
 
 def test_interrupted_write_leaves_no_folder(tmp_path, monkeypatch):
@@ -387,3 +387,22 @@ def test_a_schema_1_folder_compares_with_a_schema_2_folder_that_records_its_colu
     result = runner.invoke(app, ["compare", str(tmp_path / "old"), str(tmp_path / "new"), "--json"])
     assert result.exit_code == 0, result.output
     assert "bug still present" in result.stdout
+
+
+def test_a_side_that_could_not_be_emulated_gets_no_verdict_and_exit_3(tmp_path):
+    # torch 2.15.0 is unmeasured: its guard-off pass is not emulated (no characterised values).
+    old = report(geometry=TEMPLATE["geometry"] | {"profile": "2.13.0"})
+    new = report(geometry=TEMPLATE["geometry"] | {"profile": "2.15.0"})
+    new["conditions"][OFF] = {"guard": "off", "status": "not_emulated", "message": "not emulated",
+                              "predicted_first_corrupted_index": FIRST}
+    write_run(tmp_path / "old", old)
+    write_run(tmp_path / "new", new)
+    result = runner.invoke(app, ["compare", str(tmp_path / "old"), str(tmp_path / "new")], env={"COLUMNS": "200"})
+    assert result.exit_code == 3, result.output
+    text = " ".join(result.stdout.split())
+    assert "cannot tell: guard off: the new side could not be emulated (torch 2.15.0 is an unmeasured release" in text
+    assert "mpsimpact sweep --device mps" in text
+    assert "bug still present" not in text and "bug fixed" not in text  # no verdict for a side that did not run
+    assert "exit code 3" in text
+    changed = compare_folders(tmp_path / "old", tmp_path / "new")
+    assert changed.undecided and not changed.changed and changed.exit_code == 3

@@ -267,8 +267,8 @@ def compare(
         typer.echo(json.dumps(comparison.to_json(), indent=2, default=str))
     else:
         print_comparison(comparison, folder)
-    if comparison.changed:
-        raise typer.Exit(1)
+    if comparison.exit_code:
+        raise typer.Exit(comparison.exit_code)
 
 
 @app.command()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.upgrade.compare import Comparison, cell_name
+from mpsimpact.upgrade.compare import Comparison, Verdict, cell_name
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, rich_table
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
@@ -49,16 +49,18 @@ def _condition_table(comparison: Comparison) -> tuple[str, list[str], list[list[
     return "Conditions (old -> new)", header, rows
 
 
-def _tag(changed: bool) -> str:
-    return "changed" if changed else "info"
+def _tag(verdict: Verdict) -> str:
+    return "changed" if verdict.changed else "cannot-tell" if verdict.undecided else "info"
 
 
 def result_line(comparison: Comparison) -> str:
     """The one-line summary that ends every output."""
     count = sum(v.changed for v in comparison.verdicts)
     if count:
-        return f"{count} change(s) that matter: exit code 1."
-    return "Nothing that matters changed: exit code 0."
+        return f"{count} change(s) that matter: exit code {comparison.exit_code}."
+    if comparison.undecided:
+        return f"Cannot tell: a side did not run (see the verdicts): exit code {comparison.exit_code}."
+    return f"Nothing that matters changed: exit code {comparison.exit_code}."
 
 
 def _side(comparison: Comparison, index: int) -> str:
@@ -72,7 +74,7 @@ def _side(comparison: Comparison, index: int) -> str:
 def render_markdown(comparison: Comparison) -> str:
     """compare.md: both sides, the verdicts, then every table."""
     lines = [f"# mpsimpact compare: {comparison.kind}s", "", *(f"- **{_side(comparison, i)}**" for i in (0, 1)), ""]
-    lines += ["## Verdicts", "", *(f"- **{_tag(v.changed)}**: {v.text}" for v in comparison.verdicts)]
+    lines += ["## Verdicts", "", *(f"- **{_tag(v)}**: {v.text}" for v in comparison.verdicts)]
     lines += ["", result_line(comparison), ""]
     for title, header, rows in tables(comparison):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -89,7 +91,7 @@ def render_html(comparison: Comparison) -> str:
         for i in (0, 1)
     )
     verdicts = "".join(
-        f'<li><span class="{_tag(v.changed)}">{_tag(v.changed)}</span> {esc(v.text)}</li>' for v in comparison.verdicts
+        f'<li><span class="{_tag(v)}">{_tag(v)}</span> {esc(v.text)}</li>' for v in comparison.verdicts
     )
     sections = "".join(
         f"<h2>{esc(title)}</h2><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in header)}</tr>"
@@ -100,7 +102,7 @@ def render_html(comparison: Comparison) -> str:
     title = f"mpsimpact compare: {esc(comparison.kind)}s"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>{HTML_STYLE}
-.changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
+.changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.cannot-tell{{background:#f6d365;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
 </style></head><body>
 <h1>{title}</h1>
 {banners}<h2>Verdicts</h2><ul>{verdicts}</ul><p><strong>{esc(result_line(comparison))}</strong></p>
@@ -130,7 +132,7 @@ def print_comparison(comparison: Comparison, folder: Path | None = None) -> None
     for title, header, rows in tables(comparison):
         console.print(rich_table(title, header, rows, justify="right"))
     for verdict in comparison.verdicts:
-        tag = "[bold red]changed[/]" if verdict.changed else "[dim]info[/]"
+        tag = {"changed": "[bold red]changed[/]", "cannot-tell": "[bold yellow]cannot tell[/]"}.get(_tag(verdict), "[dim]info[/]")
         console.print(f"{tag}  {escape(verdict.text)}", soft_wrap=True)
     console.print(result_line(comparison), soft_wrap=True)
     if folder is not None:

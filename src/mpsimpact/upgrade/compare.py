@@ -23,12 +23,19 @@ NOT_COMPARED = (
 FAULTED = SILENT_KINDS | STOP_KINDS | {"crash"}
 
 
+# Exit codes: nothing that matters changed; something did; (2: bad input, the CLI's); cannot tell,
+# because a side of a compared condition did not run (not emulated on an unmeasured release).
+UNCHANGED, CHANGED, CANNOT_TELL = 0, 1, 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """One plain-words finding; `changed` when it is something that matters (exit code 1)."""
+    """One plain-words finding; `changed` when it is something that matters (exit code 1);
+    `undecided` when a side did not run, so nothing can be said (exit code 3 unless something changed)."""
 
     text: str
     changed: bool
+    undecided: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +62,12 @@ class Comparison:
         return any(v.changed for v in self.verdicts)
 
     @property
+    def undecided(self) -> bool:
+        return any(v.undecided for v in self.verdicts)
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.changed else 0
+        return CHANGED if self.changed else CANNOT_TELL if self.undecided else UNCHANGED
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"changed": self.changed, "exit_code": self.exit_code}
@@ -201,8 +212,26 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
             verdicts.append(Verdict(f"{_label(key)} ran only in the {side} run: not compared", False))
             continue
         judge = {"raise": _raise_verdict, "chunk": _chunk_verdict}.get(key[0], _bug_verdict)
-        verdicts.append(judge(key, _outcome(a, old.corrupted.get(key)), _outcome(b, new.corrupted.get(key))))
+        unrun = [(side, folder) for side, folder, c in (("old", old, a), ("new", new, b))
+                 if c.get("status") == "not_emulated"]
+        if unrun:
+            verdicts.append(_cannot_tell(key, *unrun[0]))
+        else:
+            verdicts.append(judge(key, _outcome(a, old.corrupted.get(key)), _outcome(b, new.corrupted.get(key))))
     return {"columns": [title for _, title in compared], "conditions": rows, "verdicts": verdicts}
+
+
+def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
+    """A condition one side could not run: no verdict on it, and what to do about that."""
+    release = _get_release(folder)
+    return Verdict(
+        f"cannot tell: {_label(key)}: the {side} side could not be emulated (torch {release} is an unmeasured "
+        "release, whose fault values nobody characterised); measure it on a Mac with `mpsimpact sweep "
+        "--device mps`, then compare with `--torch-profile` set to the sweep's profile.json", False, True)
+
+
+def _get_release(folder: RunFolder) -> str:
+    return str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
 
 
 def _who(key: tuple[str, str]) -> str:
