@@ -1,15 +1,22 @@
 """`mpsimpact doctor`, `list` and `train-head` through the CLI: exit codes, the key lines, the
-files train-head writes, and its bad inputs."""
+files train-head writes, and its bad inputs; and the command registry: one module per word, and a
+`mpsimpact --help` that loads no heavy library."""
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
+import mpsimpact.commands
 from mpsimpact.models.classifier import head_files
 from mpsimpact.cli import app
 from mpsimpact.engine.release import profile_for
@@ -92,3 +99,31 @@ def test_train_head_refuses_a_limit_that_is_not_a_number(tmp_path):
     result, text = invoke(["train-head", "--limit", "many", "--out", str(tmp_path / "head")])
     assert result.exit_code == 2
     assert "Invalid value for '--limit'" in text
+
+
+def test_each_command_is_the_module_named_after_its_word():
+    folder = Path(mpsimpact.commands.__file__).parent
+    modules = {path.stem.replace("_", "-") for path in folder.glob("*.py")
+               if path.stem not in ("__init__", "options")}
+    assert set(typer.main.get_command(app).commands) == modules
+    assert modules >= {"run", "plan", "check", "sweep", "compare", "matrix", "doctor", "list", "train-head"}
+
+
+def test_help_imports_no_heavy_library():
+    # In a fresh interpreter: this test process has imported torch long ago.
+    script = (
+        "import sys\n"
+        "from mpsimpact.cli import app\n"
+        "sys.argv = ['mpsimpact', '--help']\n"
+        "try:\n"
+        "    app()\n"
+        "except SystemExit as stop:\n"
+        "    assert stop.code == 0, stop.code\n"
+        "heavy = ('torch', 'transformers', 'datasets', 'matplotlib', 'numpy')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, **WIDE})
+    assert result.returncode == 0, result.stderr
+    assert "train-head" in result.stdout  # the help really printed
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -1,38 +1,60 @@
 """Every command validates the options it shares with others in one way: each bad value of each
-shared option is one line on stderr, exit code 2, no traceback, and nothing written."""
+shared option is one line on stderr, exit code 2, no traceback, and nothing written. A shared option is
+declared once (one help text); an option not given keeps its config's default, and --help shows it."""
+
+import dataclasses
+import importlib
+import re
+import typing
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
 from mpsimpact.config import INDEX_BITS_RANGE
+from mpsimpact.errors import UsageError
+from mpsimpact.prediction.check import CheckConfig
+from mpsimpact.prediction.plan import PlanConfig
+from mpsimpact.reports.sweep import SweepConfig
+from mpsimpact.runs.runner import RunConfig
+from mpsimpact.upgrade.matrix import MatrixConfig
 
 runner = CliRunner()
 COMMANDS = {
     "run": ["run", "sentiment"],
     "plan": ["plan", "sentiment"],
     "sweep": ["sweep", "--device", "cpu"],
+    "check": ["check", "some/model"],  # the values are checked before the model is looked for
+    "matrix": ["matrix", "sentiment"],
 }
 SHARED = {  # option -> (bad value, the message's start), and which commands take it
-    "--index-bits": [("40", "--index-bits must be in 8..32 (32 is MPS), got 40."), ("7", "--index-bits must be in 8..32 (32 is MPS), got 7.")],
-    "--batch-size": [("0", "--batch-size must be >= 1, got 0."), ("-3", "--batch-size must be >= 1, got -3.")],
+    "--index-bits": [("40", "--index-bits must be in 8..32 (32 is MPS), got 40."),
+                     ("7", "--index-bits must be in 8..32 (32 is MPS), got 7.")],
+    "--batch-size": [("0", "--batch-size must be >= 1, got 0."),
+                     ("-3", "--batch-size must be >= 1, got -3.")],
     "--max-length": [("0", "--max-length must be >= 1, got 0.")],
     "--device": [("tpu", "--device must be one of auto, mps, cuda, cpu; got 'tpu'.")],
-    "--torch-profile": [("newest", "--torch-profile: 'newest' is not a torch release (expected e.g. 2.12.1); give a release such as 2.12.1 "
-                                   "(measured: 2.4.1 .. 2.14.0; others are judged conservatively) or 'conservative'.")],
+    "--torch-profile": [("newest", "--torch-profile: 'newest' is not a torch release (expected e.g. 2.12.1); "
+                                   "give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are "
+                                   "judged conservatively) or 'conservative'.")],
 }
 TAKES = {
     "run": set(SHARED),
     "plan": {"--index-bits", "--batch-size", "--max-length", "--torch-profile"},
     "sweep": {"--index-bits", "--device", "--torch-profile"},
+    "check": {"--index-bits", "--batch-size", "--torch-profile"},
+    "matrix": {"--batch-size", "--max-length"},
 }
-CASES = [(command, flag, value, message) for command, flags in TAKES.items() for flag in sorted(flags) for value, message in SHARED[flag]]
+CASES = [(command, flag, value, message) for command, flags in TAKES.items() for flag in sorted(flags)
+         for value, message in SHARED[flag]]
 
 
-@pytest.mark.parametrize(("command", "flag", "value", "message"), CASES, ids=[f"{c}{f}={v}" for c, f, v, _ in CASES])
+@pytest.mark.parametrize(("command", "flag", "value", "message"), CASES,
+                         ids=[f"{c}{f}={v}" for c, f, v, _ in CASES])
 def test_each_bad_shared_option_is_one_line_and_exit_2(tmp_path, command, flag, value, message):
     args = [*COMMANDS[command], flag, value]
-    if command != "plan":
+    if command not in ("plan", "check"):
         args += ["--out", str(tmp_path / "out")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
@@ -45,14 +67,16 @@ def test_index_bits_range_is_the_one_the_message_names():
 
 
 def test_sweep_below_the_smallest_family_says_which_width_works(tmp_path):
-    result = runner.invoke(app, ["sweep", "--device", "cpu", "--index-bits", "11", "--out", str(tmp_path / "s")])
+    args = ["sweep", "--device", "cpu", "--index-bits", "11", "--out", str(tmp_path / "s")]
+    result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "use a larger --index-bits, e.g. 20" in result.stderr and not (tmp_path / "s").exists()
 
 
 def test_run_only_options_are_checked_too(tmp_path):
-    for flag, value, message in (("--attention", "flash", "--attention must be one of eager, sdpa, both; got 'flash'."),
-                                 ("--dtype", "int8", "--dtype must be one of float32, float16, bfloat16; got 'int8'.")):
+    for flag, value, message in (
+            ("--attention", "flash", "--attention must be one of eager, sdpa, both; got 'flash'."),
+            ("--dtype", "int8", "--dtype must be one of float32, float16, bfloat16; got 'int8'.")):
         result = runner.invoke(app, ["run", "sentiment", flag, value, "--out", str(tmp_path / "o")])
         assert result.exit_code == 2 and result.stderr.strip() == f"error: {message}"
     assert not list(tmp_path.iterdir())
@@ -64,3 +88,165 @@ def test_plan_out_must_be_a_fresh_folder(tmp_path):
     result = runner.invoke(app, ["plan", "sentiment", "--versions", "--out", str(tmp_path / "taken")])
     assert result.exit_code == 2 and "already exists and is not empty" in result.stderr
     assert (tmp_path / "taken" / "x").read_text() == "keep me"
+
+
+# --help shows every default; an option not given keeps its config's default; a shared option is one option.
+
+HELP_ENV = {"COLUMNS": "300"}  # wide enough that each option's help is one row
+CONFIGS = {"run": RunConfig, "plan": PlanConfig, "check": CheckConfig, "sweep": SweepConfig,
+           "matrix": MatrixConfig}
+# Options whose absence means "not done", so they have no default to show.
+NOT_DONE_WHEN_ABSENT = {
+    ("run", "--expect"),  # no expectation checked
+    ("plan", "--figure"), ("plan", "--memory"),  # no figure; no demo sizing
+    ("check", "--out"), ("compare", "--out"),  # nothing written
+}
+
+
+def cli_commands() -> dict:
+    return typer.main.get_command(app).commands
+
+
+def help_rows(command: str) -> dict[str, str]:
+    """flag -> its row in `mpsimpact COMMAND --help`."""
+    result = runner.invoke(app, [command, "--help"], env=HELP_ENV)
+    assert result.exit_code == 0, result.output
+    rows = {}
+    for line in result.output.splitlines():
+        match = re.match(r"│ (--[\w-]+)\s", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def shown_default(row: str) -> str | None:
+    match = re.search(r"\[default: (.*?)\]\s*│$", row.rstrip())
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize("command", sorted(cli_commands()))
+def test_help_shows_a_default_for_every_option_that_has_one(command):
+    rows = help_rows(command)
+    options = [p for p in cli_commands()[command].params
+               if p.param_type_name == "option" and p.name != "help"]
+    assert set(rows) >= {p.opts[0] for p in options}  # every option has its row
+    for param in options:
+        flag = param.opts[0]
+        plain_flag = param.is_flag and not param.secondary_opts  # off unless given
+        if plain_flag or (command, flag) in NOT_DONE_WHEN_ABSENT:
+            assert shown_default(rows[flag]) is None, rows[flag]
+        else:
+            assert shown_default(rows[flag]), f"{command} {flag} shows no default: {rows[flag]}"
+
+
+def cli_spelling(param, default) -> str:
+    """How a config value is typed on the command line: the flag of an on/off pair, items with commas."""
+    if isinstance(default, bool):
+        return (param.opts if default else param.secondary_opts)[0].removeprefix("--")
+    return ", ".join(default) if isinstance(default, tuple) else str(default)
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_help_shows_the_config_defaults_themselves(command):
+    rows = help_rows(command)
+    checked = 0
+    for field in dataclasses.fields(CONFIGS[command]):
+        flag = "--" + field.name.replace("_", "-")
+        param = next((p for p in cli_commands()[command].params if p.opts[0] == flag), None)
+        if param is None or field.default in (None, dataclasses.MISSING) or field.default is False:
+            continue  # an argument, or no value to show (described instead, or an off flag)
+        assert shown_default(rows[flag]) == cli_spelling(param, field.default), rows[flag]
+        checked += 1
+    assert checked >= {"run": 10, "plan": 1, "check": 5, "sweep": 5, "matrix": 1}[command]
+
+
+@pytest.mark.parametrize("command", sorted(cli_commands()))
+def test_help_cuts_nothing_at_80_columns(command):  # a default Mac terminal
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and "…" not in result.output, result.output
+
+
+def test_help_says_train_heads_default_folder_overwrites_the_installed_head():
+    row = help_rows("train-head")["--out"]
+    assert "[default: (the installed package's data folder: overwrites the installed head)]" in row
+
+
+def test_help_describes_the_scenarios_defaults_where_the_config_has_none():
+    rows = help_rows("run")
+    assert shown_default(rows["--batch-size"]) == "(the scenario's, 2048)"
+    assert shown_default(rows["--emulate"]) == "(on unless the device is mps)"
+    # The config's default wins over the shared description.
+    assert shown_default(help_rows("check")["--batch-size"]) == "1"
+
+
+SHARED_FLAGS = ("--batch-size", "--max-length", "--model", "--device", "--emulate", "--index-bits",
+                "--torch-profile", "--json")
+
+
+def test_a_shared_option_has_one_help_text_everywhere():
+    seen: dict[str, set[str]] = {}
+    users: dict[str, list[str]] = {}
+    for name, command in cli_commands().items():
+        for param in command.params:
+            if param.opts[0] in SHARED_FLAGS:
+                seen.setdefault(param.opts[0], set()).add(param.help)
+                users.setdefault(param.opts[0], []).append(name)
+    assert {flag: len(texts) for flag, texts in seen.items()} == dict.fromkeys(SHARED_FLAGS, 1)
+    assert sorted(users["--torch-profile"]) == ["check", "plan", "run", "sweep"]  # once, for four commands
+    outs = [p.help for c in cli_commands().values() for p in c.params if p.opts[0] == "--out"]
+    assert len(outs) == 7 and all(" to this folder" in text for text in outs)
+
+
+# Each command hands its config to one library call; it is captured there (and the command stopped).
+HANDED_TO = {
+    "run": (["run", "sentiment"], "mpsimpact.runs.runner.run_scenario", {"scenario": "sentiment"}),
+    "plan": (["plan", "sentiment"], "mpsimpact.prediction.plan.build_plan_report", {"scenario": "sentiment"}),
+    "check": (["check", "x/y"], "mpsimpact.prediction.check.build_check_report", {"model": "x/y"}),
+    "sweep": (["sweep"], "mpsimpact.reports.sweep.run_sweep", {}),
+    "matrix": (["matrix", "sentiment"], "mpsimpact.upgrade.matrix.build_matrix", {"scenario": "sentiment"}),
+}
+
+
+def captured_config(monkeypatch, target: str, args: list[str]):
+    module, _, name = target.rpartition(".")
+    seen = []
+
+    def capture(config, *rest, **kwargs):
+        seen.append(config)
+        raise UsageError("captured")
+
+    monkeypatch.setattr(importlib.import_module(module), name, capture)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.strip() == "error: captured", result.output
+    return seen[0]
+
+
+def other_value(param, default, hint):
+    """(argv, the config's value) for a value other than the field's default."""
+    flag = param.opts[0]
+    if param.is_flag:  # on unless given, or an on/off pair: the other one
+        off_given = bool(param.secondary_opts) and bool(default)
+        return [param.secondary_opts[0] if off_given else flag], not off_given
+    if isinstance(default, tuple):  # comma-separated on the command line, as --help shows it
+        return [flag, "4.44.2, 5.24.0"], ("4.44.2", "5.24.0")
+    if hint in (int, int | None):
+        return [flag, "7"], 7
+    return ([flag, "0.25"], 0.25) if hint in (float, float | None) else ([flag, "x"], "x")
+
+
+@pytest.mark.parametrize("command", sorted(HANDED_TO))
+def test_options_not_given_keep_the_config_defaults_and_every_given_one_reaches_the_config(
+        tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)  # --out x etc. are looked at, never written: the call stops first
+    args, target, positional = HANDED_TO[command]
+    config = CONFIGS[command]
+    assert captured_config(monkeypatch, target, args) == config(**positional)
+    given, expected = list(args), dict(positional)
+    params, hints = {p.name: p for p in cli_commands()[command].params}, typing.get_type_hints(config)
+    for field in dataclasses.fields(config):
+        if field.name in positional:
+            continue
+        argv, value = other_value(params[field.name], field.default, hints[field.name])
+        given += argv
+        expected[field.name] = value
+    assert captured_config(monkeypatch, target, given) == config(**expected)

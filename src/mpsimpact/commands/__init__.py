@@ -1,0 +1,1 @@
+"""One module per CLI word, built from the shared option factories in options.py."""

@@ -1,0 +1,46 @@
+"""`mpsimpact check`: is a Hugging Face model affected? Built on meta from its config alone."""
+
+import typer
+
+from mpsimpact.commands import options
+from mpsimpact.commands.options import option, shared
+
+
+def config() -> type:
+    from mpsimpact.prediction.check import CheckConfig
+    return CheckConfig
+
+
+def main(
+    model: str = typer.Argument(
+        ..., help="A hub id (offline Hugging Face cache only), a local model folder or a config.json."),
+    batch_size: int | None = shared("--batch-size"),
+    seq_len: int | None = option("--seq-len", "Tokens per sample (the prompt, for causal LMs).",
+                                 "the model's maximum"),
+    target_len: int | None = option("--target-len", "Encoder-decoders: decoder tokens.", "--seq-len"),
+    task: str | None = option("--task", "auto (from the config's architectures), base, "
+                              "sequence-classification, token-classification, causal-lm or seq2seq."),
+    attention: str | None = option("--attention", "eager, sdpa, or default (what this transformers picks for "
+                                                  "the model)."),
+    phase: str | None = option("--phase", "inference (one forward pass) or training (one step: forward and "
+                                          "backward)."),
+    torch_profile: str | None = shared("--torch-profile"),
+    index_bits: int | None = shared("--index-bits"),
+    as_json: bool = options.as_json(),
+    out: str | None = options.out("Also write check.json and check.md"),
+) -> None:
+    """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
+    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.prediction.check import build_check_report
+    from mpsimpact.reports.check import print_check, write_check_folder
+
+    check_config = options.config_from(
+        config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
+        attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, out=out,
+    )
+    folder = fresh_out_dir(out, "check") if out else None
+    report = build_check_report(check_config)
+    options.print_result(report, as_json, lambda: print_check(report))
+    if folder is not None:
+        write_check_folder(folder, report)
+        typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)

@@ -1,0 +1,41 @@
+"""`mpsimpact matrix`: the transformers side of an upgrade check, one environment per release."""
+
+import typer
+
+from mpsimpact.commands import options
+from mpsimpact.commands.options import option, shared
+
+
+def config() -> type:
+    from mpsimpact.upgrade.matrix import MatrixConfig
+    return MatrixConfig
+
+
+def main(
+    scenario: str = options.scenario(),
+    transformers: str | None = option("--transformers", "Comma-separated transformers releases, each probed "
+                                      "in an environment of its own over the installed torch."),
+    model: str | None = shared("--model"),
+    batch_size: int | None = shared("--batch-size"),
+    max_length: int | None = shared("--max-length"),
+    out: str | None = options.out("Write the reports", "outputs/matrix-<time>/"),
+    offline: bool | None = option("--offline", "Use only cached environments and say which are missing "
+                                               "(automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),
+) -> None:
+    """Per transformers release: its attention, what reaches MPS, whether the guard holds (exit 1 if not)."""
+    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder
+    from mpsimpact.upgrade.matrix import build_matrix, split_versions
+
+    releases = None if transformers is None else split_versions(transformers)
+    matrix_config = options.config_from(
+        config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
+        max_length=max_length, out=out, offline=offline,
+    )
+    folder = fresh_out_dir(out, "matrix")
+    with progress_bars() as progress:
+        report = build_matrix(matrix_config, progress=progress)
+    write_matrix_folder(folder, report)
+    print_matrix(report, folder)
+    if not report["all_ok"]:
+        raise typer.Exit(1)

@@ -1,0 +1,85 @@
+"""The options several commands share, each declared once with one help text, and the one way a command
+turns the options it was given into its config. Defaults live in the config dataclasses: an option not
+given stays None and the config's default applies; `--help` shows that default (shows_config_defaults).
+"""
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from typer.core import TyperCommand
+
+THE_SCENARIOS = "the scenario's"
+# flag -> (help, what not giving it means where the config's default is None)
+SHARED = {
+    "--batch-size": ("Texts (samples) in the one batch.", f"{THE_SCENARIOS}, 2048"),
+    "--max-length": ("Tokens per text: the padding/truncation length.", f"{THE_SCENARIOS}, 512"),
+    "--model": ("A sequence-classification model: hub id or local path.", THE_SCENARIOS),
+    "--device": ("auto (mps, else cuda, else cpu), mps, cuda or cpu.", None),
+    "--emulate/--no-emulate": ("Emulate MPS's faults.", "on unless the device is mps"),
+    "--index-bits": ("Index width of the fault rules; 32 is MPS. Smaller widths show the fault on small "
+                     "batches.", None),
+    "--torch-profile": ("The torch release whose MPS faults are emulated, guarded and planned, e.g. 2.12.1 "
+                        "(or 'conservative').", "the installed torch's"),
+}
+
+
+def option(flag: str, text: str, absent: str | None = None) -> Any:
+    """An option that is None when not given, so that the config's default applies; `absent` says what
+    not giving it means, shown as the default where the config's default is None ("--a/--no-a": a pair)."""
+    return typer.Option(None, flag, help=text, show_default=absent or True)
+
+
+def shared(flag: str) -> Any:
+    """The option `flag` of SHARED, the same in every command that takes it."""
+    return option(flag, *SHARED[flag])
+
+
+def scenario() -> Any:
+    return typer.Argument(..., help="Scenario name (see `mpsimpact list`).")
+
+
+def out(writes: str, absent: str | None = None, fresh: bool = True) -> Any:
+    """--out: `writes` says what goes there ("Write the reports"); `fresh`: it must not hold files."""
+    rule = "; it must not exist or be empty" if fresh else ""
+    return option("--out", f"{writes} to this folder{rule}.", absent)
+
+
+def as_json() -> Any:
+    return typer.Option(False, "--json", help="Print the result as one JSON object.")
+
+
+def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
+    """--json: `data` as one JSON object; else the tables."""
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        print_tables()
+
+
+def config_from(config: type, **given: Any) -> Any:
+    """The command's config from its options, by keyword; an option not given (None) keeps the config's
+    default. Not validated here: the library call validates it, first thing."""
+    return config(**{name: value for name, value in given.items() if value is not None})
+
+
+def shows_config_defaults(config: Callable[[], type]) -> type[TyperCommand]:
+    """The command class for a command whose options default to the fields of `config()` (a dataclass,
+    imported by that call): its --help shows each field's default."""
+
+    class ShowsConfigDefaults(TyperCommand):
+        # The config modules import torch: their defaults are read when a command's --help is shown, not
+        # when the app is built, so that `mpsimpact --help` stays instant.
+        def format_help(self, ctx: Any, formatter: Any) -> None:
+            fields = {field.name: field.default for field in dataclasses.fields(config())}
+            for param in self.params:
+                default = fields.get(param.name)
+                if param.param_type_name != "option" or default is None or default is dataclasses.MISSING:
+                    continue  # an argument, not a field, or an absence the option itself describes
+                param.default = ", ".join(default) if isinstance(default, tuple) else default
+                param.show_default = True
+            super().format_help(ctx, formatter)
+
+    return ShowsConfigDefaults

@@ -1,0 +1,104 @@
+"""`mpsimpact run`: a scenario under each guard condition against a CPU reference, and its reports."""
+
+from typing import Any
+
+import typer
+
+from mpsimpact.commands import options
+from mpsimpact.commands.options import option, shared
+
+
+def config() -> type:
+    from mpsimpact.runs.runner import RunConfig
+    return RunConfig
+
+
+def main(
+    scenario: str = options.scenario(),
+    batch_size: int | None = shared("--batch-size"),
+    max_length: int | None = shared("--max-length"),
+    device: str | None = shared("--device"),
+    emulate: bool | None = shared("--emulate/--no-emulate"),
+    guard: str | None = option("--guard", "off, raise, chunk, or all (three conditions side by side)."),
+    out: str | None = options.out("Write the reports", "outputs/<scenario>-<time>/"),
+    seed: int | None = option("--seed", "Seeds torch before the run."),
+    expect: str | None = option("--expect", "clean or corrupted: exit 1 if the guard-off condition differs."),
+    model: str | None = shared("--model"),
+    dataset: str | None = option("--dataset", "tweet_eval or a local CSV/JSON with text and label columns.",
+                                 options.THE_SCENARIOS),
+    threshold: float | None = option("--threshold", "A text is corrupted above this relative logit error."),
+    reference_device: str | None = option("--reference-device", "cpu (fp32, cached), or device: chunked on "
+                                          "the device itself, spot-checked on the CPU (big GPUs)."),
+    run_length: int | None = option("--run-length", "Force the length the device passes run at (the plan "
+                                    "stays at --max-length).", "--max-length"),
+    index_bits: int | None = shared("--index-bits"),
+    steps: int | None = option("--steps", "Training scenarios: optimiser steps on the oversized batch."),
+    lr: float | None = option("--lr", "Training scenarios: Adam learning rate."),
+    torch_profile: str | None = shared("--torch-profile"),
+    attention: str | None = option("--attention", "eager, sdpa, or both (side by side)."),
+    dtype: str | None = option("--dtype", "float32 (as published), float16 or bfloat16: the device passes' "
+                                          "dtype; half precision is judged against a same-dtype reference."),
+) -> None:
+    """Run a scenario under each guard condition against a CPU reference, and write the reports."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mpsimpact.reports.run import write_run_folder
+    from mpsimpact.runs.runner import prepare_out_dir, run_scenario
+
+    run_config = options.config_from(
+        config(), scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
+        emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
+        threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
+        steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype,
+    )
+    folder = prepare_out_dir(run_config)
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        report, arrays = run_scenario(run_config, _rich_progress(progress))
+    write_run_folder(folder, report, arrays)
+    _print_summary(report, folder)
+    _check_expectation(report, expect)
+
+
+def _rich_progress(progress: Any) -> Any:
+    def make(description: str, total: int):
+        task = progress.add_task(description, total=total)
+        return lambda n: progress.advance(task, n)
+
+    return make
+
+
+def _print_summary(report: dict, folder: Any) -> None:
+    from rich.console import Console
+
+    from mpsimpact.runs.kind import kind_of
+
+    kind = kind_of(report)
+    console = Console()
+    geometry = report["geometry"]
+    style = "bold yellow" if geometry["emulated"] else "bold green"
+    console.print(f"[{style}]{geometry['mode']}[/]")
+    console.print(kind.console_table(report))
+    for line in kind.console_lines(report):
+        console.print(line, soft_wrap=True)
+    for note in report["notes"][1:]:
+        console.print(f"note: {note}", soft_wrap=True)
+    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})")
+
+
+def _check_expectation(report: dict, expect: str | None) -> None:
+    if expect is None:
+        return
+    off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
+    if off is None:
+        typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
+        raise typer.Exit(2)
+    corrupted = (off["status"] != "completed" or off.get("corrupted_count", 0) > 0
+                 or off.get("corrupted_gradient_tensors", 0) > 0)
+    if corrupted != (expect == "corrupted"):
+        found = "corrupted" if corrupted else "clean"
+        typer.echo(f"expectation failed: --expect {expect}, but guard off was {found}.", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"expectation met: guard off is {expect}.")

@@ -1,0 +1,46 @@
+"""`mpsimpact sweep`: the bmm fault map re-measured on a device and checked against the fault model."""
+
+import typer
+
+from mpsimpact.commands import options
+from mpsimpact.commands.options import option, shared
+
+
+def config() -> type:
+    from mpsimpact.reports.sweep import SweepConfig
+    return SweepConfig
+
+
+def main(
+    device: str | None = shared("--device"),
+    emulate: bool | None = shared("--emulate/--no-emulate"),
+    index_bits: int | None = shared("--index-bits"),
+    quick: bool | None = option("--quick/--full", "quick: fp32 for every family, other dtypes for one; "
+                                                  "full: every dtype everywhere."),
+    dtypes: str | None = option("--dtypes", "Comma-separated: fp32, fp16, bf16."),
+    layouts: str | None = option("--layouts", "Comma-separated layouts."),
+    out: str | None = options.out("Write sweep.jsonl, summary.json and outcome_map.png",
+                                  "outputs/sweep-<time>/"),
+    expect_fixed: bool | None = option("--expect-fixed", "Expect every cell ok (a release that claims a "
+                                                         "fix)."),
+    in_process: bool | None = option("--in-process", "Run real-device cells in this process (no crash "
+                                                     "isolation)."),
+    torch_profile: str | None = shared("--torch-profile"),
+) -> None:
+    """Re-measure the bmm fault map on a device and check it against the fault model."""
+    from mpsimpact.reports.sweep import run_sweep
+
+    summary = run_sweep(options.config_from(
+        config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
+        dtypes=_items(dtypes), layouts=_items(layouts), out=out, expect_fixed=expect_fixed,
+        in_process=in_process, torch_profile=torch_profile,
+    ))
+    bad = summary["not_ok"] if expect_fixed else summary["disagree"]
+    if bad:
+        typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.",
+                   err=True)
+        raise typer.Exit(1)
+
+
+def _items(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(item.strip() for item in text.split(","))
