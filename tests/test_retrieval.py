@@ -87,10 +87,9 @@ def test_readme_guard_snippet_for_sentence_transformers(sentence_transformer):
 def test_no_kind_branches_in_runner_report_or_cli():
     # A run kind compared by name, or a training flag (a fault's `.kind` is not a run kind).
     pattern = re.compile(r"""(?<![.\w])kind\s*==|\("kind"\)\s*==|\["kind"\]\s*==|\btraining\b""")
-    cli = (ROOT / "src/mpsimpact/cli.py").read_text()
-    run_command = cli[cli.index("def run("):cli.index('@app.command("train-head")')]
+    run_command = (ROOT / "src/mpsimpact/commands/run.py").read_text()
     for name, text in (("runner.py", (ROOT / "src/mpsimpact/runs/runner.py").read_text()),
-                       ("report.py", (ROOT / "src/mpsimpact/reports/run.py").read_text()), ("cli.py run", run_command)):
+                       ("report.py", (ROOT / "src/mpsimpact/reports/run.py").read_text()), ("commands/run.py", run_command)):
         hits = [line for line in text.splitlines() if pattern.search(line) and "help=" not in line]
         assert not hits, f"{name} branches on the kind of run: {hits}"
     assert pattern.search('if report.get("kind") == "training":') and pattern.search("training = True")  # the grep can fail
