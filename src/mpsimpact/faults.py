@@ -1,21 +1,27 @@
 """The MPS large-tensor fault rules: pure functions of shapes, strides, offsets and dtype.
 
 The emulator, the guard, the tracer and the planner all decide through this module; none keeps a
-private copy of a threshold.
+private copy of a threshold. `classify_op` is the one entry for any aten op; `classify_bmm`,
+`classify_mm`, `classify_sdpa` and `classify_cat` are the rules it hands matrix products and cat to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from mpsimpact.release import (
-    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile,
-    view_equal_limit_message,
+    CAT_ABORT_MESSAGE, ENCODE_FAILED_MESSAGE, FAMILY_ABORT_MESSAGE, INT_MAX_MESSAGE, MASKED_FILL_MESSAGE,
+    MEASURED_OPS, NDARRAY_ABORT_MESSAGE, SIGSEGV_MESSAGE, SUM_64_BIT_MESSAGE, FaultProfile, family_of,
+    measured_profiles, op_base_name, resolve_profile, view_equal_limit_message,
 )
 
-__all__ = ["INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_cat", "classify_sdpa"]
+__all__ = [
+    "INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_cat",
+    "classify_mm", "classify_op", "classify_sdpa", "family_of",
+]
 
 # Note [MPS 32-bit index faults]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -37,13 +43,42 @@ __all__ = ["INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_b
 # VIEW_LIMIT and LIMIT of storage extent (offset + numel), raise at exactly LIMIT, and wrap views
 # above it; 2.5.1 .. 2.9.1 count a slice's offset towards the view limit; 2.9.1 .. 2.12.1 misspell
 # the error text. The backward products grad_a = G @ b^T and grad_b = a^T @ G follow the same rules
-# (measured on 2.14.0; inferred elsewhere). A 2-D mm or addmm whose output has >= LIMIT elements
-# aborts the process (2.8.0 on). Fused SDPA is wrong above LIMIT score elements on 2.5.1 .. 2.12.1
+# (measured on 2.14.0; inferred elsewhere). A 2-D mm, addmm or Linear is judged on every operand and
+# the output: from 2.8.0 an input of more than LIMIT elements aborts the process (measured: Linear 64 -> 32
+# on 67,125,249 rows), and so does an output of LIMIT elements or more (measured on 2.14.0, inferred on
+# 2.8.0 .. 2.13.0); before 2.8.0 that input is right and that output unmeasured. A weight or bias past
+# LIMIT, and a view operand of VIEW_LIMIT elements or more, were never measured (conservative, see
+# Note [Op families past INT_MAX]). Fused SDPA is wrong above LIMIT score elements on 2.5.1 .. 2.12.1
 # (values not characterised); with gradients, and on 2.4.1, SDPA is the math path (bmm rules).
 # Only element counts matter: the wrap is an element index, the same for every dtype.
 # Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
 # contiguous copy the strided read is inferred to equal, and says so.
+
+# Note [Op families past INT_MAX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Besides bmm, the study's first-pass suite ran one test per op family on every release; see
+# docs/fault-model.md, "Op families past INT_MAX". release.ONE_DIMENSION_ROWS and MULTI_DIMENSION_ROWS
+# hold its outcomes. With DIM_MAX = VIEW_LIMIT - 1 (INT_MAX at 32 bits), a call's tensors (inputs and
+# output) decide:
+#   * a dimension past DIM_MAX: the family's 1-D row. From 2.9.1 MPSGraph checks each *dimension*
+#     ("... does not support tensor dims larger than INT_MAX"); earlier releases abort in MPSNDArray.
+#     The rows were measured at 2**32 + 2**20 elements; at LIMIT elements or fewer the same outcome is
+#     inferred (the checks are per dimension), but a characterised wrap is then unmeasured.
+#   * no dimension past DIM_MAX and a tensor of more than DIM_MAX elements: the per-dimension check
+#     passes, and the family's multi-dimensional row decides. 2.13.0 picks its kernels by that same
+#     per-dimension test, so a multi-dimensional tensor gets 32-bit offsets: cat above VIEW_LIMIT output
+#     elements is wrong (pytorch#189960), and eager attention died (SIGSEGV) where its scale and softmax
+#     run on 4.49e9-element scores. So on 2.13.0 those two families abort above LIMIT (inferred: nothing
+#     narrower was measured) and are unmeasured between VIEW_LIMIT and LIMIT; elsewhere the study saw
+#     them clean.
+#   * otherwise nothing is past a limit: ok.
+# A row was measured on one test (release.MEASURED_OPS); the family's other ops follow it, inferred.
+# 2.13.0's reduction wrap returns the result of the first numel mod LIMIT elements: for the measured uint8
+# ones(N).sum() that is N mod 2**32 (a 32-bit accumulator would agree there; other data: inferred).
+# What nobody measured past a limit (a family without a row, or a code "unmeasured") is conservative:
+# kind wrong_other, rule "unmeasured:<family>", inferred. The guard stops it, the emulator refuses to
+# invent its values, plans say "unmeasured".
 
 FaultKind = Literal["ok", "error", "wrong_all", "wrong_tail", "abort", "truncated", "wrong_other"]
 Layout = Literal["contiguous", "offset", "transposed", "strided"]
@@ -127,19 +162,21 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """What MPS does with one matrix-multiply call.
+    """What MPS does with one op call (a matrix product, or any op of Note [Op families past INT_MAX]).
 
     Attributes:
         kind: "ok", "error" (raises before computing), "abort" (the process aborts), "wrong_all"
             (every batch wrong), "wrong_tail" (batches from `first_bad_batch` on wrong), "truncated"
             (2.4.1: mostly zeros) or "wrong_other" (wrong, pattern not characterised).
-        operand: the operand that causes it: "a", "b", "ab" (both) or None.
+        operand: the operand that causes it: "a", "b", "ab" (both), "bias" (mm) or None.
         first_bad_batch: first wrong batch (0 for wrong_all), or None.
         message: the MPS error text for "error" and "abort", else "".
         rule: which rule decided: "output-transposed", "output-fp32", "view-int-max", "view-abort",
-            "view-truncated", "input-wrap", "mm-encode", "unmeasured-layout", "sdpa-fused", "cat",
-            "conservative:<rule>" or "none".
-        wrap_elements: the element period of the wrap (2**index_bits) for "wrong_tail".
+            "view-truncated", "input-wrap", "mm-encode", "mm-operand", "unmeasured-layout", "sdpa-fused",
+            "dim-int-max:<family>", "reduction-wrap", "sum-64-bit", "masked-fill-numel", "int32-kernel",
+            "cat-int32-offsets", "unmeasured:<family>", "conservative:<rule>" or "none".
+        wrap_elements: the element period of the wrap (2**index_bits) for "wrong_tail", and for a
+            "reduction-wrap" (the result is that of the first numel mod wrap_elements elements).
         release: the torch release whose profile decided ("" for ok).
         inferred: the decision rests on an inference, not a measurement (unmeasured layouts,
             backward outside 2.14.0, conservative profiles).
@@ -167,6 +204,11 @@ class Fault:
     def is_stop(self) -> bool:
         """MPS raises or aborts: the run ends at this call."""
         return self.kind in STOP_KINDS
+
+    @property
+    def is_unmeasured(self) -> bool:
+        """Nobody measured this call's case: judged conservatively (a plan says "unmeasured")."""
+        return self.rule.removeprefix("conservative:").startswith("unmeasured")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,35 +350,183 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = 32, profile: Prof
     return tuple(f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore[return-value]
 
 
-def classify_mm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
-    """Decides a 2-D `mm`/`addmm`: an output of >= 2**index_bits elements aborts the process (2.8.0 on)."""
+def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = 32, profile: Profile = None) -> Fault:
+    """Decides a 2-D `mm`/`addmm` on every operand and the output; for a Linear, `a` is its input rows,
+    `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
     prof = resolve_profile(profile)
     if prof.conservative:
-        return _conservative(lambda p: classify_mm(a, b, index_bits=index_bits, profile=p))
-    limit, _ = limits(index_bits)
-    sa, sb = _spec(a), _spec(b)
-    out_numel = sa.shape[0] * sb.shape[1]
-    if prof.mm_aborts and out_numel >= limit:
-        message = (
-            f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with {out_numel} "
-            f"elements {ENCODE_FAILED_MESSAGE} (the process aborts)"
-        )
-        return Fault("abort", None, None, message, rule="mm-encode", release=prof.release)
-    return OK
-
-
-def classify_cat(numels: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
-    """Decides `torch.cat` of tensors with these element counts (one measured shape per release)."""
-    prof = resolve_profile(profile)
-    if prof.conservative:
-        return _conservative(lambda p: classify_cat(numels, index_bits=index_bits, profile=p))
+        return _conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p))
     limit, view_limit = limits(index_bits)
-    total = sum(numels)
-    if prof.cat_rule == "wrong" and total > view_limit:
-        return Fault("wrong_other", None, None, "torch.cat output above 2^31 elements (pytorch#189960)", "cat", release=prof.release)
-    if prof.cat_rule in ("abort", "error") and total > limit:
-        return Fault(prof.cat_rule, None, None, f"torch.cat output of {total} elements fails on MPS {prof.release}", "cat", release=prof.release)
+    named = [("a", _spec(a)), ("b", _spec(b))] + ([("bias", _spec(bias))] if bias is not None else [])
+    out_numel = named[0][1].shape[0] * named[1][1].shape[1]
+    if out_numel >= limit:
+        if not prof.mm_aborts:
+            return _unmeasured("mm", prof, f"an output of {out_numel} elements")
+        message = (f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with "
+                   f"{out_numel} elements {ENCODE_FAILED_MESSAGE} (the process aborts)")
+        return Fault("abort", None, None, message, "mm-encode", release=prof.release,
+                     inferred=prof.release != "2.14.0")  # measured on 2.14.0
+    for name, s in named:
+        if s.numel > limit and (prof.mm_aborts or name != "a"):  # an input this size is right before 2.8.0
+            if not prof.mm_aborts:
+                return _unmeasured("mm", prof, f"operand {name} of {s.numel} elements")
+            message = (f"operand {name} of mm with {s.numel} elements, more than 2**{index_bits}: the "
+                       "process aborts (measured as a crash; its text was not recorded)")
+            inferred = name != "a"  # measured on the input only
+            return Fault("abort", name, None, message, "mm-operand", release=prof.release, inferred=inferred)
+    for name, s in named:  # bmm raises for such a view (rule 2); nobody measured mm
+        if s.layout != "contiguous" and s.numel >= view_limit or max(s.shape, default=0) >= view_limit:
+            return _unmeasured("mm", prof, f"operand {name} ({s.layout}, shape {list(s.shape)})")
     return OK
+
+
+def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = 32,
+                 profile: Profile = None) -> Fault:
+    """Decides `torch.cat` of `inputs` along `dim`: tensors or specs, whose shapes decide (Note [Op
+    families past INT_MAX]), or bare element counts: shapes unknown, so a 1-D and a multi-dimensional
+    reading are both possible and the worse decides (a measured fault before an inferred one, a stop
+    before a silent one)."""
+    items = list(inputs)
+    if items and all(isinstance(n, int) for n in items):
+        return _cat_of_counts(items, index_bits, resolve_profile(profile))
+    specs = [_spec(x) for x in items]
+    ref = next((s for s in specs if s.numel), specs[0]) if specs else TensorSpec.contiguous((0,))
+    shape = list(ref.shape)
+    if shape:
+        axis = dim % len(shape)
+        shape[axis] = sum(s.shape[axis] for s in specs if len(s.shape) == len(shape))  # cat skips 1-D empties
+    out = TensorSpec.contiguous(tuple(shape), ref.dtype)
+    return classify_op("cat", specs, out, index_bits=index_bits, profile=profile)
+
+
+def _cat_of_counts(numels: list[int], index_bits: int, prof: FaultProfile) -> Fault:
+    if prof.conservative:
+        return _conservative(lambda p: _cat_of_counts(numels, index_bits, p))
+    total, dim_max = sum(numels), limits(index_bits)[1] - 1
+    if total <= dim_max:
+        return OK
+    readings = (_sized_fault("cat", "cat", total, long_dim, index_bits, prof) for long_dim in (True, False))
+    faults = sorted((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop))
+    return faults[0] if faults else OK
+
+
+def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_bits: int = 32,
+                profile: Profile = None) -> Fault:
+    """Decides one aten op call on MPS from its tensors' metadata: the one entry for every op.
+
+    Args:
+        op: an aten op name ("add", "masked_fill_", "aten::index.Tensor"), an op overload, or a family
+            name (judged as the op its family's row measured); `family_of` maps it.
+        inputs: the call's arguments in aten order; tensors (real, meta, fake) and `TensorSpec`s count,
+            lists of them (cat) are opened, anything else (scalars, None) is skipped.
+        out: the output tensor(s) or spec(s), if known (a broadcast output can outgrow every input).
+        index_bits: the index width; every limit scales with it (DIM_MAX = 2**(index_bits - 1) - 1).
+        profile: a torch release, a `FaultProfile`, or None for the installed torch's.
+
+    Returns:
+        The `Fault`. bmm/baddbmm, mm/addmm/linear and sdpa (the fused op; `sdpa_path` says whether a
+        call takes it) go to their own rules; the other families: Note [Op families past INT_MAX].
+    """
+    family, tensors = family_of(op), _tensors(inputs)
+    if family in ("bmm", "mm", "sdpa"):
+        return _classify_product(op_base_name(op), family, tensors, index_bits, profile)
+    if family == "view":
+        return OK  # no kernel runs
+    prof = resolve_profile(profile)
+    if prof.conservative:
+        return _conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p))
+    specs = [_spec(x) for x in (*tensors, *_tensors([out]))]
+    dim_max = limits(index_bits)[1] - 1
+    numel = max((s.numel for s in specs), default=0)
+    if numel <= dim_max:
+        return OK
+    long_dim = any(size > dim_max for s in specs for size in s.shape)
+    return _sized_fault(op_base_name(op), family, numel, long_dim, index_bits, prof)
+
+
+def _tensors(items: Iterable[Any]) -> list[Any]:
+    """The tensors and specs among `items`, lists (cat's inputs) opened."""
+    found: list[Any] = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            found += _tensors(item)
+        elif isinstance(item, TensorSpec) or callable(getattr(item, "stride", None)):
+            found.append(item)
+    return found
+
+
+# Where a product op keeps its operands in aten order: (a, b, added input); others (bmm, mm) (0, 1, 2).
+_PRODUCT_ARGS = {"baddbmm": (1, 2, None), "addmm": (1, 2, 0), "linear": (0, 1, 2)}
+
+
+def _classify_product(name: str, family: str, tensors: list[Any], index_bits: int, profile: Profile) -> Fault:
+    """bmm/mm/sdpa calls that `classify_op` hands over, their operands picked out of aten's order."""
+    if family == "sdpa":
+        return classify_sdpa(tensors[0], tensors[1], index_bits=index_bits, profile=profile)
+    ia, ib, ic = _PRODUCT_ARGS.get(name, (0, 1, 2))
+    if family == "bmm":
+        return classify_bmm(tensors[ia], tensors[ib], index_bits=index_bits, profile=profile)
+    a, b = _spec(tensors[ia]), _spec(tensors[ib])
+    bias = tensors[ic] if ic is not None and ic < len(tensors) else None
+    if name == "linear":  # x (..., K) @ w (N, K)^T: matmul folds x's leading dims; w.t() is a transposed view
+        if len(a.shape) != 2:
+            rows = TensorSpec.contiguous((a.numel // max(a.shape[-1], 1), a.shape[-1]), a.dtype)
+            a = dataclasses.replace(rows, storage_offset=a.storage_offset)
+        b = b.transpose()
+    return classify_mm(a, b, bias=bias, index_bits=index_bits, profile=profile)
+
+
+def _sized_fault(name: str, family: str, numel: int, long_dim: bool, index_bits: int,
+                 prof: FaultProfile) -> Fault:
+    """What this release's first-pass code for `family` says of a call whose largest tensor has `numel`
+    (> DIM_MAX) elements, with or without a dimension past DIM_MAX. See Note [Op families past INT_MAX]."""
+    limit, view_limit = limits(index_bits)
+    code = prof.family_codes(family)[0 if long_dim else 1]
+    band = numel <= limit  # every row was measured above LIMIT
+    measured_op = name == family or name in MEASURED_OPS.get(family, ())
+    inferred, release = band or not long_dim or not measured_op, prof.release
+    if code in ("abort", "error", "wrong"):
+        return _dimension_fault(family, code, inferred, prof)
+    if code == "wrap" and not band:
+        message = (f"returns the result of the first numel mod 2**{index_bits} elements "
+                   f"(ones(N).sum() returns N mod 2**{index_bits})")
+        return Fault("wrong_all", None, 0, message, "reduction-wrap", limit, release, inferred=inferred)
+    if code == "sum-64-bit":  # a NotImplementedError on MPS
+        message = SUM_64_BIT_MESSAGE.format(numel=numel)
+        return Fault("error", None, None, message, "sum-64-bit", release=release, inferred=inferred)
+    if code == "masked-fill-numel" and not band:
+        message = MASKED_FILL_MESSAGE.format(bits=index_bits)
+        return Fault("error", None, None, message, "masked-fill-numel", release=release, inferred=inferred)
+    if code == "int32-kernel" and not band:
+        return Fault("abort", None, None, SIGSEGV_MESSAGE, "int32-kernel", release=release, inferred=True)
+    if code == "int32-offsets":
+        if numel <= view_limit:
+            return OK
+        message = (f"torch.cat output of {numel} elements, every dimension below INT_MAX: its int32 offsets "
+                   "wrap (pytorch#189960)")
+        return Fault("wrong_other", None, None, message, "cat-int32-offsets", release=release)
+    if code == "ok":
+        return OK
+    return _unmeasured(family, prof, "a dimension past INT_MAX" if long_dim else f"{numel} elements")
+
+
+def _dimension_fault(family: str, code: str, inferred: bool, prof: FaultProfile) -> Fault:
+    """A dimension past INT_MAX: the abort, the INT_MAX error in the release's spelling, or wrong values."""
+    rule = f"dim-int-max:{family}"
+    if code == "abort":
+        message = CAT_ABORT_MESSAGE if family == "cat" else FAMILY_ABORT_MESSAGE
+        return Fault("abort", None, None, message, rule, release=prof.release, inferred=inferred)
+    if code == "error":
+        return Fault("error", None, None, prof.view_message, rule, release=prof.release, inferred=inferred)
+    message = f"{family} with a dimension past INT_MAX: wrong on MPS {prof.release}; values not characterised"
+    return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=inferred)
+
+
+def _unmeasured(family: str, prof: FaultProfile, what: str) -> Fault:
+    """Nobody measured this case on MPS: conservative (wrong_other, inferred); the guard stops it."""
+    message = f"unmeasured: nobody measured {family} with {what} on MPS {prof.release}; judged conservatively"
+    rule = f"unmeasured:{family}"
+    return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=True)
 
 
 def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
@@ -369,12 +559,13 @@ def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm",
 
     For bmm the chunk must keep views below VIEW_LIMIT and everything else at or below LIMIT; with
     `as_slices` every operand counts as a view (a chunk s[i:j] of a tensor is one, offset != 0).
-    For mm the output must stay below LIMIT.
+    For mm the output must stay below LIMIT and the input at or below LIMIT (below VIEW_LIMIT as a view).
     """
     limit, view_limit = limits(index_bits)
     sa, sb = _spec(a), _spec(b)
-    if op == "mm":
-        return max(1, (limit - 1) // max(sb.shape[1], 1))
+    if op == "mm":  # the output below LIMIT; the input rows at most LIMIT, below VIEW_LIMIT as a slice
+        cap = (view_limit - 1) if sa.is_view or as_slices else limit
+        return max(1, min((limit - 1) // max(sb.shape[1], 1), cap // max(sa.shape[1], 1)))
     per_out = sa.shape[1] * sb.shape[2]
     bounds = [limit // max(per_out, 1)]
     for s in (sa, sb):
