@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mpsimpact.faults import (
-    TensorSpec, classify_cat, classify_mm, classify_op, family_of, largest_safe_batch, limits, sdpa_path,
+    TensorSpec, classify_cat, classify_mm, classify_op, dim_max, family_of, largest_safe_batch, limits, sdpa_path,
 )
 from mpsimpact.release import (
     INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, MEASURED_RELEASES, OP_FAMILIES, ONE_DIMENSION_ROWS, profile_for,
@@ -231,19 +231,25 @@ def test_a_weight_or_a_view_past_the_limits_is_unmeasured_or_inferred():
     fault = classify_op("linear", [x, big_w], profile="2.14.0")
     assert (fault.kind, fault.operand, fault.inferred) == ("abort", "b", True)
     assert classify_op("linear", [x, big_w], profile="2.6.0").rule == "unmeasured:mm"
-    # A slice of the input rows with 2**31 elements (offset != 0): the bmm view rule's size, unmeasured for mm.
-    rows = meta(2**25 + 1, 64)[1:]  # 2**25 * 64 = 2**31
-    assert classify_mm(rows, meta(8, 64).t(), profile="2.14.0").is_unmeasured
-    assert classify_mm(meta(2**25 - 1, 64)[1:], meta(8, 64).t(), profile="2.14.0").is_ok
+    # The weight gradient x^T @ G of a Linear whose input x (67125249, 64) has more than 2**32 elements:
+    # x^T is a transposed view, so its abort from 2.8.0 is inferred, and before 2.8.0 it is unmeasured.
+    x_t, grad = meta(67125249, 64).t(), meta(67125249, 32)
+    fault = classify_mm(x_t, grad, profile="2.8.0")
+    assert (fault.kind, fault.operand, fault.inferred) == ("abort", "a", True)
+    assert classify_mm(x_t, grad, profile="2.7.1").is_unmeasured
+    # Below 2**32 a view operand is taken as right (the bmm view rule was never seen in mm): BERT-base's
+    # FFN weight gradient at 2048 x 512 tokens reads x^T of 1,048,576 * 3072 = 3,221,225,472 elements.
+    assert classify_mm(meta(1048576, 3072).t(), meta(1048576, 768), profile="2.14.0").is_ok
 
 
 def test_largest_safe_mm_chunk_keeps_input_and_output_below_the_limits():
     x, w = meta(67125249, 64), meta(32, 64)
-    # min((2**32 - 1) // 32, (2**31 - 1) // 64 as slices) = min(134217727, 33554431)
-    chunk = largest_safe_batch(x, w.t(), op="mm", as_slices=True)
-    assert chunk == 33554431
-    assert classify_mm(x[chunk:2 * chunk], w.t(), profile="2.14.0").is_ok
-    assert classify_mm(x[chunk:2 * chunk + 2], w.t(), profile="2.14.0").is_unmeasured  # 2**31 + 64 as a view
+    # min((2**32 - 1) // 32, (2**31 - 1) // 64 as slices) = min(134217727, 33554431): a slice stays below
+    # VIEW_LIMIT, on every release (2.5.1 .. 2.9.1 count its offset too); unsplit, the input aborts.
+    assert largest_safe_batch(x, w.t(), op="mm", as_slices=True) == 33554431
+    assert largest_safe_batch(x, w.t(), op="mm") == 2**32 // 64 == 67108864  # contiguous pieces: at most 2**32
+    assert classify_mm(x[:67108864], w.t(), profile="2.14.0").is_ok
+    assert classify_mm(x[:67108865], w.t(), profile="2.14.0").kind == "abort"  # 2**32 + 64 elements
 
 
 # The rules at index width 20: LIMIT 2**20 = 1,048,576, VIEW_LIMIT 2**19, DIM_MAX 2**19 - 1 = 524,287.
@@ -363,7 +369,7 @@ def test_family_of_maps_aten_names_overloads_and_in_place_forms():
 
 
 def test_index_width_scales_the_per_dimension_limit():
-    assert limits(20) == (2**20, 2**19)
+    assert limits(20) == (2**20, 2**19) and dim_max(20) == 2**19 - 1 and dim_max(32) == INT_MAX
     # at 16 bits DIM_MAX = 32767: a 1-D tensor of 32768 elements is past it, 32767 is not
     assert classify_op("mul", [spec(32768)], index_bits=16, profile="2.10.0").kind == "error"
     assert classify_op("mul", [spec(32767)], index_bits=16, profile="2.10.0").is_ok

@@ -46,10 +46,12 @@ __all__ = [
 # (measured on 2.14.0; inferred elsewhere). A 2-D mm, addmm or Linear is judged on every operand and
 # the output: from 2.8.0 an input of more than LIMIT elements aborts the process (measured: Linear 64 -> 32
 # on 67,125,249 rows), and so does an output of LIMIT elements or more (measured on 2.14.0, inferred on
-# 2.8.0 .. 2.13.0); before 2.8.0 that input is right and that output unmeasured. A weight or bias past
-# LIMIT, and a view operand of VIEW_LIMIT elements or more, were never measured (conservative, see
-# Note [Op families past INT_MAX]). Fused SDPA is wrong above LIMIT score elements on 2.5.1 .. 2.12.1
-# (values not characterised); with gradients, and on 2.4.1, SDPA is the math path (bmm rules).
+# 2.8.0 .. 2.13.0); before 2.8.0 that input is right and that output unmeasured. Another operand past
+# LIMIT (a weight, a view such as the weight gradient's x^T) follows the input from 2.8.0 (inferred) and
+# is unmeasured before (conservative, see Note [Op families past INT_MAX]). Below LIMIT, mm is taken as
+# right whatever the layouts (not measured; bmm's view rule 2 is not applied to mm). Fused SDPA is
+# wrong above LIMIT score elements on 2.5.1 .. 2.12.1 (values not characterised); with gradients, and
+# on 2.4.1, SDPA is the math path (bmm rules).
 # Only element counts matter: the wrap is an element index, the same for every dtype.
 # Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
@@ -247,6 +249,12 @@ def limits(index_bits: int) -> tuple[int, int]:
     return 1 << index_bits, 1 << (index_bits - 1)
 
 
+def dim_max(index_bits: int) -> int:
+    """DIM_MAX = 2**(index_bits - 1) - 1 (INT_MAX at 32 bits): the per-dimension limit. A call whose every
+    tensor has at most this many elements is past no limit. See Note [Op families past INT_MAX]."""
+    return limits(index_bits)[1] - 1
+
+
 def wrap_start_batch(per: int, wrap_elements: int) -> int:
     """First batch whose flat offset wraps: ceil(wrap_elements / per)."""
     return -(-wrap_elements // per)
@@ -356,7 +364,7 @@ def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = 32, profi
     prof = resolve_profile(profile)
     if prof.conservative:
         return _conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p))
-    limit, view_limit = limits(index_bits)
+    limit = limits(index_bits)[0]
     named = [("a", _spec(a)), ("b", _spec(b))] + ([("bias", _spec(bias))] if bias is not None else [])
     out_numel = named[0][1].shape[0] * named[1][1].shape[1]
     if out_numel >= limit:
@@ -367,16 +375,15 @@ def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = 32, profi
         return Fault("abort", None, None, message, "mm-encode", release=prof.release,
                      inferred=prof.release != "2.14.0")  # measured on 2.14.0
     for name, s in named:
-        if s.numel > limit and (prof.mm_aborts or name != "a"):  # an input this size is right before 2.8.0
-            if not prof.mm_aborts:
-                return _unmeasured("mm", prof, f"operand {name} of {s.numel} elements")
-            message = (f"operand {name} of mm with {s.numel} elements, more than 2**{index_bits}: the "
-                       "process aborts (measured as a crash; its text was not recorded)")
-            inferred = name != "a"  # measured on the input only
-            return Fault("abort", name, None, message, "mm-operand", release=prof.release, inferred=inferred)
-    for name, s in named:  # bmm raises for such a view (rule 2); nobody measured mm
-        if s.layout != "contiguous" and s.numel >= view_limit or max(s.shape, default=0) >= view_limit:
-            return _unmeasured("mm", prof, f"operand {name} ({s.layout}, shape {list(s.shape)})")
+        measured = name == "a" and s.layout == "contiguous"  # the first-pass Linear's input
+        if s.numel <= limit or (measured and not prof.mm_aborts):  # such an input is right before 2.8.0
+            continue
+        if not prof.mm_aborts:
+            return _unmeasured("mm", prof, f"operand {name} ({s.layout}) of {s.numel} elements")
+        how = "measured; its text was not recorded" if measured else "inferred from the input's"
+        message = (f"operand {name} of mm with {s.numel} elements, more than 2**{index_bits}: the "
+                   f"process aborts ({how})")
+        return Fault("abort", name, None, message, "mm-operand", release=prof.release, inferred=not measured)
     return OK
 
 
@@ -402,10 +409,10 @@ def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = 32,
 def _cat_of_counts(numels: list[int], index_bits: int, prof: FaultProfile) -> Fault:
     if prof.conservative:
         return _conservative(lambda p: _cat_of_counts(numels, index_bits, p))
-    total, dim_max = sum(numels), limits(index_bits)[1] - 1
-    if total <= dim_max:
+    total = sum(numels)
+    if total <= dim_max(index_bits):
         return OK
-    readings = (_sized_fault("cat", "cat", total, long_dim, index_bits, prof) for long_dim in (True, False))
+    readings = (_sized_fault("cat", "cat", total, one_d, index_bits, prof) for one_d in (True, False))
     faults = sorted((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop))
     return faults[0] if faults else OK
 
@@ -435,12 +442,11 @@ def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_b
     prof = resolve_profile(profile)
     if prof.conservative:
         return _conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p))
-    specs = [_spec(x) for x in (*tensors, *_tensors([out]))]
-    dim_max = limits(index_bits)[1] - 1
+    specs, most = [_spec(x) for x in (*tensors, *_tensors([out]))], dim_max(index_bits)
     numel = max((s.numel for s in specs), default=0)
-    if numel <= dim_max:
+    if numel <= most:
         return OK
-    long_dim = any(size > dim_max for s in specs for size in s.shape)
+    long_dim = any(size > most for s in specs for size in s.shape)
     return _sized_fault(op_base_name(op), family, numel, long_dim, index_bits, prof)
 
 
