@@ -10,7 +10,7 @@ from mpsimpact.engine.faults import (
     classify_bmm,
     classify_bmm_backward,
     classify_mm,
-    largest_safe_batch,
+    rows_per_safe_chunk,
 )
 
 
@@ -145,11 +145,11 @@ def test_mm_output_at_limit_aborts():
 
 def test_largest_safe_batch_makes_every_chunk_ok():
     a, b = operands(131073, 256, 256, 64, "contiguous")
-    chunk = largest_safe_batch(a, b)
+    chunk = rows_per_safe_chunk(a, b)
     assert chunk == 65536  # 2**32 / (256 * 256)
     assert classify_bmm(a[:chunk], b[:chunk]).is_ok
     a, b = operands(65537, 128, 64, 512, "b_transposed")
-    chunk = largest_safe_batch(a, b)
+    chunk = rows_per_safe_chunk(a, b)
     assert classify_bmm(a[:chunk], b[:chunk]).is_ok
     assert classify_bmm(a[: chunk + 1], b[: chunk + 1]).kind == "error"
 

@@ -40,7 +40,7 @@ def case_baddbmm():
 
 
 CASES = {"wrong_tail": case_wrong_tail, "wrong_all": case_wrong_all, "error": case_error, "abort": case_abort, "baddbmm": case_baddbmm}
-# largest_safe_batch(..., as_slices=True): a chunk s[i:j] is a view, so each operand must stay
+# rows_per_safe_chunk(..., as_slices=True): a chunk s[i:j] is a view, so each operand must stay
 # below VIEW_LIMIT (<= 2**19 - 1 = 524,287 elements) and the bmm output at or below 2**20; mm rows
 # keep the output below 2**20.
 SAFE_CHUNK = {

@@ -57,8 +57,9 @@ def sdpa():
 
 
 def cat():
-    # 40,000 > 32,768 elements: torch.cat above 2**31 (scaled) is silently wrong on 2.13.0.
-    x, y = torch.randn(20000), torch.randn(20000)
+    # (200, 200) output = 40,000 > 32,768 elements: a multi-dimensional torch.cat above 2**31 (scaled) is
+    # silently wrong on 2.13.0 (pytorch#189960); a 1-D one picks the 64-bit kernel and is right.
+    x, y = torch.randn(100, 200), torch.randn(100, 200)
     return lambda: torch.cat([x, y])
 
 

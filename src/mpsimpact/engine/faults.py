@@ -1,7 +1,8 @@
 """The MPS large-tensor fault rules: pure functions of shapes, strides, offsets and dtype.
 
 The emulator, the guard, the tracer and the planner all decide through this module; none keeps a
-private copy of a threshold.
+private copy of a threshold. Here: the matrix products (`classify_bmm`, `classify_mm`, `classify_sdpa`)
+and what every rule shares; engine.families has `classify_op`, the one entry for any aten op.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import math
 from typing import Any, Literal
 
 from mpsimpact.engine.release import (
-    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile,
-    view_equal_limit_message,
+    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile, view_equal_limit_message,
 )
 
-__all__ = ["INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_cat", "classify_sdpa"]
+__all__ = [
+    "INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_sdpa",
+]
 
 # Note [MPS 32-bit index faults]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -37,9 +39,15 @@ __all__ = ["INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_b
 # VIEW_LIMIT and LIMIT of storage extent (offset + numel), raise at exactly LIMIT, and wrap views
 # above it; 2.5.1 .. 2.9.1 count a slice's offset towards the view limit; 2.9.1 .. 2.12.1 misspell
 # the error text. The backward products grad_a = G @ b^T and grad_b = a^T @ G follow the same rules
-# (measured on 2.14.0; inferred elsewhere). A 2-D mm or addmm whose output has >= LIMIT elements
-# aborts the process (2.8.0 on). Fused SDPA is wrong above LIMIT score elements on 2.5.1 .. 2.12.1
-# (values not characterised); with gradients, and on 2.4.1, SDPA is the math path (bmm rules).
+# (measured on 2.14.0; inferred elsewhere). A 2-D mm, addmm or Linear is judged on every operand and
+# the output: from 2.8.0 an input of more than LIMIT elements aborts the process (measured: Linear 64 -> 32
+# on 67,125,249 rows), and so does an output of LIMIT elements or more (measured on 2.14.0, inferred on
+# 2.8.0 .. 2.13.0); before 2.8.0 that input is right and that output unmeasured. Another operand past
+# LIMIT (a weight, a view such as the weight gradient's x^T) follows the input from 2.8.0 (inferred) and
+# is unmeasured before (conservative, see Note [Op families past INT_MAX]). Below LIMIT, mm is taken as
+# right whatever the layouts (not measured; bmm's view rule 2 is not applied to mm). Fused SDPA is
+# wrong above LIMIT score elements on 2.5.1 .. 2.12.1 (values not characterised); with gradients, and
+# on 2.4.1, SDPA is the math path (bmm rules).
 # Only element counts matter: the wrap is an element index, the same for every dtype.
 # Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
@@ -129,19 +137,21 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """What MPS does with one matrix-multiply call.
+    """What MPS does with one op call (a matrix product, or any op of Note [Op families past INT_MAX]).
 
     Attributes:
         kind: "ok", "error" (raises before computing), "abort" (the process aborts), "wrong_all"
             (every batch wrong), "wrong_tail" (batches from `first_bad_batch` on wrong), "truncated"
             (2.4.1: mostly zeros) or "wrong_other" (wrong, pattern not characterised).
-        operand: the operand that causes it: "a", "b", "ab" (both) or None.
+        operand: the operand that causes it: "a", "b", "ab" (both), "bias" (mm) or None.
         first_bad_batch: first wrong batch (0 for wrong_all), or None.
         message: the MPS error text for "error" and "abort", else "".
         rule: which rule decided: "output-transposed", "output-fp32", "view-int-max", "view-abort",
-            "view-truncated", "input-wrap", "mm-encode", "unmeasured-layout", "sdpa-fused", "cat",
-            "conservative:<rule>" or "none".
-        wrap_elements: the element period of the wrap (2**index_bits) for "wrong_tail".
+            "view-truncated", "input-wrap", "mm-encode", "mm-operand", "unmeasured-layout", "sdpa-fused",
+            "dim-int-max:<family>", "reduction-wrap", "sum-64-bit", "masked-fill-numel", "int32-kernel",
+            "cat-int32-offsets", "unmeasured:<family>", "conservative:<rule>" or "none".
+        wrap_elements: the element period of the wrap (2**index_bits) for "wrong_tail", and for a
+            "reduction-wrap" (the result is that of the first numel mod wrap_elements elements).
         release: the torch release whose profile decided ("" for ok).
         inferred: the decision rests on an inference, not a measurement (unmeasured layouts,
             backward outside 2.14.0, conservative profiles).
@@ -170,6 +180,11 @@ class Fault:
         """MPS raises or aborts: the run ends at this call."""
         return self.kind in STOP_KINDS
 
+    @property
+    def is_unmeasured(self) -> bool:
+        """Nobody measured this call's case: judged conservatively (a plan says "unmeasured")."""
+        return self.rule.removeprefix("conservative:").startswith("unmeasured")
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -196,7 +211,7 @@ def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _spec(x: Any) -> TensorSpec:
+def spec_of(x: Any) -> TensorSpec:
     return x if isinstance(x, TensorSpec) else TensorSpec.of(x)
 
 
@@ -207,6 +222,12 @@ def limits(index_bits: int) -> tuple[int, int]:
     return 1 << index_bits, 1 << (index_bits - 1)
 
 
+def dim_max(index_bits: int) -> int:
+    """DIM_MAX = 2**(index_bits - 1) - 1 (INT_MAX at 32 bits): the per-dimension limit. A call whose every
+    tensor has at most this many elements is past no limit. See Note [Op families past INT_MAX]."""
+    return limits(index_bits)[1] - 1
+
+
 def wrap_start_batch(per: int, wrap_elements: int) -> int:
     """First batch whose flat offset wraps: ceil(wrap_elements / per)."""
     return -(-wrap_elements // per)
@@ -215,7 +236,7 @@ def wrap_start_batch(per: int, wrap_elements: int) -> int:
 Profile = str | FaultProfile | None
 
 
-def classify_bmm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides what MPS's bmm does with `a @ b`.
 
     Args:
@@ -228,9 +249,9 @@ def classify_bmm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = Non
         The `Fault`. See Note [MPS 32-bit index faults].
     """
     prof = resolve_profile(profile)
-    sa, sb = _spec(a), _spec(b)
+    sa, sb = spec_of(a), spec_of(b)
     if prof.conservative:
-        return _conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p))
+        return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p))
     strided = "".join(name for name, s in (("a", sa), ("b", sb)) if s.layout == "strided")
     if not strided:
         return _classify_measured(sa, sb, index_bits, prof)
@@ -286,7 +307,7 @@ def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, prof: Fau
     return None
 
 
-def _conservative(classify: Any) -> Fault:
+def conservative(classify: Any) -> Fault:
     """An unmeasured release: unsafe if any measured release faults; the newest such fault, labelled."""
     faults = [f for f in (classify(p) for p in reversed(measured_profiles())) if not f.is_ok]
     if not faults:
@@ -294,13 +315,13 @@ def _conservative(classify: Any) -> Fault:
     return dataclasses.replace(faults[0], rule=f"conservative:{faults[0].rule}", inferred=True)
 
 
-def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> tuple[Fault, Fault]:
+def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> tuple[Fault, Fault]:
     """Decides the two gradient products of `a @ b`: (grad_a = G @ b^T, grad_b = a^T @ G).
 
     G, the incoming gradient, is taken contiguous, as autograd produces it. Measured on 2.14.0;
     for other releases their forward rules are applied (inferred).
     """
-    sa, sb = _spec(a), _spec(b)
+    sa, sb = spec_of(a), spec_of(b)
     grad = TensorSpec.contiguous((sa.shape[0], sa.shape[1], sb.shape[2]), sa.dtype)
     faults = (
         classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
@@ -310,35 +331,40 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = 32, profile: Prof
     return tuple(f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore[return-value]
 
 
-def classify_mm(a: Any, b: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
-    """Decides a 2-D `mm`/`addmm`: an output of >= 2**index_bits elements aborts the process (2.8.0 on)."""
+def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
+    """Decides a 2-D `mm`/`addmm` on every operand and the output; for a Linear, `a` is its input rows,
+    `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
     prof = resolve_profile(profile)
     if prof.conservative:
-        return _conservative(lambda p: classify_mm(a, b, index_bits=index_bits, profile=p))
-    limit, _ = limits(index_bits)
-    sa, sb = _spec(a), _spec(b)
-    out_numel = sa.shape[0] * sb.shape[1]
-    if prof.mm_aborts and out_numel >= limit:
-        message = (
-            f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with {out_numel} "
-            f"elements {ENCODE_FAILED_MESSAGE} (the process aborts)"
-        )
-        return Fault("abort", None, None, message, rule="mm-encode", release=prof.release)
+        return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p))
+    limit = limits(index_bits)[0]
+    named = [("a", spec_of(a)), ("b", spec_of(b))] + ([("bias", spec_of(bias))] if bias is not None else [])
+    out_numel = named[0][1].shape[0] * named[1][1].shape[1]
+    if out_numel >= limit:
+        if not prof.mm_aborts:
+            return unmeasured("mm", prof, f"an output of {out_numel} elements")
+        message = (f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with "
+                   f"{out_numel} elements {ENCODE_FAILED_MESSAGE} (the process aborts)")
+        return Fault("abort", None, None, message, "mm-encode", release=prof.release,
+                     inferred=prof.release != "2.14.0")  # measured on 2.14.0
+    for name, s in named:
+        measured = name == "a" and s.layout == "contiguous"  # the first-pass Linear's input
+        if s.numel <= limit or (measured and not prof.mm_aborts):  # such an input is right before 2.8.0
+            continue
+        if not prof.mm_aborts:
+            return unmeasured("mm", prof, f"operand {name} ({s.layout}) of {s.numel} elements")
+        how = "measured; its text was not recorded" if measured else "inferred from the input's"
+        message = (f"operand {name} of mm with {s.numel} elements, more than 2**{index_bits}: the "
+                   f"process aborts ({how})")
+        return Fault("abort", name, None, message, "mm-operand", release=prof.release, inferred=not measured)
     return OK
 
 
-def classify_cat(numels: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
-    """Decides `torch.cat` of tensors with these element counts (one measured shape per release)."""
-    prof = resolve_profile(profile)
-    if prof.conservative:
-        return _conservative(lambda p: classify_cat(numels, index_bits=index_bits, profile=p))
-    limit, view_limit = limits(index_bits)
-    total = sum(numels)
-    if prof.cat_rule == "wrong" and total > view_limit:
-        return Fault("wrong_other", None, None, "torch.cat output above 2^31 elements (pytorch#189960)", "cat", release=prof.release)
-    if prof.cat_rule in ("abort", "error") and total > limit:
-        return Fault(prof.cat_rule, None, None, f"torch.cat output of {total} elements fails on MPS {prof.release}", "cat", release=prof.release)
-    return OK
+def unmeasured(family: str, prof: FaultProfile, what: str) -> Fault:
+    """Nobody measured this case on MPS: conservative (wrong_other, inferred); the guard stops it."""
+    message = f"unmeasured: nobody measured {family} with {what} on MPS {prof.release}; judged conservatively"
+    rule = f"unmeasured:{family}"
+    return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=True)
 
 
 def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
@@ -350,15 +376,15 @@ def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
     return "fused" if prof.sdpa_fused and not needs_grad and not prof.conservative else "math"
 
 
-def classify_sdpa(query: Any, key: Any, *, index_bits: int = 32, profile: Profile = None) -> Fault:
+def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides MPS's fused SDPA op: wrong above 2**index_bits score elements (B*H*Lq*Lk) on 2.5.1 ..
     2.12.1, values not characterised (pytorch PR #179592); correct from 2.13.0. Only meaningful where
     `sdpa_path` is "fused"; on the math path the bmm rules decide."""
     prof = resolve_profile(profile)
     if prof.conservative:
-        return _conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p))
+        return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p))
     limit, _ = limits(index_bits)
-    sq, sk = _spec(query), _spec(key)
+    sq, sk = spec_of(query), spec_of(key)
     scores = math.prod(sq.shape[:-1]) * sk.shape[-2]
     if prof.sdpa_fused and prof.sdpa_fused_wrong and scores > limit:
         message = f"fused SDPA with {scores} score elements is wrong on MPS {prof.release}; values not characterised"
@@ -366,17 +392,18 @@ def classify_sdpa(query: Any, key: Any, *, index_bits: int = 32, profile: Profil
     return OK
 
 
-def largest_safe_batch(a: Any, b: Any, *, index_bits: int = 32, op: str = "bmm", as_slices: bool = False) -> int:
+def rows_per_safe_chunk(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, op: str = "bmm", as_slices: bool = False) -> int:
     """The largest leading-dim chunk of this call for which every rule says "ok".
 
     For bmm the chunk must keep views below VIEW_LIMIT and everything else at or below LIMIT; with
     `as_slices` every operand counts as a view (a chunk s[i:j] of a tensor is one, offset != 0).
-    For mm the output must stay below LIMIT.
+    For mm the output must stay below LIMIT and the input at or below LIMIT (below VIEW_LIMIT as a view).
     """
     limit, view_limit = limits(index_bits)
-    sa, sb = _spec(a), _spec(b)
-    if op == "mm":
-        return max(1, (limit - 1) // max(sb.shape[1], 1))
+    sa, sb = spec_of(a), spec_of(b)
+    if op == "mm":  # the output below LIMIT; the input rows at most LIMIT, below VIEW_LIMIT as a slice
+        cap = (view_limit - 1) if sa.is_view or as_slices else limit
+        return max(1, min((limit - 1) // max(sb.shape[1], 1), cap // max(sa.shape[1], 1)))
     per_out = sa.shape[1] * sb.shape[2]
     bounds = [limit // max(per_out, 1)]
     for s in (sa, sb):

@@ -1,7 +1,9 @@
-"""The measured torch releases: one fault profile per release group, the failure texts each prints, and
-picking the profile of a version string. The rules that read these profiles live in faults.py.
+"""The measured torch releases: one fault profile per release group, the failure texts each prints, the
+first-pass suite's outcome for every op family on every release, the aten op -> family table, and
+picking the profile of a version string. The rules that read these tables live in faults.py.
 
-See docs/fault-model.md, "Per-release differences" (the study's results/summary/studio/versions.md).
+See docs/fault-model.md, "Per-release differences" (the study's results/summary/studio/versions.md) and
+"Op families past INT_MAX".
 """
 
 from __future__ import annotations
@@ -23,6 +25,128 @@ NDARRAY_ABORT_MESSAGE = (
 )
 _SRC_NDARRAY_LINE = {"2.5.1": 480, "2.6.0": 486, "2.7.1": 516, "2.8.0": 517}
 ENCODE_FAILED_MESSAGE = "is too large for kernel. Encode failed."
+# The first-pass suite's texts (docs/fault-model.md, "Op families past INT_MAX").
+FAMILY_ABORT_MESSAGE = "SIGABRT from MPSGraph/MPSNDArray (the process aborts; its text was not recorded)"
+CAT_ABORT_MESSAGE = "MPSNDArray.mm:831: fail (SIGABRT: the process aborts)"
+SIGSEGV_MESSAGE = "SIGSEGV (signal 11): the process dies without a text"
+# 2.14.0's NotImplementedError for a sum past INT_MAX
+SUM_64_BIT_MESSAGE = "MPS sum_reduction: tensors requiring 64-bit indexing are not supported (numel={numel})"
+MASKED_FILL_MESSAGE = "masked_fill not supported for tensors of more than 2**{bits} elements"  # 2**32 on MPS
+
+# The study's first-pass suite as data (docs/fault-model.md, "Op families past INT_MAX"), read by Note [Op
+# families past INT_MAX] in faults.py. One column per MEASURED_RELEASES entry: 2.4.1, 2.5.1, 2.6.0, 2.7.1,
+# 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.0. Codes: "ok"; "abort"; "error" (the INT_MAX text, spelt
+# as that release spells it); "wrong" (values not characterised); "wrap" (the result of the first numel mod
+# 2**bits elements); "unmeasured" (conservative); the families' own checks "sum-64-bit" and
+# "masked-fill-numel"; on 2.13.0 "int32-kernel" and "int32-offsets". A family missing from a table is
+# unmeasured there.
+_A, _E, _W, _O, _U = "abort", "error", "wrong", "ok", "unmeasured"
+
+# A tensor with one dimension past INT_MAX: the suite's 1-D tests, N = 2**32 + 2**20 elements.
+ONE_DIMENSION_ROWS: dict[str, tuple[str, ...]] = {
+    # fp16 ones(N) * 2 + 1
+    "elementwise": (_A, _A, _A, _A, _W, _E, _E, _E, _O, _O, _O),
+    # uint8 ones(N).sum(): 2.13.0 returns N mod 2**32; 2.14.0 raises its own NotImplementedError
+    "reduction": (_A, _A, _A, _A, _A, _E, _E, _E, _E, "wrap", "sum-64-bit"),
+    # int64 arange(N) % 1000, then x[[0, 2**32 + 5, N - 1]]: one test, so arange shares the indexing row
+    "indexing": (_A, _A, _A, _A, _W, _E, _E, _E, _E, _E, _W),
+    # uint8 zeros(2**32 + 16).masked_fill_(mask, 7): from 2.7.1 masked_fill's own element-count check
+    "masked_fill": (_A, _A, _A) + ("masked-fill-numel",) * 8,
+    # cat of two fp16 halves of 2**31 + 2**19 elements each (output N)
+    "cat": (_A,) * 5 + (_E,) * 3 + (_O,) * 3,
+    # ones/zeros: values shown right from 2.12.1 (ones(N) * 2 + 1 is ok there); before, every test that
+    # made one crashed, raised in a later op or was wrong, so its values were never seen
+    "creation": (_U,) * 8 + (_O,) * 3,
+}
+
+# A multi-dimensional tensor of more than INT_MAX elements with no dimension past INT_MAX.
+MULTI_DIMENSION_ROWS: dict[str, tuple[str, ...]] = {
+    # the scale and softmax of eager attention's (5712, 12, 256, 256) scores: clean where the test did not
+    # crash (results/workload saw S and P right); 2.13.0 died with SIGSEGV
+    "elementwise": (_O,) * 9 + ("int32-kernel", _O),
+    "softmax": (_O,) * 9 + ("int32-kernel", _O),
+    # (65552, 256, 256) fp16 .transpose(1, 2).contiguous(): ok on every release
+    "copy": (_O,) * 11,
+    # every multi-dimensional test's inputs reached MPS intact (inferred: how they were made is not recorded)
+    "creation": (_O,) * 11,
+    "random": (_O,) * 11,
+    # 2.14.0's text names 64-bit indexing, which a multi-dimensional tensor needs as much (inferred)
+    "reduction": (_U,) * 10 + ("sum-64-bit",),
+    # masked_fill's text names an element count, whatever the shape (inferred)
+    "masked_fill": (_U,) * 3 + ("masked-fill-numel",) * 8,
+    # pytorch#189960: 2.13.0's cat kernel takes int32 offsets unless a dimension is past INT_MAX; 2.14.0 has
+    # the fix (inferred)
+    "cat": (_U,) * 9 + ("int32-offsets", _O),
+}
+
+
+def _ops(family: str, names: str) -> dict[str, str]:
+    return dict.fromkeys(names.split(), family)
+
+
+# aten op name (overload and in-place "_" dropped) -> family. "view": no kernel runs (nothing to fault).
+# Ops not listed are family "other": nobody measured them past a limit, so they are judged conservatively.
+OP_FAMILIES: dict[str, str] = {
+    **_ops("bmm", "bmm baddbmm"),
+    **_ops("mm", "mm addmm linear"),
+    **_ops("sdpa", "sdpa scaled_dot_product_attention _scaled_dot_product_attention_math_for_mps"),
+    **_ops("elementwise", """
+        add sub rsub mul div remainder fmod pow neg abs exp exp2 expm1 log log2 log10 log1p sqrt rsqrt
+        reciprocal sigmoid tanh sin cos erf erfinv gelu silu relu mish elu leaky_relu hardtanh softplus
+        hardswish hardsigmoid where clamp clamp_min clamp_max maximum minimum eq ne lt le gt ge logical_and
+        logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not sign floor ceil
+        round trunc frac addcmul addcdiv lerp square floor_divide atan2 hypot threshold nan_to_num
+        gelu_backward silu_backward sigmoid_backward tanh_backward threshold_backward"""),
+    **_ops("softmax", """
+        softmax _softmax log_softmax _log_softmax _safe_softmax _softmax_backward_data
+        _log_softmax_backward_data"""),
+    **_ops("reduction", """
+        sum nansum mean prod amax amin max min argmax argmin var std var_mean std_mean norm
+        linalg_vector_norm all any logsumexp count_nonzero"""),
+    **_ops("indexing", """
+        index index_put _index_put_impl index_select gather scatter scatter_add scatter_reduce take put
+        embedding embedding_dense_backward masked_select masked_scatter nonzero index_add index_copy
+        index_fill arange"""),
+    **_ops("masked_fill", "masked_fill"),
+    **_ops("cat", "cat concat concatenate stack"),
+    **_ops("creation", """
+        ones zeros full fill zero ones_like zeros_like full_like new_ones new_zeros new_full
+        scalar_tensor"""),
+    **_ops("random", """
+        normal uniform bernoulli randn rand randint randperm exponential random native_dropout multinomial
+        randn_like rand_like randint_like"""),
+    **_ops("copy", "clone copy _to_copy _copy_from _copy_from_and_resize contiguous"),
+    **_ops("view", """
+        view _unsafe_view reshape _reshape_alias expand transpose permute t slice select unsqueeze squeeze
+        as_strided alias detach empty empty_like empty_strided new_empty new_empty_strided unbind split
+        split_with_sizes chunk narrow unfold lift_fresh view_as_real view_as_complex diagonal movedim
+        flatten unflatten"""),
+}
+FAMILIES = frozenset(OP_FAMILIES.values()) | {"other"}
+
+
+# The op each first-pass row ran; a family's other ops follow that row, inferred.
+MEASURED_OPS: dict[str, frozenset[str]] = {
+    family: frozenset(names.split()) for family, names in {
+        "elementwise": "mul add", "reduction": "sum", "indexing": "arange index", "cat": "cat",
+        "masked_fill": "masked_fill", "creation": "ones zeros", "copy": "clone copy",
+        "softmax": "softmax _softmax",
+    }.items()
+}
+
+
+def op_base_name(op: object) -> str:
+    """"add" for "add", "add_", "aten::add_.Tensor" or the op overload aten.add_.Tensor (its __name__)."""
+    name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
+    name = name.removeprefix("aten::").split(".")[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in-place: same kernel
+
+
+def family_of(op: object) -> str:
+    """The family of an aten op (a name or an op overload, see `op_base_name`); a family name stands for
+    itself; an op not in OP_FAMILIES is "other"."""
+    name = op_base_name(op)
+    return name if name in FAMILIES else OP_FAMILIES.get(name, "other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +166,13 @@ class FaultProfile:
             "truncate" (2.4.1: from 2**32 elements the result is truncated, mostly zeros).
         slice_extent: the view limit counts a slice's storage offset too (2.5.1 .. 2.9.1).
         view_message: the text of the view RuntimeError.
-        mm_aborts: a 2-D mm/addmm output of 2**32 elements aborts the process (2.8.0 on).
+        mm_aborts: a 2-D mm/addmm/Linear whose input has more than 2**32 elements aborts the process (2.8.0
+            on, measured), and so does one whose output has 2**32 or more (measured on 2.14.0); before 2.8.0
+            such an input is right and such an output unmeasured.
         sdpa_fused: MPS has an SDPA op of its own for calls that need no gradient (2.5.1 on).
         sdpa_fused_wrong: that op is wrong above 2**32 score elements (2.5.1 .. 2.12.1).
-        cat_rule: torch.cat above the limit: "abort" (2.4.1 .. 2.8.0, above 2**32), "error" (2.9.1 ..
-            2.11.0, above 2**32), "wrong" (2.13.0, above 2**31, silently), or "ok".
+        families: (family, code with a dimension past INT_MAX, code for a multi-dimensional tensor past
+            INT_MAX elements) from ONE_DIMENSION_ROWS and MULTI_DIMENSION_ROWS, this release's column.
         notes: model-level observations that the op-level rules do not explain.
     """
 
@@ -61,7 +187,7 @@ class FaultProfile:
     mm_aborts: bool = True
     sdpa_fused: bool = True
     sdpa_fused_wrong: bool = False
-    cat_rule: Literal["abort", "error", "wrong", "ok"] = "ok"
+    families: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
 
     @property
@@ -71,13 +197,19 @@ class FaultProfile:
             return f"{self.release} (unmeasured release: conservative)"
         return self.release if self.measured else f"{self.release} (taken as {self.group})"
 
+    def family_codes(self, family: str) -> tuple[str, str]:
+        """(code with a dimension past INT_MAX, code multi-dimensional past INT_MAX elements) of a family."""
+        return next(((one, multi) for name, one, multi in self.families if name == family), (_U, _U))
+
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self) | {"label": self.label}
 
 
 _EAGER_2_4_1 = ("Model level, the first-pass suite saw eager attention (5712, 12, 256, 256) correct on 2.4.1, "
                 "although the op-level rules predict its P V wrong (unexplained).")
-_EAGER_2_13_0 = "Model level, eager attention (5712, 12, 256, 256) crashed (signal 11) on 2.13.0 in the first-pass suite."
+_EAGER_2_13_0 = ("Model level, eager attention (5712, 12, 256, 256) crashed (signal 11) on 2.13.0 in the "
+                 "first-pass suite; the rules attribute it to the scale or softmax on the > 2**32-element "
+                 "scores (inferred).")
 
 
 def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | None:
@@ -85,16 +217,16 @@ def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | Non
     typo = {"view_message": INT_MAX_MESSAGE_TYPO, "sdpa_fused_wrong": True}
     if version == (2, 4, 1):
         return "2.4.1", {"output_rule": "fp32-wrong", "view_rule": "truncate", "mm_aborts": False, "sdpa_fused": False,
-                         "cat_rule": "abort", "notes": (_EAGER_2_4_1,)}
+                         "notes": (_EAGER_2_4_1,)}
     if (2, 5, 0) <= version <= (2, 8, 99):
         return "2.5.1-2.8.0", {"view_rule": "abort", "slice_extent": True, "mm_aborts": version >= (2, 8, 0),
-                               "sdpa_fused_wrong": True, "cat_rule": "abort"}
+                               "sdpa_fused_wrong": True}
     if (2, 9, 0) <= version <= (2, 9, 99):
-        return "2.9.1", typo | {"slice_extent": True, "cat_rule": "error"}
+        return "2.9.1", typo | {"slice_extent": True}
     if (2, 10, 0) <= version <= (2, 12, 99):
-        return "2.10.0-2.12.1", typo | {"cat_rule": "error" if version < (2, 12, 0) else "ok"}
+        return "2.10.0-2.12.1", typo
     if (2, 13, 0) <= version <= (2, 13, 99):
-        return "2.13.0", {"cat_rule": "wrong", "notes": (_EAGER_2_13_0,)}
+        return "2.13.0", {"notes": (_EAGER_2_13_0,)}
     if version == (2, 14, 0):
         return "2.14.0", {}
     return None
@@ -125,7 +257,18 @@ def profile_for(version: str) -> FaultProfile:
     if found is None:
         return FaultProfile(release, "unmeasured", False, conservative=True)
     group, fields = found
-    return FaultProfile(release, group, release in MEASURED_RELEASES, **fields)  # type: ignore[arg-type]
+    return FaultProfile(release, group, release in MEASURED_RELEASES, families=_family_column(parsed),
+                        **fields)  # type: ignore[arg-type]
+
+
+def _family_column(version: tuple[int, int, int]) -> tuple[tuple[str, str, str], ...]:
+    """The first-pass codes of the measured release of this minor version (2.12.0 is taken as 2.12.1)."""
+    minor = f"{version[0]}.{version[1]}."
+    column = next(i for i, release in enumerate(MEASURED_RELEASES) if release.startswith(minor))
+    unmeasured = (_U,) * len(MEASURED_RELEASES)
+    one, multi = ONE_DIMENSION_ROWS, MULTI_DIMENSION_ROWS
+    return tuple((f, one.get(f, unmeasured)[column], multi.get(f, unmeasured)[column])
+                 for f in sorted(one.keys() | multi.keys()))
 
 
 def installed_profile() -> FaultProfile:

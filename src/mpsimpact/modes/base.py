@@ -62,6 +62,11 @@ def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
     return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
 
 
+def cat_dim(args: tuple, kwargs: dict) -> int:
+    """aten.cat's dimension, positional or by keyword."""
+    return args[1] if len(args) > 1 else kwargs.get("dim", 0)
+
+
 def current_phase() -> str:
     """"backward" while autograd's engine runs a node on this thread, else "forward"."""
     return "backward" if torch._C._current_autograd_node() is not None else "forward"

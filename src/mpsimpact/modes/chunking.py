@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.modes.base import MATMUL_OPS, sdpa_operands
-from mpsimpact.engine.faults import TensorSpec, largest_safe_batch, limits
+from mpsimpact.engine.faults import TensorSpec, rows_per_safe_chunk, limits
 
 
 def _piece(x: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -47,10 +47,10 @@ def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, op: str = "bmm") ->
     limit, view_limit = limits(index_bits)
     cap = view_limit - 1
     if op == "mm":
-        return Split(largest_safe_batch(a, b, index_bits=index_bits, op="mm"))
+        return Split(rows_per_safe_chunk(a, b, index_bits=index_bits, op="mm"))
     m, k, n = a.shape[1], a.shape[2], b.shape[2]
     if max(m * k, k * n) <= cap and m * n <= limit:
-        return Split(largest_safe_batch(a, b, index_bits=index_bits, as_slices=True))
+        return Split(rows_per_safe_chunk(a, b, index_bits=index_bits, as_slices=True))
     cols = n if k * n <= cap else cap // k
     rows = min(m, cap // k, cap // max(cols, 1))
     return Split(1, rows, cols) if rows >= 1 and cols >= 1 else None

@@ -13,11 +13,13 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
+    cat_dim,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, contiguous_strides, Fault, limits, Profile, sdpa_path, TensorSpec, wrap_start_batch
+from mpsimpact.engine.faults import MPS_INDEX_BITS, contiguous_strides, Fault, limits, Profile, sdpa_path, TensorSpec, wrap_start_batch
+from mpsimpact.engine.families import classify_cat
 from mpsimpact.engine.release import resolve_profile
 
 if TYPE_CHECKING:
@@ -158,7 +160,7 @@ class EmulateMode(MatmulMode):
 
     def on_other(self, func, args, kwargs):
         if func is torch.ops.aten.cat.default and args[0]:
-            fault = classify_cat([t.numel() for t in args[0]], index_bits=self._cat_bits(), profile=self.profile)
+            fault = classify_cat(args[0], dim=cat_dim(args, kwargs), index_bits=self._cat_bits(), profile=self.profile)
             if not fault.is_ok:
                 spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
                 record = CallRecord(self.calls, "cat", spec, spec, fault, current_phase())

@@ -19,6 +19,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
+    cat_dim,
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
@@ -28,7 +29,8 @@ from mpsimpact.modes.chunking import (
 )
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, classify_cat, Fault, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.families import classify_cat
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -153,7 +155,8 @@ class GuardMode(MatmulMode):
     def on_other(self, func, args, kwargs):
         if func is torch.ops.aten.cat.default and args[0] and self._applies(args[0][0]):
             active = active_emulator()
-            fault = classify_cat([t.numel() for t in args[0]], index_bits=self._bits(active), profile=active.profile if active else self.profile)
+            fault = classify_cat(args[0], dim=cat_dim(args, kwargs), index_bits=self._bits(active),
+                                 profile=active.profile if active else self.profile)
             if not fault.is_ok:
                 spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
                 record = CallRecord(len(self.stopped) + len(self.chunked), "cat", spec, spec, fault, current_phase())

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.runs.device import GIB, check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, UsageError
@@ -32,7 +33,7 @@ class Geometry:
     batch_size: int
     max_length: int
     run_length: int
-    index_bits: int = 32
+    index_bits: int = MPS_INDEX_BITS
     profile: str = ""  # the torch release whose faults are emulated (or guarded and planned); "" = installed
     attention: str = "eager"  # the attention implementation of the pass
     dtype: str = "float32"  # the device passes' dtype
