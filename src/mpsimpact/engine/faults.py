@@ -251,7 +251,7 @@ def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: P
     prof = resolve_profile(profile)
     sa, sb = spec_of(a), spec_of(b)
     if prof.conservative:
-        return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p))
+        return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
     strided = "".join(name for name, s in (("a", sa), ("b", sb)) if s.layout == "strided")
     if not strided:
         return _classify_measured(sa, sb, index_bits, prof)
@@ -307,12 +307,15 @@ def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, prof: Fau
     return None
 
 
-def conservative(classify: Any) -> Fault:
-    """An unmeasured release: unsafe if any measured release faults; the newest such fault, labelled."""
+def conservative(classify: Any, asked: FaultProfile) -> Fault:
+    """An unmeasured release: unsafe if any measured release faults; the newest such fault, labelled
+    with the release asked for and the measured one whose fault it is."""
     faults = [f for f in (classify(p) for p in reversed(measured_profiles())) if not f.is_ok]
     if not faults:
         return OK
-    return dataclasses.replace(faults[0], rule=f"conservative:{faults[0].rule}", inferred=True)
+    worst = faults[0]
+    return dataclasses.replace(worst, rule=f"conservative:{worst.rule}", inferred=True,
+                               release=f"{asked.release}, unmeasured: as on {worst.release}")
 
 
 def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> tuple[Fault, Fault]:
@@ -336,7 +339,7 @@ def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX
     `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
     prof = resolve_profile(profile)
     if prof.conservative:
-        return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p))
+        return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p), prof)
     limit = limits(index_bits)[0]
     named = [("a", spec_of(a)), ("b", spec_of(b))] + ([("bias", spec_of(bias))] if bias is not None else [])
     out_numel = named[0][1].shape[0] * named[1][1].shape[1]
@@ -382,7 +385,7 @@ def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, pro
     `sdpa_path` is "fused"; on the math path the bmm rules decide."""
     prof = resolve_profile(profile)
     if prof.conservative:
-        return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p))
+        return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p), prof)
     limit, _ = limits(index_bits)
     sq, sk = spec_of(query), spec_of(key)
     scores = math.prod(sq.shape[:-1]) * sk.shape[-2]
