@@ -8,6 +8,12 @@ from mpsimpact.commands import options
 from mpsimpact.commands.options import option, shared
 
 
+# --quick: 16 texts of 256 tokens at a 23-bit index (LIMIT 2**23 = 8,388,608), where P (16*12, 256, 256)
+# = 12,582,912 elements wraps from text 10: the same fault as 4096 x 512 at 32 bits, in seconds.
+QUICK = (16, 256, 23)
+QUICK_TEXT = "--batch-size 16 --max-length 256 --index-bits 23"
+
+
 def config() -> type:
     from mpsimpact.runs.runner import RunConfig
     return RunConfig
@@ -38,6 +44,8 @@ def main(
     attention: str | None = option("--attention", "eager, sdpa, or both (side by side)."),
     dtype: str | None = option("--dtype", "float32 (as published), float16 or bfloat16: the device passes' "
                                           "dtype; half precision is judged against a same-dtype reference."),
+    quick: bool = typer.Option(False, "--quick", help=f"The 20-second demo: {QUICK_TEXT} unless given "
+                               "(emulated at a narrow index width, and said so)."),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     from rich.console import Console
@@ -46,6 +54,9 @@ def main(
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.runner import prepare_out_dir, run_scenario
 
+    if quick:
+        batch_size, max_length, index_bits = (given if given is not None else default for given, default in
+                                              zip((batch_size, max_length, index_bits), QUICK))
     run_config = options.config_from(
         config(), scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
         emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
@@ -56,10 +67,29 @@ def main(
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        report, arrays = run_scenario(run_config, _rich_progress(progress))
+        advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
+        report, arrays = run_scenario(run_config, advance)
     write_run_folder(folder, report, arrays)
     _print_summary(report, folder)
     _check_expectation(report, expect)
+
+
+def _log_progress(console: Any) -> Any:
+    """Progress for a log (CI, nohup, a pipe): a line when a step starts, at each quarter and at its end."""
+    import time
+
+    def make(description: str, total: int):
+        done, marks, start = [0], {max(1, total * q // 4) for q in (1, 2, 3, 4)}, time.perf_counter()
+        console.print(f"{description}: started ({total} steps)", soft_wrap=True)
+
+        def advance(n: int) -> None:
+            before, done[0] = done[0], done[0] + n
+            if any(before < mark <= done[0] for mark in marks):
+                console.print(f"{description}: {done[0]}/{total} ({time.perf_counter() - start:.0f} s)", soft_wrap=True)
+
+        return advance
+
+    return make
 
 
 def _rich_progress(progress: Any) -> Any:
