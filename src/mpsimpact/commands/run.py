@@ -109,6 +109,7 @@ def _print_summary(report: dict, folder: Any) -> None:
     console = Console()
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
+    console.print(f"[bold]{kind.headline(report)}[/]", soft_wrap=True)
     console.print(f"[{style}]{geometry['mode']}[/]")
     console.print(kind.console_table(report))
     for line in kind.console_lines(report):

@@ -18,6 +18,8 @@ def render_markdown(run: dict) -> str:
     lines = [
         f"# mpsimpact run: {run['config']['scenario']}",
         "",
+        f"**{kind_of(run).headline(run)}**",
+        "",
         f"**{g['mode']}** on {run['environment']['machine']}, torch {run['environment']['torch']}, "
         f"transformers {run['environment']['transformers']}.",
         "",
@@ -73,8 +75,9 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
     )
     g = run["geometry"]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {html.escape(run['config']['scenario'])}</title>
-<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}</style></head><body>
+<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}.headline{{font-size:1.5em;font-weight:bold}}</style></head><body>
 <h1>mpsimpact run: {html.escape(run['config']['scenario'])}</h1>
+<p class="headline">{html.escape(kind_of(run).headline(run))}</p>
 <p class="banner">{html.escape(g['mode'])}</p>
 <p>Model <code>{html.escape(run['model'])}</code>; data: {html.escape(run['data_source'])}; batch {g['batch_size']}, max length {g['max_length']};
 torch {html.escape(run['environment']['torch'])} on {html.escape(run['environment']['machine'])}.</p>

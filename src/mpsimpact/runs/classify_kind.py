@@ -81,6 +81,13 @@ class ClassifyKind(RunKind):
         return rich_table(f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}",
                              header, [_console_row(c) for c in report["conditions"]], justify="right")
 
+    def damage(self, report: dict, off: dict) -> str:
+        wrong, flips, c = off["corrupted_count"], off.get("flips", 0), off.get("collapse", {})
+        line = f"{wrong} of {report['geometry']['batch_size']} predictions came back wrong; {flips} changed class"
+        if c.get("class") and c.get("device_share", 0) > 0.5:
+            line += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
+        return line + "."
+
     def console_lines(self, report: dict) -> list[str]:
         lines = []
         for condition in report["conditions"]:

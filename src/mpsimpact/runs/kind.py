@@ -8,7 +8,7 @@ import abc
 from typing import Any, ClassVar
 
 from mpsimpact.errors import UsageError
-from mpsimpact.output.page import format_cell, rich_table
+from mpsimpact.output.page import EMULATED_LABEL, format_cell, rich_table
 
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
 # (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
@@ -62,6 +62,29 @@ class RunKind(abc.ABC):
     def markdown_lines(self, report: dict) -> list[str]:
         """Kind-specific bullet lines ("- ...") for report.md and report.html."""
         return []
+
+    def headline(self, report: dict) -> str:
+        """The run in one plain sentence for a slide: was the damage silent, and how much of it (led by
+        the emulated label when no Apple GPU was used)."""
+        sentence = self._headline(report)
+        return f"{EMULATED_LABEL}. {sentence}" if report["geometry"].get("emulated") else sentence
+
+    def _headline(self, report: dict) -> str:
+        off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
+        if off is None:
+            return "No unguarded condition ran: see the guarded conditions below."
+        if off["status"] != "completed":
+            return f"Not silent: without a guard the run did not complete ({off['status']}: {off.get('message')})."
+        wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
+        if not wrong:
+            return "Clean: without a guard every output matches the reference (nothing crossed a limit)."
+        if off.get("non_finite_count"):
+            return f"Not silent: {off['non_finite_count']} outputs came back NaN or infinite."
+        return f"Silent: no error, no warning, no NaN. {self.damage(report, off)}"
+
+    def damage(self, report: dict, off: dict) -> str:
+        """What went wrong without a guard, in a sentence (the kind's words)."""
+        return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong."
 
     def console_table(self, report: dict):
         """The console's conditions table (a rich Table): by default the report's columns."""

@@ -40,6 +40,10 @@ class TrainKind(RunKind):
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         return {"gradients.json": (json.dumps(arrays["gradient_errors"], indent=1) + "\n").encode("utf-8")}
 
+    def damage(self, report: dict, off: dict) -> str:
+        return (f"{off.get('corrupted_count') or 0} of {report['geometry']['batch_size']} logits and "
+                f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong.")
+
     def console_table(self, report: dict):
         table = super().console_table(report)
         table.title += f", {report['config']['steps']} step(s)"

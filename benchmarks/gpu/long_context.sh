@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On the lent H200: long context (issue 25) and the guard's latency after it.
+#   bash benchmarks/gpu/long_context.sh 70k      # acceptance run: 70,000 tokens, one head's scores > 2**32
+#   bash benchmarks/gpu/long_context.sh ratios   # 8k/16k/32k bf16: median times, ratios to eager, peaks
+#   bash benchmarks/gpu/long_context.sh latency  # guard latency (needs prepare.sh here; carry .weights, .whl)
+#   bash benchmarks/gpu/long_context.sh all
+# The 70k run took about N s on the H200 and the ratios about M s (see benchmarks/README.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+what=${1:-all}
+if [[ $what == 70k || $what == all ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+  start=$SECONDS
+  PYTHONPATH=src python3 benchmarks/long_context.py --device cuda --check-70k \
+    --json "$out/long_context_70k.json" 2>&1 | tee "$out/long_context_70k.txt"
+  echo "70k: $((SECONDS - start)) s wall" | tee -a "$out/long_context_70k.txt"
+fi
+if [[ $what == ratios || $what == all ]]; then
+  start=$SECONDS
+  PYTHONPATH=src python3 benchmarks/long_context.py --device cuda --lengths 8192,16384,32768 --reps 5 \
+    --dtype bfloat16 --json "$out/long_context_ratios.json" 2>&1 | tee "$out/long_context_ratios.txt"
+  echo "ratios: $((SECONDS - start)) s wall" | tee -a "$out/long_context_ratios.txt"
+fi
+if [[ $what == latency || $what == all ]]; then
+  (source benchmarks/gpu/setup.sh \
+    && python3 benchmarks/guard_latency.py --device cuda --shapes 8x128,64x128,512x128 --reps 30) 2>&1 \
+    | tee "$out/guard_latency.txt"
+fi
