@@ -108,14 +108,21 @@ def check_out_file(path: str | Path, flag: str) -> Path:
 def check_out_dir(folder: Path, flag: str = "--out") -> None:
     """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with some
     room on its disk: checked before any work, so a run never computes for a folder it cannot write."""
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
     if folder.is_dir():
         entries = os.listdir(folder)
-        if CLAIM_MARKER in entries and folder.absolute() not in _CLAIMS:
+        if CLAIM_MARKER in entries:
             _refuse_live_claim(folder, flag)
         if any(name != CLAIM_MARKER for name in entries):
             raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.", option=flag)
+    check_writable_folder(folder, flag)
+
+
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Raises UsageError unless `folder` is a folder we can write in, or one we can create (its nearest
+    existing parent is a writable folder), on a disk with some room. Creates nothing."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise UsageError(f"{flag} '{folder}': '{existing}' is a file, not a folder; pass another {flag}.", option=flag)
@@ -198,11 +205,13 @@ def _claim_holder(marker: Path) -> int | None:
 
 
 def _refuse_live_claim(folder: Path, flag: str) -> None:
-    holder = _claim_holder(folder / CLAIM_MARKER)
+    """Raises UsageError when a live writer holds the claim marker in `folder` (this process included)."""
+    holder = os.getpid() if folder.absolute() in _CLAIMS else _claim_holder(folder / CLAIM_MARKER)
     if holder is not None:
-        who = f" (pid {holder})" if holder > 0 else ""
-        raise UsageError(f"Output folder '{folder}' is being written by another mpsimpact process{who}; wait for it "
-                         f"to finish or pass another {flag}.", option=flag)
+        who = "another command of this process" if holder == os.getpid() else "another mpsimpact process"
+        pid = f" (pid {holder})" if holder > 0 else ""
+        raise UsageError(f"Output folder '{folder}' is being written by {who}{pid}; wait for it to finish or pass "
+                         f"another {flag}.", option=flag)
 
 
 def _make_or_adopt(folder: Path) -> bool:
@@ -245,11 +254,9 @@ def claim_out_dir(out: str | None, default_prefix: str) -> Path:
     Raises:
         UsageError: not creatable, not writable, not empty, claimed by a live process, or a full disk.
     """
-    folder = fresh_out_dir(out, default_prefix)
+    folder = fresh_out_dir(out, default_prefix)  # refuses a folder this process claimed, too
     key = folder.absolute()
     with _CLAIMS_LOCK:
-        if key in _CLAIMS:
-            return folder  # this process holds it already
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
