@@ -213,6 +213,22 @@ def test_a_full_disk_is_refused(tmp_path, monkeypatch):
         fresh_out_dir(str(tmp_path / "out"), "run")
 
 
+def test_a_file_to_write_later_is_checked_without_creating_its_folder(tmp_path):
+    from mpsimpact.output.files import check_out_file
+
+    missing = tmp_path / "nonexistent" / "dir" / "x.png"  # plan --figure made these folders
+    with pytest.raises(UsageError, match=None) as error:
+        check_out_file(missing, "--figure")
+    assert error.value.message == (f"--figure '{missing}': '{missing.parent}' does not exist; create the folder first "
+                                   "or pass another path.")
+    with pytest.raises(UsageError, match="is a folder; pass a file name."):
+        check_out_file(tmp_path, "--figure")
+    with pytest.raises(UsageError, match="--figure must name a file, got ''."):
+        check_out_file("", "--figure")
+    assert check_out_file(tmp_path / "x.png", "--figure") == tmp_path / "x.png"
+    assert os.listdir(tmp_path) == []
+
+
 HEAVY = {  # command -> (args, the work that must not start)
     "run": (["run", "sentiment"], "mpsimpact.runs.runner.run_scenario"),
     "plan": (["plan", "sentiment"], "mpsimpact.prediction.plan.build_plan_report"),
