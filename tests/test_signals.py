@@ -1,4 +1,4 @@
-"""SIGTERM and SIGHUP handled like Ctrl-C (output.files.exit_cleanly_on_signals): exit 128 + the signal,
+"""SIGTERM and SIGHUP handled like Ctrl-C (output.signals.exit_cleanly_on_signals): exit 128 + the signal,
 no partial report folder, claim or temporary cache file left, and a child process (the matrix probe)
 ended with its parent. Each case runs a small driver in a subprocess that says "ready" at the moment
 to interrupt, then waits to be signalled."""
@@ -15,7 +15,7 @@ import pytest
 DRIVER_HEAD = """
 import os, sys, time
 from pathlib import Path
-from mpsimpact.output.files import exit_cleanly_on_signals
+from mpsimpact.output.signals import exit_cleanly_on_signals
 def ready(what="ready"):
     print(what, flush=True)
     time.sleep(60)

@@ -145,7 +145,8 @@ def read_text_file(file: Path) -> str:
     """The file as text: UTF-8 with an optional byte-order mark; binary and other encodings refused."""
     data = file.read_bytes()
     if not data.strip():
-        raise UsageError(f"Dataset file '{file}' is empty; it needs a 'text' and a 'label' for each text.", file=str(file))
+        raise UsageError(f"Dataset file '{file}' is empty; it needs a 'text' and a 'label' for each text.",
+                         file=str(file))
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE, codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
         raise UsageError(f"Dataset file '{file}' is UTF-16 or UTF-32; save it as UTF-8.", file=str(file))
     if b"\0" in data:
@@ -187,7 +188,8 @@ def read_csv_rows(file: Path, text: str) -> list[Row]:
                 continue
             if len(record) != len(header):
                 raise UsageError(f"Dataset file '{file}', row {number} (line {line}): {len(record)} fields where the "
-                                 f"header has {len(header)} (a comma inside a text needs quotes).", file=str(file), row=number)
+                                 f"header has {len(header)} (a comma inside a text needs quotes).",
+                                 file=str(file), row=number)
             rows.append(Row(number, line, record[columns["text"]], record[columns["label"]]))
             line = reader.line_num + 1
     except csv.Error as error:
@@ -265,8 +267,8 @@ def _label_index(row: Row, names: tuple[str, ...], source: str) -> int:
     expected = f"one of the model's labels ({', '.join(names)}) or an index in 0..{len(names) - 1}"
     problem = f"is empty; give {expected}" if label == "" else (
         f": {repr(label) if isinstance(label, str) else json.dumps(label)} is not {expected}")
-    raise UsageError(f"Dataset file '{source}', {row.where()}, field 'label'{' ' if label == '' else ''}{problem}.",
-                     file=source, row=row.number, field="label")
+    where = f"Dataset file '{source}', {row.where()}, field 'label'"
+    raise UsageError(f"{where}{' ' if label == '' else ''}{problem}.", file=source, row=row.number, field="label")
 
 
 def _json_kind(value: Any) -> str:

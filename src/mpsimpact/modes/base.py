@@ -68,7 +68,8 @@ def check_index_bits(index_bits: Any, name: str = "index_bits") -> None:
     checked as the CLI checks --index-bits, in the same words."""
     low, high = INDEX_BITS_RANGE
     if isinstance(index_bits, bool) or not isinstance(index_bits, int) or not low <= index_bits <= high:
-        raise UsageError(f"{name} must be in {low}..{high} ({MPS_INDEX_BITS} is MPS), got {index_bits!r}.", option=name)
+        raise UsageError(f"{name} must be in {low}..{high} ({MPS_INDEX_BITS} is MPS), got {index_bits!r}.",
+                         option=name)
 
 
 def current_phase() -> str:

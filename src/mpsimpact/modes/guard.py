@@ -312,7 +312,8 @@ def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
 
 def uninstall_guard() -> None:
     """Deprecated name of `uninstall_thread_guard`."""
-    warnings.warn("mpsimpact.uninstall_guard() is now called uninstall_thread_guard().", DeprecationWarning, stacklevel=2)
+    warnings.warn("mpsimpact.uninstall_guard() is now called uninstall_thread_guard().", DeprecationWarning,
+                  stacklevel=2)
     uninstall_thread_guard()
 
 

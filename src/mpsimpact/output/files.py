@@ -1,6 +1,6 @@
 """State we write and how it is kept honest: files written atomically (a temporary file or folder, then a
-rename), report folders checked and claimed before any work, the cache folder, and SIGTERM/SIGHUP turned
-into an exception so every cleanup runs on the way out. Nothing here knows about runs or models."""
+rename), report folders checked and claimed before any work (released on failure; see output.signals for
+SIGTERM), and the cache folder. Nothing here knows about runs or models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import functools
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -99,9 +98,11 @@ def check_out_file(path: str | Path, flag: str) -> Path:
     folder = file.parent
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
-        raise UsageError(f"{flag} '{file}': '{folder}' {what}; create the folder first or pass another path.", option=flag)
+        raise UsageError(f"{flag} '{file}': '{folder}' {what}; create the folder first or pass another path.",
+                         option=flag)
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} '{file}': cannot write in '{folder}' (permission denied); pass another path.", option=flag)
+        raise UsageError(f"{flag} '{file}': cannot write in '{folder}' (permission denied); pass another path.",
+                         option=flag)
     return file
 
 
@@ -113,7 +114,8 @@ def check_out_dir(folder: Path, flag: str = "--out") -> None:
         if CLAIM_MARKER in entries:
             _refuse_live_claim(folder, flag)
         if any(name != CLAIM_MARKER for name in entries):
-            raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.", option=flag)
+            raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.",
+                             option=flag)
     check_writable_folder(folder, flag)
 
 
@@ -125,7 +127,8 @@ def check_writable_folder(folder: Path, flag: str) -> None:
         raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
-        raise UsageError(f"{flag} '{folder}': '{existing}' is a file, not a folder; pass another {flag}.", option=flag)
+        raise UsageError(f"{flag} '{folder}': '{existing}' is a file, not a folder; pass another {flag}.",
+                         option=flag)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} '{folder}': cannot write in '{existing}' (permission denied); pass another {flag}.",
                          option=flag)
@@ -232,7 +235,8 @@ def _make_or_adopt(folder: Path) -> bool:
         entries.discard(CLAIM_MARKER)
         stale = True
     if entries:
-        raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.", option="--out")
+        raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.",
+                         option="--out")
     return stale
 
 
@@ -343,52 +347,3 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
         claim = _CLAIMS.pop(key, None)
     if claim is not None:
         os.close(claim.fd)
-
-
-class TerminatedBySignal(BaseException):
-    """SIGTERM or SIGHUP, raised where the program was (like KeyboardInterrupt for SIGINT), so every
-    `finally` and `except BaseException` cleanup runs; `exit_cleanly_on_signals` turns it into exit
-    128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(f"stopped by {self.name}")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-CLEAN_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def exit_cleanly_on_signals(signals: tuple[int, ...] = CLEAN_EXIT_SIGNALS) -> Iterator[None]:
-    """Handles SIGTERM and SIGHUP (kill, CI timeouts, schedulers, a closed terminal) like Ctrl-C: the
-    signal raises `TerminatedBySignal` in the main thread, partial folders, claims and temporary cache
-    files are removed on the way out, a child process run with `subprocess.run` is killed by it, and
-    the block exits with SystemExit(128 + signal) (143 for SIGTERM, 129 for SIGHUP) after one line on
-    stderr. Signals that come while cleaning up are ignored. Outside the main thread it does nothing
-    (Python delivers signals to the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        if received:
-            return  # already on the way out: let the cleanup finish
-        received.append(signum)
-        raise TerminatedBySignal(signum)
-
-    previous = {number: signal.signal(number, on_signal) for number in signals}
-    try:
-        yield
-    except TerminatedBySignal as stop:
-        release_all_out_dirs()
-        print(f"stopped by {stop.name}; partial output removed.", file=sys.stderr, flush=True)
-        raise SystemExit(stop.exit_code) from None
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)

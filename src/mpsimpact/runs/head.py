@@ -64,7 +64,8 @@ def train_head(out_dir: Path | None = None, *, limit: int | None = None, advance
     from sklearn.linear_model import LogisticRegression
 
     if limit is not None and limit < len(LABELS):
-        raise UsageError(f"--limit must be >= {len(LABELS)} (one training text per label: {', '.join(LABELS)}), got {limit}.")
+        raise UsageError(f"--limit must be >= {len(LABELS)} (one training text per label: {', '.join(LABELS)}), "
+                         f"got {limit}.")
     weights_path, metadata_path = head_files(out_dir)
     check_writable_folder(weights_path.parent, "--out")  # before any work
     train, heldout = load_embedded("train"), load_embedded("heldout")

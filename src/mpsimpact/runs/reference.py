@@ -117,7 +117,8 @@ def decode_entry(data: bytes, key: str, rows: int | None = None) -> np.ndarray:
         raise ValueError(f"has {shape[0]} rows, this run has {rows} texts")
     payload, needed = data[end + 1:], math.prod(shape) * dtype.itemsize
     if size != needed or len(payload) != needed:
-        raise ValueError(f"is truncated or padded ({len(payload)} bytes of data; its shape {list(shape)} needs {needed})")
+        raise ValueError(f"is truncated or padded ({len(payload)} bytes of data; its shape {list(shape)} needs "
+                         f"{needed})")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ValueError("is damaged (its sha256 does not match its data)")
     array = np.frombuffer(payload, dtype=dtype).reshape(shape).copy()

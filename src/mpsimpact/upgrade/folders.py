@@ -167,7 +167,7 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:  # truncated, garbled, not a zip
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:  # truncated, garbled
         raise UsageError(f"Cannot read '{path}' ({type(error).__name__}: {error}); it is damaged or truncated: "
                          "rerun `mpsimpact run` for this folder.") from None
     if "reference" not in arrays:

@@ -133,8 +133,9 @@ def environment_row(version: str, job: dict[str, Any], cache: OverlayCache, prob
         progress(version, "building")
         with cache.using(version, offline=offline) as overlay:  # nobody rebuilds it while it is probed
             marker = overlay.marker
-            row |= {"cached": overlay.cached, "overlay": {"path": str(overlay.path), "installed": marker.get("installed", []),
-                                                          "first_build_s": marker.get("build_s")}}
+            row["cached"] = overlay.cached
+            row["overlay"] = {"path": str(overlay.path), "installed": marker.get("installed", []),
+                              "first_build_s": marker.get("build_s")}
             row["timing"]["build_s"] = overlay.build_s
             progress(version, "probing")
             started = time.perf_counter()
