@@ -74,7 +74,7 @@ def test_csv_labels_by_name_become_indices(tmp_path):
 def test_csv_with_an_unknown_label_is_refused(tmp_path):
     path = tmp_path / "mine.csv"
     path.write_text("text,label\ngreat day,positive\nwhat,sarcastic\n")
-    with pytest.raises(UsageError, match=r"labels \['sarcastic'\] are not among the model's labels"):
+    with pytest.raises(UsageError, match=r"row 2 \(line 3\), field 'label': 'sarcastic' is not one of the model's labels"):
         load_file(str(path))
 
 

@@ -8,7 +8,7 @@ import torch
 
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MpsImpactError, OversizedOpError
-from mpsimpact.modes.guard import MpsImpactWarning, guard, install_guard, uninstall_guard
+from mpsimpact.modes.guard import MpsImpactWarning, guard, install_thread_guard, uninstall_thread_guard
 from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert, token_batch
 
@@ -100,18 +100,18 @@ def test_emulate_inside_a_guard_is_refused():
             pass
 
 
-def test_install_guard_reads_the_environment(monkeypatch):
+def test_install_thread_guard_reads_the_environment(monkeypatch):
     op, args = case_wrong_tail()
     monkeypatch.setenv("MPSIMPACT_GUARD", "off")
-    assert install_guard() is None
+    assert install_thread_guard() is None
     expected = torch.bmm(*args)
     monkeypatch.setenv("MPSIMPACT_GUARD", "chunk")
-    installed = install_guard(index_bits=BITS, devices=("cpu",))
+    installed = install_thread_guard(index_bits=BITS, devices=("cpu",))
     try:
         torch.testing.assert_close(op(*args), expected)
         assert installed.mode == "chunk" and len(installed.chunked) == 1
     finally:
-        uninstall_guard()
+        uninstall_thread_guard()
     op(*args)  # uninstalled: no guard left behind
 
 

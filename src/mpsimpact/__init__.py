@@ -24,6 +24,8 @@ _EXPORTS = {
     "guard": "mpsimpact.modes.guard",
     "install_guard": "mpsimpact.modes.guard",
     "uninstall_guard": "mpsimpact.modes.guard",
+    "install_thread_guard": "mpsimpact.modes.guard",
+    "uninstall_thread_guard": "mpsimpact.modes.guard",
     "MpsImpactError": "mpsimpact.errors",
     "OversizedOpError": "mpsimpact.errors",
     "EmulatedMpsError": "mpsimpact.errors",

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.engine.faults import Fault
+from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS, Fault
+from mpsimpact.errors import UsageError
 
 aten = torch.ops.aten
 
@@ -65,6 +66,15 @@ def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
 def cat_dim(args: tuple, kwargs: dict) -> int:
     """aten.cat's dimension, positional or by keyword."""
     return args[1] if len(args) > 1 else kwargs.get("dim", 0)
+
+
+def check_index_bits(index_bits: Any, name: str = "index_bits") -> None:
+    """Raises UsageError unless `index_bits` is an integer in INDEX_BITS_RANGE: the API's arguments are
+    checked as the CLI checks --index-bits, in the same words."""
+    low, high = INDEX_BITS_RANGE
+    if isinstance(index_bits, bool) or not isinstance(index_bits, int) or not low <= index_bits <= high:
+        raise UsageError(f"{name} must be in {low}..{high} ({MPS_INDEX_BITS} is MPS), got {index_bits!r}.",
+                         option=name)
 
 
 def current_phase() -> str:

@@ -13,12 +13,12 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    cat_dim,
+    cat_dim, check_index_bits,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, contiguous_strides, Fault, limits, Profile, sdpa_path, TensorSpec, wrap_start_batch
+from mpsimpact.engine.faults import MPS_INDEX_BITS, contiguous_strides, Fault, Profile, sdpa_path, TensorSpec, wrap_start_batch
 from mpsimpact.engine.families import classify_cat
 from mpsimpact.engine.release import resolve_profile
 
@@ -85,7 +85,7 @@ class EmulateMode(MatmulMode):
 
     def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> None:
         super().__init__()
-        limits(index_bits)
+        check_index_bits(index_bits)
         self.index_bits = index_bits
         self.plan = plan
         self.profile = resolve_profile(plan.profile if plan is not None else profile)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    cat_dim,
+    cat_dim, check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
@@ -34,7 +35,11 @@ from mpsimpact.engine.families import classify_cat
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
-_INSTALLED: list[GuardMode] = []
+# Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
+# hold one, so a call from another thread can say where its guard is.
+_INSTALLED = threading.local()
+_HOLDERS: dict[int, tuple[str, int]] = {}  # thread id -> (thread name, installed guards)
+_HOLDERS_LOCK = threading.Lock()
 
 
 def is_guarding() -> bool:
@@ -56,7 +61,7 @@ class GuardMode(MatmulMode):
         super().__init__()
         if mode not in GUARD_MODES:
             raise UsageError(f"Guard mode must be one of {', '.join(GUARD_MODES)}, got '{mode}'.", mode=mode)
-        limits(index_bits)
+        check_index_bits(index_bits)
         self.mode = mode
         self.index_bits = index_bits
         self.devices = devices
@@ -236,7 +241,8 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | None) -> str:
 @contextlib.contextmanager
 def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
           profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
-    """Guards every bmm/mm/SDPA/cat call that would fault on MPS.
+    """Guards every bmm/mm/SDPA/cat call that would fault on MPS, on this thread (threads started
+    inside the block are not guarded: see `install_thread_guard`).
 
     Args:
         mode: "raise" (stop before the op runs with `OversizedOpError`), "warn" (warn once per op
@@ -255,11 +261,22 @@ def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tup
         yield mode_obj
 
 
-def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
-    """Installs a guard for the rest of this thread's work (until `uninstall_guard()`).
+def install_thread_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
+    """Installs a guard for the rest of this thread's work, until `uninstall_thread_guard()` on this
+    thread. Other threads, also ones started later from this one, are not guarded: each thread that
+    runs a model installs its own (or enters `guard()`).
 
-    `mode` defaults to the environment variable MPSIMPACT_GUARD (off|raise|warn|chunk; unset means
-    raise). Returns the installed mode, or None for "off".
+    Why per thread: torch keeps dispatch modes per thread (a strict guard, or one under `emulate()`,
+    cannot follow a thread it was not entered on), and the emulator is per thread, so a process-wide
+    guard would hold on some threads and not others, and meet other threads' emulators in an order
+    nobody chose.
+
+    Args:
+        mode: raise, warn, chunk or off; default the environment variable MPSIMPACT_GUARD (unset: raise).
+        **options: as `guard()` (index_bits, devices, profile, strict).
+
+    Returns:
+        The installed mode, or None for "off".
     """
     mode = mode or os.environ.get("MPSIMPACT_GUARD", "raise")
     if mode == "off":
@@ -269,15 +286,59 @@ def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
         mode_obj.__enter__()
     push_active("guard", mode_obj)
     push_handler(mode_obj)
-    _INSTALLED.append(mode_obj)
+    _thread_guards().append(mode_obj)
+    _count_holder(+1)
     return mode_obj
 
 
+def uninstall_thread_guard() -> None:
+    """Removes the guard `install_thread_guard()` installed last on this thread; does nothing if this
+    thread has none and no other thread does.
+
+    Raises:
+        UsageError: this thread has none, but another thread has one (only that thread can remove it).
+    """
+    guards = _thread_guards()
+    if not guards:
+        alive = {thread.ident for thread in threading.enumerate()}
+        with _HOLDERS_LOCK:
+            others = sorted(name for ident, (name, count) in _HOLDERS.items() if count and ident in alive)
+        if others:
+            raise UsageError(
+                f"uninstall_thread_guard() removes the guard installed on the calling thread; this thread has none, "
+                f"the guard is on thread {others[0]!r}. Call uninstall_thread_guard() on that thread.")
+        return
+    mode_obj = guards.pop()
+    _count_holder(-1)
+    remove_handler(mode_obj)
+    remove_active("guard", mode_obj)
+    if mode_obj.everywhere:
+        mode_obj.__exit__(None, None, None)
+
+
+def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
+    """Deprecated name of `install_thread_guard` (the guard was never process-wide)."""
+    warnings.warn("mpsimpact.install_guard() guards only the calling thread; it is now called "
+                  "install_thread_guard().", DeprecationWarning, stacklevel=2)
+    return install_thread_guard(mode, **options)
+
+
 def uninstall_guard() -> None:
-    """Removes the guard `install_guard()` installed last; does nothing if none is installed."""
-    if _INSTALLED:
-        mode_obj = _INSTALLED.pop()
-        remove_handler(mode_obj)
-        remove_active("guard", mode_obj)
-        if mode_obj.everywhere:
-            mode_obj.__exit__(None, None, None)
+    """Deprecated name of `uninstall_thread_guard`."""
+    warnings.warn("mpsimpact.uninstall_guard() is now called uninstall_thread_guard().", DeprecationWarning,
+                  stacklevel=2)
+    uninstall_thread_guard()
+
+
+def _thread_guards() -> list[GuardMode]:
+    return _INSTALLED.__dict__.setdefault("guards", [])
+
+
+def _count_holder(change: int) -> None:
+    thread = threading.current_thread()
+    with _HOLDERS_LOCK:
+        count = _HOLDERS.get(thread.ident, (thread.name, 0))[1] + change
+        if count:
+            _HOLDERS[thread.ident] = (thread.name, count)
+        else:
+            _HOLDERS.pop(thread.ident, None)

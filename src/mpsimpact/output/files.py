@@ -1,24 +1,62 @@
-"""Files we write: atomically (a temporary file or folder, then a rename), into a fresh report folder
-that nothing is ever overwritten in."""
+"""State we write and how it is kept honest: files written atomically (a temporary file or folder, then a
+rename), report folders checked and claimed before any work (released on failure; see output.signals for
+SIGTERM), and the cache folder. Nothing here knows about runs or models."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
+import fcntl
+import functools
 import os
+import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from mpsimpact.errors import UsageError
 
+CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
+MIN_FREE_BYTES = 16 << 20  # refuse an --out on a disk with less free: reports hold figures and logits
+_PARTIAL_FILE = re.compile(r"^\..+\.(\d+)\.[^.]+\.partial$")  # atomic_write_bytes' temporary files
+
+
+def warn(message: str) -> None:
+    """One line on stderr: for state we could not use and worked around (never for a failure)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def cache_root() -> Path:
+    """mpsimpact's cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact, else ~/.cache/mpsimpact.
+    Everything mpsimpact keeps between runs (references, transformers environments) lives under it."""
+    root = os.environ.get("MPSIMPACT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpsimpact"
+
+
+def is_process_alive(pid: int) -> bool:
+    """Whether a process with this id runs (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` through a temporary file and a rename: never half-written."""
+    """Writes `data` to `path` through a temporary file and a rename: never half-written. The temporary
+    file carries this process's id, so `remove_dead_partials` can tell a killed writer's leftovers."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
     try:
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are meant to be shared
         with os.fdopen(fd, "wb") as fh:
@@ -35,28 +73,277 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def fresh_out_dir(out: str | None, default_prefix: str) -> Path:
-    """The report folder: `out`, or outputs/<prefix>-<timestamp>/; refuses one that already holds
-    files (nothing is overwritten)."""
-    folder = Path(out) if out else Path("outputs") / f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if folder.exists() and any(folder.iterdir()):
-        raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.")
+def remove_dead_partials(folder: Path) -> int:
+    """Removes the temporary files of `atomic_write_bytes` in `folder` whose writer no longer runs
+    (killed with SIGKILL, or by a power cut); returns how many. A live writer's file is left alone."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            match = _PARTIAL_FILE.match(entry.name)
+            if match and not is_process_alive(int(match[1])):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
+
+
+def check_out_file(path: str | Path, flag: str) -> Path:
+    """A file we will write later (e.g. `--figure`), checked before any work: its folder exists and is
+    writable, and it is not a folder. Creates nothing."""
+    file = Path(path)
+    if not str(path).strip():
+        raise UsageError(f"{flag} must name a file, got ''.", option=flag)
+    if file.is_dir():
+        raise UsageError(f"{flag} '{file}' is a folder; pass a file name.", option=flag)
+    folder = file.parent
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise UsageError(f"{flag} '{file}': '{folder}' {what}; create the folder first or pass another path.",
+                         option=flag)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} '{file}': cannot write in '{folder}' (permission denied); pass another path.",
+                         option=flag)
+    return file
+
+
+def check_out_dir(folder: Path, flag: str = "--out") -> None:
+    """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with some
+    room on its disk: checked before any work, so a run never computes for a folder it cannot write."""
+    if folder.is_dir():
+        entries = os.listdir(folder)
+        if CLAIM_MARKER in entries:
+            _refuse_live_claim(folder, flag)
+        if any(name != CLAIM_MARKER for name in entries):
+            raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.",
+                             option=flag)
+    check_writable_folder(folder, flag)
+
+
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Raises UsageError unless `folder` is a folder we can write in, or one we can create (its nearest
+    existing parent is a writable folder), on a disk with some room. Creates nothing."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag} '{folder}': '{existing}' is a file, not a folder; pass another {flag}.",
+                         option=flag)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} '{folder}': cannot write in '{existing}' (permission denied); pass another {flag}.",
+                         option=flag)
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        raise UsageError(f"{flag} '{folder}' is on a disk with {free >> 20} MiB free; free some space or pass another "
+                         f"{flag}.", option=flag)
+
+
+def default_out_dir(default_prefix: str) -> Path:
+    """outputs/<prefix>-<timestamp>/, with -2, -3 ... when another run took that second's name."""
+    base = Path("outputs") / f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder, number = base, 1
+    while folder.exists():
+        number += 1
+        folder = base.with_name(f"{base.name}-{number}")
     return folder
+
+
+def fresh_out_dir(out: str | None, default_prefix: str) -> Path:
+    """The report folder, `out` or outputs/<prefix>-<timestamp>/, checked (see `check_out_dir`) but
+    not claimed: creates nothing. Commands call `claimed_out_dir` instead, which also claims it."""
+    if out is not None and not str(out).strip():
+        raise UsageError("--out must name a folder, got ''.", option="--out")
+    folder = Path(out) if out else default_out_dir(default_prefix)
+    check_out_dir(folder)
+    return folder
+
+
+@dataclasses.dataclass
+class _Claim:
+    folder: Path
+    fd: int  # the marker, flock-ed for as long as this process holds the claim
+    created: bool  # this claim made the folder (so releasing it removes it again)
+
+
+_CLAIMS: dict[Path, _Claim] = {}
+_CLAIMS_LOCK = threading.Lock()
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    atexit.register(release_all_out_dirs)  # once: claims a crash or sys.exit left
+
+
+@contextlib.contextmanager
+def _locked_folder(folder: Path) -> Iterator[None]:
+    """An exclusive flock on a folder, held briefly: claimants of names in it take turns."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield  # cannot open it for a lock (exotic file systems): claims still refuse live markers
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _claim_holder(marker: Path) -> int | None:
+    """The process id holding a claim marker, or None when the claim is stale (its holder died: the
+    kernel released its lock) or the marker vanished."""
+    try:
+        fd = os.open(marker, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.read(fd, 32).decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)
+    return None
+
+
+def _refuse_live_claim(folder: Path, flag: str) -> None:
+    """Raises UsageError when a live writer holds the claim marker in `folder` (this process included)."""
+    holder = os.getpid() if folder.absolute() in _CLAIMS else _claim_holder(folder / CLAIM_MARKER)
+    if holder is not None:
+        who = "another command of this process" if holder == os.getpid() else "another mpsimpact process"
+        pid = f" (pid {holder})" if holder > 0 else ""
+        raise UsageError(f"Output folder '{folder}' is being written by {who}{pid}; wait for it to finish or pass "
+                         f"another {flag}.", option=flag)
+
+
+def _make_or_adopt(folder: Path) -> bool:
+    """Creates `folder`, or adopts an empty one (or one a dead claim left); True when the claim owns
+    the folder (it removes it again on release)."""
+    try:
+        os.mkdir(folder)
+        return True
+    except FileExistsError:
+        pass
+    if not folder.is_dir():
+        raise UsageError(f"--out '{folder}' is a file, not a folder; pass another --out.", option="--out")
+    entries = set(os.listdir(folder))
+    stale = False
+    if CLAIM_MARKER in entries:
+        _refuse_live_claim(folder, "--out")
+        (folder / CLAIM_MARKER).unlink(missing_ok=True)  # left by a killed process
+        entries.discard(CLAIM_MARKER)
+        stale = True
+    if entries:
+        raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.",
+                         option="--out")
+    return stale
+
+
+def _remove_dead_partial_folders(folder: Path) -> None:
+    """`.NAME.partial-PID/` folders next to `folder` whose writer no longer runs."""
+    for partial in folder.parent.glob(f".{folder.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not is_process_alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def claim_out_dir(out: str | None, default_prefix: str) -> Path:
+    """Checks and claims the report folder before any work: `out` (or outputs/<prefix>-<timestamp>/) is
+    created, or adopted when empty, with a marker this process holds a lock on, so a second writer is
+    refused at once (the lock dies with the process: a killed writer's claim is taken over). Stale
+    partial folders of killed writers next to it are removed. `folder_written_atomically` fills it;
+    `release_out_dir` (or the end of the process) gives it back unfilled.
+
+    Raises:
+        UsageError: not creatable, not writable, not empty, claimed by a live process, or a full disk.
+    """
+    folder = fresh_out_dir(out, default_prefix)  # refuses a folder this process claimed, too
+    key = folder.absolute()
+    with _CLAIMS_LOCK:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--out '{folder}' cannot be created ({error.strerror}); pass another --out.") from None
+        with _locked_folder(folder.parent):
+            created = _make_or_adopt(folder)
+            try:
+                fd = os.open(folder / CLAIM_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError as error:
+                if created:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); pass another --out.") from None
+            _remove_dead_partial_folders(folder)
+        _CLAIMS[key] = _Claim(folder, fd, created)
+    _release_at_exit()
+    return folder
+
+
+def release_out_dir(folder: Path) -> None:
+    """Gives back a claim `folder_written_atomically` did not fill: the marker goes, and the folder too
+    when the claim created it and it is still empty. Does nothing for a filled or unclaimed folder."""
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.pop(Path(folder).absolute(), None)
+    if claim is None:
+        return
+    with _locked_folder(claim.folder.parent):
+        (claim.folder / CLAIM_MARKER).unlink(missing_ok=True)
+        if claim.created:
+            with contextlib.suppress(OSError):
+                claim.folder.rmdir()
+    os.close(claim.fd)
+
+
+def release_all_out_dirs() -> None:
+    """Releases every claim this process still holds (at exit, and on SIGTERM/SIGHUP)."""
+    for folder in [claim.folder for claim in list(_CLAIMS.values())]:
+        release_out_dir(folder)
+
+
+@contextlib.contextmanager
+def claimed_out_dir(out: str | None, default_prefix: str, *, default: bool = True) -> Iterator[Path | None]:
+    """`claim_out_dir` for the length of a command: the claim is released if the block ends without
+    filling the folder (an error, Ctrl-C, SIGTERM). With `default=False` and no `out`, yields None
+    (the command writes no folder)."""
+    if out is None and not default:
+        yield None
+        return
+    folder = claim_out_dir(out, default_prefix)
+    try:
+        yield folder
+    finally:
+        release_out_dir(folder)
 
 
 @contextlib.contextmanager
 def folder_written_atomically(out: Path) -> Iterator[Path]:
     """Yields a hidden partial folder to fill; renames it to `out` only when the block completes,
-    and removes it otherwise: an interrupted run leaves no complete-looking report."""
+    and removes it otherwise: an interrupted run leaves no complete-looking report. A folder this
+    process claimed (`claim_out_dir`) is filled and its claim ends; an unclaimed `out` must be absent
+    or empty."""
     out = Path(out)
+    key = out.absolute()
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if out.parent.is_dir():
+        _remove_dead_partial_folders(out)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
         yield partial
-        if out.exists():
-            out.rmdir()  # fresh_out_dir allowed only an empty folder
-        os.replace(partial, out)
+        with _locked_folder(out.parent):
+            claim = _CLAIMS.get(key)
+            if claim is not None:
+                (out / CLAIM_MARKER).unlink(missing_ok=True)
+            if out.is_dir() and os.listdir(out):
+                raise UsageError(f"Output folder '{out}' was written by another process while this one ran; "
+                                 "pass another --out.", option="--out")
+            os.replace(partial, out)  # onto an empty folder too: the claimed one
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.pop(key, None)
+    if claim is not None:
+        os.close(claim.fd)

@@ -1,12 +1,13 @@
 """The reference: CPU fp32 outputs computed in small length-sorted chunks (padding only to each
 chunk's longest text, which the attention mask makes exact), cached on disk by everything that
-affects them."""
+affects them; each cache entry carries its key, shape, dtype and sha256, checked when read."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.output.files import atomic_write_bytes
+from mpsimpact.output.files import atomic_write_bytes, cache_root, remove_dead_partials, warn
 
 CHUNK = 64
+# A cache entry: MAGIC, a JSON header line, the float32 array's bytes; see encode_entry.
+MAGIC = b"MPSIMPACT-REFERENCE 1\n"
+MAX_HEADER = 4096
+SUFFIX = ".ref"
 
 
 def run_chunked(
@@ -60,8 +65,8 @@ def model_fingerprint(module: torch.nn.Module) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MPSIMPACT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpsimpact"
-    return Path(root) / "reference"
+    """Where cached references live: <cache_root>/reference."""
+    return cache_root() / "reference"
 
 
 def cache_key(fingerprint: str, texts: Sequence[str], max_length: int) -> str:
@@ -75,17 +80,97 @@ def cache_key(fingerprint: str, texts: Sequence[str], max_length: int) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def cached_reference(key: str) -> np.ndarray | None:
-    path = cache_dir() / f"{key}.npy"
-    return np.load(path) if path.is_file() else None
+def entry_path(key: str) -> Path:
+    return cache_dir() / f"{key}{SUFFIX}"
 
 
-def store_reference(key: str, logits: np.ndarray) -> None:
-    import io
+def encode_entry(key: str, logits: np.ndarray) -> bytes:
+    """An entry's bytes: MAGIC, one JSON header line (key, shape, dtype, byte count, sha256), the array."""
+    payload = np.ascontiguousarray(logits, dtype=np.float32).tobytes()
+    header = {"key": key, "shape": list(logits.shape), "dtype": "<f4", "bytes": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest()}
+    return MAGIC + json.dumps(header).encode() + b"\n" + payload
 
-    buffer = io.BytesIO()
-    np.save(buffer, logits)
-    atomic_write_bytes(cache_dir() / f"{key}.npy", buffer.getvalue())
+
+def decode_entry(data: bytes, key: str, rows: int | None = None) -> np.ndarray:
+    """The array of an entry, every header field checked against its payload.
+
+    Raises:
+        ValueError: what is off, as words that follow "the cached reference ... ".
+    """
+    if not data:
+        raise ValueError("is empty")
+    if not data.startswith(MAGIC):
+        raise ValueError("has no mpsimpact reference header (damaged, or written by an older mpsimpact)")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
+    try:
+        header = json.loads(data[len(MAGIC):end]) if end > 0 else None
+        shape, size, digest = tuple(header["shape"]), header["bytes"], header["sha256"]
+        stored_key, dtype = header["key"], np.dtype(header["dtype"])
+    except (ValueError, TypeError, KeyError):
+        raise ValueError("has a damaged header") from None
+    if stored_key != key:
+        raise ValueError(f"holds the entry of another key ({str(stored_key)[:24]})")
+    if dtype != np.dtype("<f4") or not shape or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"has a damaged header (shape {list(shape)}, dtype {dtype})")
+    if rows is not None and shape[0] != rows:
+        raise ValueError(f"has {shape[0]} rows, this run has {rows} texts")
+    payload, needed = data[end + 1:], math.prod(shape) * dtype.itemsize
+    if size != needed or len(payload) != needed:
+        raise ValueError(f"is truncated or padded ({len(payload)} bytes of data; its shape {list(shape)} needs "
+                         f"{needed})")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise ValueError("is damaged (its sha256 does not match its data)")
+    array = np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+    if not np.isfinite(array).all():
+        raise ValueError("holds NaN or infinite values")
+    return array
+
+
+def cached_reference(key: str, rows: int | None = None) -> np.ndarray | None:
+    """The cached reference of `key` (with `rows` rows, when given), or None: absent, or unusable, which
+    one line on stderr says (the bad entry is removed and the caller recomputes it). Never raises for
+    the cache's sake: it is only an optimisation."""
+    path = entry_path(key)
+    if path.is_dir():
+        warn(f"the cached reference '{path}' is a folder, not a file; computing the reference without the "
+             "cache (remove the folder to cache it again).")
+        return None
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # unreadable, or the cache folder is a file
+        if path.exists():
+            warn(f"the cached reference '{path}' cannot be read ({error.strerror or error}); recomputing it.")
+        return None
+    try:
+        return decode_entry(data, key, rows)
+    except ValueError as problem:
+        warn(f"the cached reference '{path}' {problem}; recomputing it.")
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+
+
+def store_reference(key: str, logits: np.ndarray) -> bool:
+    """Caches `logits` under `key`, atomically; returns whether it did. A cache folder that cannot be
+    written means no cache, said in one line on stderr, never a failure."""
+    path = entry_path(key)
+    if path.is_dir():
+        return False  # said when it was read
+    if not np.isfinite(logits).all():
+        warn("the reference holds NaN or infinite values; it is not cached.")
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_partials(path.parent)
+        atomic_write_bytes(path, encode_entry(key, logits))
+    except OSError as error:
+        warn(f"the reference cache '{cache_dir()}' cannot be written ({error.strerror or error}); "
+             "continuing without it.")
+        return False
+    return True
 
 
 def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequence[str], run_length: int, device: str,

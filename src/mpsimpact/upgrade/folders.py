@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -163,12 +165,17 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
     if any(c.get("attention") for c in report["conditions"]):
         return {}  # logits.npz is keyed by guard alone: ambiguous when attention varies
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as error:
-        raise UsageError(f"Cannot read '{path}': {error}.") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:  # truncated, garbled
+        raise UsageError(f"Cannot read '{path}' ({type(error).__name__}: {error}); it is damaged or truncated: "
+                         "rerun `mpsimpact run` for this folder.") from None
     if "reference" not in arrays:
         raise UsageError(f"'{path}' has no reference logits; it was not written by `mpsimpact run`.")
+    for name, logits in arrays.items():
+        if name.startswith("guard_") and logits.shape != arrays["reference"].shape:
+            raise UsageError(f"'{path}': '{name}' has shape {list(logits.shape)}, the reference "
+                             f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this folder.")
     threshold = report.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
     return {
         (name.removeprefix("guard_"), DEFAULT_ATTENTION): frozenset(

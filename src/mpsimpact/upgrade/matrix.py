@@ -107,8 +107,9 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
 
     config.validate()
     started = time.perf_counter()
-    job = probe_job(config)
     cache = cache or OverlayCache()
+    cache.check_root()
+    job = probe_job(config)
     offline = config.offline or is_offline_env()
     progress = progress or (lambda *_: None)
     rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
@@ -130,15 +131,16 @@ def environment_row(version: str, job: dict[str, Any], cache: OverlayCache, prob
     row: dict[str, Any] = {"transformers": version, "timing": {}}
     try:
         progress(version, "building")
-        overlay = cache.ensure(version, offline=offline)
-        marker = overlay.marker
-        row |= {"cached": overlay.cached,
-                "overlay": {"path": str(overlay.path), "installed": marker.get("installed", []), "first_build_s": marker.get("build_s")}}
-        row["timing"]["build_s"] = overlay.build_s
-        progress(version, "probing")
-        started = time.perf_counter()
-        result = prober(overlay.path, job)
-        row["timing"]["probe_s"] = round(time.perf_counter() - started, 2)
+        with cache.using(version, offline=offline) as overlay:  # nobody rebuilds it while it is probed
+            marker = overlay.marker
+            row["cached"] = overlay.cached
+            row["overlay"] = {"path": str(overlay.path), "installed": marker.get("installed", []),
+                              "first_build_s": marker.get("build_s")}
+            row["timing"]["build_s"] = overlay.build_s
+            progress(version, "probing")
+            started = time.perf_counter()
+            result = prober(overlay.path, job)
+            row["timing"]["probe_s"] = round(time.perf_counter() - started, 2)
         check_probe(result, version)
         row |= {"status": "probed", "probe": result, "findings": findings(result), "cells": cells(result)}
         progress(version, "done")

@@ -5,7 +5,9 @@ in each with the overlay first on PYTHONPATH."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -14,16 +16,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.errors import OverlayError
+from mpsimpact.errors import OverlayError, UsageError
+from mpsimpact.output.files import cache_root, is_process_alive, warn
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
 EXCLUDED = frozenset({"torch"})  # must come from the running interpreter, never from an overlay
 INSTALL_TIMEOUT_S = 900
 PROBE_TIMEOUT_S = 600
+# How long a build waits for another process building or probing the same environment (it holds the
+# environment's lock file): two installs and a probe.
+LOCK_TIMEOUT_S = 2 * INSTALL_TIMEOUT_S + PROBE_TIMEOUT_S
 # Package-index offline switches (HF_HUB_OFFLINE is about models, not packages: overlays ignore it).
 OFFLINE_VARIABLES = ("UV_OFFLINE", "PIP_NO_INDEX")
 
@@ -39,13 +45,6 @@ class Overlay:
     cached: bool  # found complete in the cache (not built by this call)
     build_s: float  # seconds this call spent finding or building it
     marker: dict[str, Any]
-
-
-def cache_root() -> Path:
-    """The mpsimpact cache folder ($MPSIMPACT_CACHE, else ~/.cache/mpsimpact), as the reference uses it."""
-    from mpsimpact.runs.reference import cache_dir
-
-    return cache_dir().parent
 
 
 def is_offline_env() -> bool:
@@ -167,49 +166,129 @@ def stale_reason(marker: dict[str, Any], installed: dict[str, str]) -> str | Non
 
 
 class OverlayCache:
-    """The overlay folders under <cache>/envs, one per transformers release and Python version."""
+    """The overlay folders under <cache>/envs, one per transformers release and Python version. Each has
+    a lock file next to it (`.NAME.lock`): shared while the overlay is used, exclusive while it is built,
+    so a build never replaces an environment under a process probing it."""
 
-    def __init__(self, root: Path | None = None, builder: Builder | None = None) -> None:
+    def __init__(self, root: Path | None = None, builder: Builder | None = None, *,
+                 lock_timeout: float = LOCK_TIMEOUT_S) -> None:
         self.root = Path(root) if root is not None else cache_root() / "envs"
         self.builder = builder or UvBuilder()
+        self.lock_timeout = lock_timeout
 
     def path_for(self, version: str) -> Path:
         return self.root / f"transformers-{version}-{python_tag()}"
 
+    def lock_path(self, version: str) -> Path:
+        return self.root / f".{self.path_for(version).name}.lock"
+
+    def check_root(self) -> None:
+        """Raises UsageError when the cache's environment folder is a file (nothing can be kept there)."""
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"The environment cache '{self.root}' is a file, not a folder; remove it, or set "
+                             "MPSIMPACT_CACHE to another folder.")
+
     def read_marker(self, version: str) -> dict[str, Any] | None:
-        """The marker of a complete overlay, or None (absent, interrupted or unreadable)."""
+        """The marker of a complete overlay, or None (absent, interrupted, unreadable or damaged)."""
         try:
-            return json.loads((self.path_for(version) / MARKER).read_text())
+            marker = json.loads((self.path_for(version) / MARKER).read_text())
         except (OSError, ValueError):
             return None
+        fields_ok = isinstance(marker, dict) and isinstance(marker.get("reused", {}), dict) and isinstance(
+            marker.get("installed", []), list) and marker.get("transformers", version) == version
+        return marker if fields_ok else None
 
     def ensure(self, version: str, *, offline: bool = False) -> Overlay:
         """The overlay of `version`: from the cache when complete and fresh, else built (not offline).
+        Not held against a rebuild afterwards: `using` holds it.
 
         Raises:
-            OverlayError: offline and not cached (or stale), or the build failed (uv's last line).
+            OverlayError: offline and not cached (or stale), the build failed (uv's last line), or another
+                process held the environment's lock past `lock_timeout`.
         """
+        with self.using(version, offline=offline) as overlay:
+            return overlay
+
+    @contextlib.contextmanager
+    def using(self, version: str, *, offline: bool = False) -> Iterator[Overlay]:
+        """`ensure`, with the overlay held (a shared lock) until the block ends: other processes may use
+        it too, none may rebuild it."""
         started = time.perf_counter()
-        marker = self.read_marker(version)
-        stale = stale_reason(marker, installed_distributions()) if marker is not None else None
-        if marker is not None and stale is None:
-            return Overlay(version, self.path_for(version), True, round(time.perf_counter() - started, 2), marker)
-        if offline:
-            why = f"stale ({stale})" if stale else "not in the cache"
-            raise OverlayError(f"transformers {version}: {why} at {self.path_for(version)}; run once with the package "
-                               "index reachable (without --offline)", version=version, stage="missing")
-        marker = self._build(version)
-        return Overlay(version, self.path_for(version), False, round(time.perf_counter() - started, 2), marker)
+        if self.root.exists() and not self.root.is_dir():
+            raise OverlayError(f"transformers {version}: the environment cache {self.root} is a file, not a folder",
+                               version=version, stage="missing" if offline else "build")
+        with self._locked(version, fcntl.LOCK_SH, offline) as lock:
+            marker = self.read_marker(version)
+            stale = stale_reason(marker, installed_distributions()) if marker is not None else None
+            if marker is not None and stale is None:
+                yield Overlay(version, self.path_for(version), True, round(time.perf_counter() - started, 2), marker)
+                return
+            if offline:
+                why = f"stale ({stale})" if stale else "not in the cache"
+                raise OverlayError(f"transformers {version}: {why} at {self.path_for(version)}; run once with the "
+                                   "package index reachable (without --offline)", version=version, stage="missing")
+            self._relock(lock, version, fcntl.LOCK_EX)
+            marker = self.read_marker(version)  # another process may have built it while we waited
+            cached = marker is not None and stale_reason(marker, installed_distributions()) is None
+            if not cached:
+                marker = self._build(version)
+            self._relock(lock, version, fcntl.LOCK_SH)
+            yield Overlay(version, self.path_for(version), cached, round(time.perf_counter() - started, 2), marker)
+
+    @contextlib.contextmanager
+    def _locked(self, version: str, how: int, offline: bool) -> Iterator[int | None]:
+        """The environment's lock file, locked `how`; None (no lock) offline in a cache we cannot write."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path(version), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            if offline:
+                yield None  # reading a read-only cache: nobody can build in it either
+                return
+            raise OverlayError(f"transformers {version}: the environment cache {self.root} cannot be written "
+                               f"({error.strerror or error})", version=version, stage="build") from None
+        try:
+            self._relock(fd, version, how)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _relock(self, fd: int | None, version: str, how: int) -> None:
+        """Takes (or converts to) `how` on the lock, waiting up to `lock_timeout` with one line saying so."""
+        if fd is None:
+            return
+        if how == fcntl.LOCK_EX:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # an upgrade is never atomic: say so, so two upgraders cannot deadlock
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        what = "building or using" if how == fcntl.LOCK_EX else "building"
+        warn(f"transformers {version}: waiting for another mpsimpact process {what} {self.path_for(version)} "
+             f"(up to {self.lock_timeout:.0f} s).")
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            time.sleep(min(0.2, max(self.lock_timeout, 0.01)))
+            try:
+                fcntl.flock(fd, how | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OverlayError(f"transformers {version}: another mpsimpact process held {self.lock_path(version)} "
+                                       f"for more than {self.lock_timeout:.0f} s; try again when it has finished",
+                                       version=version, stage="locked") from None
 
     def _build(self, version: str) -> dict[str, Any]:
-        """Builds into a hidden partial folder, writes the marker last, then renames it into place."""
+        """Builds into a hidden partial folder, writes the marker last, then renames it into place (under
+        the exclusive lock)."""
         final = self.path_for(version)
         self._remove_dead_partials(final)
         partial = final.parent / f".{final.name}.partial-{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
         started = time.perf_counter()
         try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
             details = self.builder(version, partial)
             if any((partial / name).exists() for name in EXCLUDED):
                 raise OverlayError(f"transformers {version}: the overlay would install torch, which must come from the "
@@ -217,8 +296,15 @@ class OverlayCache:
             marker = {"transformers": version, "python": python_tag(), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                       "build_s": round(time.perf_counter() - started, 2), **details}
             (partial / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-            shutil.rmtree(final, ignore_errors=True)  # an older, stale or markerless folder
+            if final.is_dir() and not final.is_symlink():
+                shutil.rmtree(final)  # an older, stale or markerless folder
+            elif final.exists() or final.is_symlink():
+                final.unlink()  # a file (or link) in the folder's place
             os.replace(partial, final)
+        except OSError as error:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise OverlayError(f"transformers {version}: the environment could not be written at {final} "
+                               f"({error.strerror or error})", version=version, stage="build") from None
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -229,18 +315,8 @@ class OverlayCache:
         """Partial folders of this version left by processes that no longer run."""
         for partial in final.parent.glob(f".{final.name}.partial-*"):
             pid = partial.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _is_running(int(pid)):
+            if pid.isdigit() and not is_process_alive(int(pid)):
                 shutil.rmtree(partial, ignore_errors=True)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def package_parent() -> Path:
