@@ -322,7 +322,6 @@ def test_default_folders_of_one_second_do_not_collide(tmp_path, monkeypatch):
     release_out_dir(second)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the commands to claim --out (claimed_out_dir); today they only check")
 def test_two_commands_on_one_out_give_one_report_and_one_exit_2(tmp_path, monkeypatch):
     import mpsimpact.prediction.plan as plan
 

@@ -37,9 +37,11 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from mpsimpact.errors import MpsImpactError
+        from mpsimpact.output.signals import exit_cleanly_on_signals
 
         try:
-            return command(*args, **kwargs)
+            with exit_cleanly_on_signals():  # SIGTERM/SIGHUP clean up like Ctrl-C, exit 143/129
+                return command(*args, **kwargs)
         except MpsImpactError as error:
             typer.echo(f"error: {error.message}", err=True)
             raise typer.Exit(2) from None

@@ -7,11 +7,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.engine.faults import MPS_INDEX_BITS
+from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 
-# The index widths the emulator, planner and sweep accept; MPS_INDEX_BITS is MPS's.
-INDEX_BITS_RANGE = (8, MPS_INDEX_BITS)
 # A sample is corrupted above this relative error against the reference (the study's criterion).
 CORRUPTION_THRESHOLD = 1e-3
 DEVICES = ("auto", "mps", "cuda", "cpu")

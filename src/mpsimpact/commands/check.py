@@ -30,7 +30,7 @@ def main(
     out: str | None = options.out("Also write check.json and check.md"),
 ) -> None:
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
-    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.prediction.check import build_check_report
     from mpsimpact.reports.check import print_check, write_check_folder
 
@@ -38,9 +38,9 @@ def main(
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, out=out,
     )
-    folder = fresh_out_dir(out, "check") if out else None
-    report = build_check_report(check_config)
-    options.print_result(report, as_json, lambda: print_check(report))
-    if folder is not None:
-        write_check_folder(folder, report)
-        typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)
+    with claimed_out_dir(out, "check", default=False) as folder:
+        report = build_check_report(check_config)
+        options.print_result(report, as_json, lambda: print_check(report))
+        if folder is not None:
+            write_check_folder(folder, report)
+            typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)

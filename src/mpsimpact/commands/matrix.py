@@ -23,7 +23,7 @@ def main(
                                                "(automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),
 ) -> None:
     """Per transformers release: its attention, what reaches MPS, whether the guard holds (exit 1 if not)."""
-    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder
     from mpsimpact.upgrade.matrix import build_matrix, split_versions
 
@@ -32,10 +32,10 @@ def main(
         config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
         max_length=max_length, out=out, offline=offline,
     )
-    folder = fresh_out_dir(out, "matrix")
-    with progress_bars() as progress:
-        report = build_matrix(matrix_config, progress=progress)
-    write_matrix_folder(folder, report)
+    with claimed_out_dir(out, "matrix") as folder:
+        with progress_bars() as progress:
+            report = build_matrix(matrix_config, progress=progress)
+        write_matrix_folder(folder, report)
     print_matrix(report, folder)
     if not report["all_ok"]:
         raise typer.Exit(1)

@@ -32,7 +32,8 @@ def main(
                                 "to type."),
 ) -> None:
     """From shapes alone (no weights, nothing big allocated): which calls fault and which outputs go wrong."""
-    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.errors import UsageError
+    from mpsimpact.output.files import check_out_file, claimed_out_dir
     from mpsimpact.prediction.plan import build_plan_report
     from mpsimpact.reports.plan import print_plan, write_plan_folder, write_sweep_figure
     from mpsimpact.runs.scenario import get_scenario
@@ -42,11 +43,15 @@ def main(
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,
         versions=versions, out=out, memory=memory,
     )
-    folder = fresh_out_dir(out, "plan") if out or versions else None
-    report = build_plan_report(plan_config, get_scenario(scenario)(model=model))
-    if figure and "sweep" in report:
-        write_sweep_figure(report["sweep"], figure, report["model"])
-    options.print_result(report, as_json, lambda: print_plan(report))
-    if folder is not None:
-        write_plan_folder(report, folder)
-        typer.echo(f"Written to {folder}/", err=as_json)
+    if figure is not None:
+        if not sweep:
+            raise UsageError("--figure needs --sweep (it draws the batch-size sweep).", option="--figure")
+        check_out_file(figure, "--figure")
+    with claimed_out_dir(out, "plan", default=bool(versions)) as folder:
+        report = build_plan_report(plan_config, get_scenario(scenario)(model=model))
+        if figure:
+            write_sweep_figure(report["sweep"], figure, report["model"])
+        options.print_result(report, as_json, lambda: print_plan(report))
+        if folder is not None:
+            write_plan_folder(report, folder)
+            typer.echo(f"Written to {folder}/", err=as_json)

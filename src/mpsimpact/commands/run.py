@@ -52,7 +52,8 @@ def main(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mpsimpact.reports.run import write_run_folder
-    from mpsimpact.runs.runner import prepare_out_dir, run_scenario
+    from mpsimpact.output.files import claimed_out_dir
+    from mpsimpact.runs.runner import run_scenario
 
     if quick:
         batch_size, max_length, index_bits = (given if given is not None else default for given, default in
@@ -63,13 +64,13 @@ def main(
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
         steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype,
     )
-    folder = prepare_out_dir(run_config)
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
-        report, arrays = run_scenario(run_config, advance)
-    write_run_folder(folder, report, arrays)
+    with claimed_out_dir(run_config.out, run_config.scenario) as folder:
+        console = Console(stderr=True)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+            advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
+            report, arrays = run_scenario(run_config, advance)
+        write_run_folder(folder, report, arrays)
     _print_summary(report, folder)
     _check_expectation(report, expect)
 

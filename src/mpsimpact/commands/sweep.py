@@ -32,7 +32,7 @@ def main(
 
     summary = run_sweep(options.config_from(
         config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
-        dtypes=_items(dtypes), layouts=_items(layouts), out=out, expect_fixed=expect_fixed,
+        dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile,
     ))
     bad = summary["not_ok"] if expect_fixed else summary["disagree"]
@@ -42,5 +42,14 @@ def main(
         raise typer.Exit(1)
 
 
-def _items(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(item.strip() for item in text.split(","))
+def _items(text: str | None, flag: str) -> tuple[str, ...] | None:
+    """A comma-separated option's items; an item given twice is refused."""
+    from mpsimpact.errors import UsageError
+
+    if text is None:
+        return None
+    items = tuple(item.strip() for item in text.split(","))
+    twice = next((item for i, item in enumerate(items) if item in items[:i]), None)
+    if twice is not None:
+        raise UsageError(f"{flag}: {twice} given twice.", option=flag)
+    return items

@@ -35,20 +35,26 @@ class SweepConfig:
 
 
 def run_sweep(config: SweepConfig) -> dict[str, Any]:
-    """Runs every cell; returns the summary (with "disagree" and "not_ok" counts)."""
+    """Runs every cell into a folder claimed first; returns the summary (with "disagree" and "not_ok")."""
+    from mpsimpact.output.files import claimed_out_dir
+
+    config.validate()
+    with claimed_out_dir(config.out, "sweep") as out:
+        return _run_sweep(config, out)
+
+
+def _run_sweep(config: SweepConfig, out: Path) -> dict[str, Any]:
     from rich.console import Console
 
     from mpsimpact.runs.device import resolve_device, resolve_emulation
     from mpsimpact.engine.release import resolve_profile
     from mpsimpact.output.page import EMULATED_LABEL
     from mpsimpact.runs.figures import outcome_map
-    from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically, fresh_out_dir
+    from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
     from mpsimpact.runs.sweep import grid, run_cells, summarize
 
-    config.validate()
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
-    out = fresh_out_dir(config.out, "sweep")
     cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick)
     if not cells:
         raise UsageError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,13 +115,6 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     if result["status"] != "completed":
         result["wrong_values_before_stop"] = result["silent_faults_injected"]
     return result
-
-
-def prepare_out_dir(config: RunConfig) -> Path:
-    """The final report folder (see output.files.fresh_out_dir)."""
-    from mpsimpact.output.files import fresh_out_dir
-
-    return fresh_out_dir(config.out, config.scenario)
 
 
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
