@@ -400,7 +400,8 @@ def test_a_side_that_could_not_be_emulated_gets_no_verdict_and_exit_3(tmp_path):
     result = runner.invoke(app, ["compare", str(tmp_path / "old"), str(tmp_path / "new")], env={"COLUMNS": "200"})
     assert result.exit_code == 3, result.output
     text = " ".join(result.stdout.split())
-    assert "cannot tell: guard off: the new side could not be emulated (torch 2.15.0 is an unmeasured release" in text
+    assert "cannot tell: guard off: the new side could not be emulated (not emulated); torch 2.15.0 is an unmeasured " \
+           "release" in text
     assert "mpsimpact sweep --device mps" in text
     assert "bug still present" not in text and "bug fixed" not in text  # no verdict for a side that did not run
     assert "exit code 3" in text

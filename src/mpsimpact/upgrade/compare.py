@@ -222,16 +222,20 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
 
 
 def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
-    """A condition one side could not run: no verdict on it, and what to do about that."""
-    release = _get_release(folder)
-    return Verdict(
-        f"cannot tell: {_label(key)}: the {side} side could not be emulated (torch {release} is an unmeasured "
-        "release, whose fault values nobody characterised); measure it on a Mac with `mpsimpact sweep "
-        "--device mps`, then compare with `--torch-profile` set to the sweep's profile.json", False, True)
+    """A condition one side could not run: no verdict on it, why, and what to do about that."""
+    from mpsimpact.engine.release import profile_for
 
-
-def _get_release(folder: RunFolder) -> str:
-    return str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
+    release = str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
+    why = folder.conditions()[key].get("message") or "not emulated"
+    text = f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why})"
+    try:
+        unmeasured = profile_for(release).conservative
+    except ValueError:
+        unmeasured = True
+    if unmeasured:
+        text += (f"; torch {release} is an unmeasured release: measure it on a Mac with `mpsimpact sweep --device "
+                 "mps`, then compare with `--torch-profile` set to the sweep's profile.json")
+    return Verdict(text, False, True)
 
 
 def _who(key: tuple[str, str]) -> str:
