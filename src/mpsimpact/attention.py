@@ -24,24 +24,18 @@ def safe_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> in
     heads means one text is split over its heads (long sequences).
     """
     batch, heads, length, dim = query.shape
-    k_len = key.shape[2]
-    bits = _index_bits()
-    spec, rows = TensorSpec.contiguous, batch * heads
-    scores = largest_safe_batch(spec((rows, length, dim)), spec((rows, dim, k_len)), index_bits=bits, as_slices=True)
-    output = largest_safe_batch(spec((rows, length, k_len)), spec((rows, k_len, value.shape[-1])), index_bits=bits, as_slices=True)
+    spec, rows, k_len, bits = TensorSpec.contiguous, batch * heads, key.shape[2], _index_bits()
+    scores = largest_safe_batch(spec((rows, length, dim)), spec((rows, dim, k_len)), index_bits=bits,
+                                as_slices=True)
+    output = largest_safe_batch(spec((rows, length, k_len)), spec((rows, k_len, value.shape[-1])),
+                                index_bits=bits, as_slices=True)
     return min(scores, output)
 
 
-def mps_safe_eager_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def mps_safe_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             scaling: float | None = None, dropout: float = 0.0,
+                             **kwargs) -> tuple[torch.Tensor, None]:
     """Eager attention (as transformers' `eager_attention_forward`) over safe chunks of texts, or of
     one text's heads when a whole text is too big.
 
@@ -53,7 +47,8 @@ def mps_safe_eager_attention(
     batch, heads = query.shape[0], query.shape[1]
     out = query.new_empty(batch, query.shape[2], heads, value.shape[-1])  # (B, L, H, D)
     for texts, head in pieces(batch, heads, safe_rows(query, key, value)):
-        scores = torch.matmul(query[texts][:, head], key[texts][:, head].transpose(2, 3)) * scaling  # (b, h, L, Lk)
+        q, k = query[texts][:, head], key[texts][:, head]  # (b, h, L, D), (b, h, Lk, D)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # (b, h, L, Lk)
         if attention_mask is not None:
             mask = attention_mask[texts] if attention_mask.shape[0] == batch else attention_mask
             scores = scores + (mask[:, head] if mask.shape[1] == heads else mask)

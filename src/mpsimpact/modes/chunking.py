@@ -44,12 +44,12 @@ def run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int, copy: 
     return out
 
 
-def sdpa_chunk(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int, index_bits: int) -> int:
+def sdpa_chunk(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
+               index_bits: int) -> int:
     """Rows of batch*heads per piece such that a piece's scores stay at or below LIMIT and its
     operands (slices, so views) below VIEW_LIMIT on every release."""
     limit, view_limit = limits(index_bits)
-    lq, d = query_shape[-2], query_shape[-1]
-    lk = key_shape[-2]
+    lq, d, lk = query_shape[-2], query_shape[-1], key_shape[-2]
     per_row_view = max(lq * d, lk * d, lk * value_dim, lq * value_dim)
     return max(1, min(limit // (lq * lk), (view_limit - 1) // per_row_view))
 
@@ -75,7 +75,8 @@ def _mask_piece(mask: Any, texts: slice, heads: slice, batch: int, num_heads: in
     return mask[:, heads] if mask.shape[1] == num_heads else mask
 
 
-def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, rows: int, copy: bool = False) -> torch.Tensor:
+def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, rows: int,
+                     copy: bool = False) -> torch.Tensor:
     """scaled_dot_product_attention over pieces of at most `rows` (batch, head) rows, written into one
     output. Queries, keys and values are (B, H, L, D) (4-D, as transformers passes them)."""
     query, key, value = sdpa_operands(args, kwargs)
@@ -86,8 +87,8 @@ def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: 
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, Lq, Dv)
     for texts, head in pieces(batch, heads, rows):
-        kv_heads = head if key.shape[1] == heads else slice(None)
-        q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv_heads), (value, kv_heads)))
+        kv = head if key.shape[1] == heads else slice(None)
+        q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv), (value, kv)))
         out[texts, head] = proceed(q, k, v, _mask_piece(mask, texts, head, batch, heads), *args[4:], **rest)
     return out
 

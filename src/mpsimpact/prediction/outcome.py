@@ -60,16 +60,14 @@ class Prediction:
         return "clean"
 
     def to_json(self) -> dict[str, Any]:
+        stops = None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind,
+                                                "message": self.stop.fault.message}
         return {
-            "outcome": self.outcome,
-            "first_corrupted_text": self.first_corrupted_text,
-            "first_corrupted_head": self.first_corrupted_head,
-            "corrupted_count": self.corrupted_count,
+            "outcome": self.outcome, "first_corrupted_text": self.first_corrupted_text,
+            "first_corrupted_head": self.first_corrupted_head, "corrupted_count": self.corrupted_count,
             "corrupted_fraction": self.corrupted_count / self.batch,
-            "uncharacterised_faults": len(self.uncharacterised),
-            "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind, "message": self.stop.fault.message},
-            "silent_faults": [call.to_json() for call in self.silent],
-        }
+            "uncharacterised_faults": len(self.uncharacterised), "stops": stops,
+            "silent_faults": [call.to_json() for call in self.silent]}
 
 
 def predict(plan: FaultPlan, batch: int, heads: int, phase: str = "forward") -> Prediction:
@@ -79,7 +77,8 @@ def predict(plan: FaultPlan, batch: int, heads: int, phase: str = "forward") -> 
     stop = next((c for c in calls if c.fault.is_stop), None)
     silent = tuple(c for c in calls if c.fault.is_silent and (stop is None or c.index < stop.index))
     # A wrapped call whose rows are not whole samples could start anywhere: sample 0, conservatively.
-    rows = [first_bad_row(c, batch, heads) or (0, None) for c in silent if c.fault.first_bad_batch is not None]
+    rows = [first_bad_row(c, batch, heads) or (0, None)
+            for c in silent if c.fault.first_bad_batch is not None]
     first = min(rows, default=None, key=lambda r: (r[0], r[1] or 0))
     return Prediction(batch, heads, first[0] if first else None, first[1] if first else None, stop, silent)
 
@@ -100,12 +99,12 @@ def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
     row = first_bad_row(call, batch, heads)
     return {
         "index": call.index, "phase": call.phase, "module": call.module, "op": call.op,
-        "a": list(call.a.shape), "b": list(call.b.shape), "a_layout": call.a.layout, "b_layout": call.b.layout,
-        "a_numel": call.a.numel, "b_numel": call.b.numel, "out_numel": call.out_numel,
-        "kind": call.fault.kind, "rule": call.fault.rule, "inferred": call.fault.inferred,
-        "first_bad_batch": call.fault.first_bad_batch, "first_bad_sample": row[0] if row else None,
-        "first_bad_head": row[1] if row else None, "message": call.fault.message,
-    }
+        "a": list(call.a.shape), "b": list(call.b.shape), "a_layout": call.a.layout,
+        "b_layout": call.b.layout, "a_numel": call.a.numel, "b_numel": call.b.numel,
+        "out_numel": call.out_numel, "kind": call.fault.kind, "rule": call.fault.rule,
+        "inferred": call.fault.inferred, "first_bad_batch": call.fault.first_bad_batch,
+        "first_bad_sample": row[0] if row else None, "first_bad_head": row[1] if row else None,
+        "message": call.fault.message}
 
 
 def _one_row(spec: TensorSpec, rows: int = 1) -> TensorSpec:
@@ -158,15 +157,16 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
         return ["Nothing crosses a limit: no guard needed."]
     stuck = [c for c in faults if not splits_safely(c, plan.index_bits, plan.profile)]
     if stuck:
-        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
-                 "already crosses a limit; shorten the sequence (see the longest safe length)."]
+        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it "
+                 f"({stuck[0].describe()}) already crosses a limit; shorten the sequence (see the longest "
+                 "safe length)."]
     else:
         lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
                  "safe: it splits each along its batch rows into pieces below the limits; the result equals "
                  "the correct one."]
     first, stop = faults[0], plan.first_stop
-    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) "
-                 "with OversizedOpError instead of "
+    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in "
+                 f"{first.module or first.phase}) with OversizedOpError instead of "
                  + ("an MPS error or a crash." if stop is first else "wrong values."))
     lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     if any(c.fault.rule == "sdpa-fused" for c in faults):
@@ -181,14 +181,15 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
         return (f"{subject.model_class} does not support transformers' attention interface: {name} is not an "
                 "option; use the guard.")
     heads = subject.heads
-    attention = [c for c in faults if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
+    attention = [c for c in faults
+                 if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
     rows = rows_per_safe_eager_chunk(attention, batch, heads, index_bits)
     unit = f"{rows // heads} samples" if rows >= heads else f"{rows} heads of one sample"
-    tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
-            "the guard") if others else ""
+    tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still "
+            "need the guard") if others else ""
     return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
             f"dispatch mode{tail}.")
 
@@ -204,14 +205,12 @@ def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, 
     elif unknown and first is None:  # wrong_other alone: some sample is wrong, which is not known...
         first, wrong = (0, 1) if batch == 1 else (None, None)  # ...unless there is only one
     return {
-        "outcome": prediction.outcome, "describe": _describe(prediction, batch),
-        "first_wrong_sample": first,
+        "outcome": prediction.outcome, "describe": _describe(prediction, batch), "first_wrong_sample": first,
         "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
         "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
         "uncharacterised_calls": len(prediction.uncharacterised),
-        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" if unknown else "",
-        "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
-    }
+        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" * unknown,
+        "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop]}
 
 
 def _describe(prediction: Any, batch: int) -> str:
