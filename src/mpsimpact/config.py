@@ -40,10 +40,12 @@ class Check:
         if self.choices is not None:
             for item in value if isinstance(value, tuple) else (value,):
                 if item not in self.choices:
-                    raise UsageError(f"{self.flag} must be one of {', '.join(self.choices)}; got '{item}'.", option=self.flag)
+                    raise UsageError(f"{self.flag} must be one of {', '.join(self.choices)}; got '{item}'.",
+                                     option=self.flag)
             return
         if not self._in_range(value):
-            raise UsageError(f"{self.flag} must be {self._expected()}{self.hint}, got {value}.", option=self.flag)
+            raise UsageError(f"{self.flag} must be {self._expected()}{self.hint}, got {value}.",
+                             option=self.flag)
 
     def _in_range(self, value: float) -> bool:
         if self.inclusive:
@@ -70,6 +72,14 @@ def validate(config: Any) -> None:
             check(getattr(config, field.name))
 
 
+class Validated:
+    """A command's config dataclass: `validate()` runs every field's `Check`."""
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded."""
+        validate(self)
+
+
 BATCH_SIZE = Check("--batch-size", low=1)
 MAX_LENGTH = Check("--max-length", low=1)
 INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} is MPS)")
@@ -82,7 +92,6 @@ def _parse_release(value: str) -> None:
     profile_for(value)
 
 
-TORCH_PROFILE = Check(
-    "--torch-profile", parse=_parse_release,
-    hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively) or 'conservative'",
-)
+TORCH_PROFILE = Check("--torch-profile", parse=_parse_release,
+                      hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged "
+                           "conservatively) or 'conservative'")

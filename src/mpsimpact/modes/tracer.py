@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
-
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
@@ -22,7 +21,8 @@ class TraceMode(MatmulMode):
     """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
     fault; computes nothing on meta tensors."""
 
-    def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None, profile: Profile = None) -> None:
+    def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
+                 profile: Profile = None) -> None:
         super().__init__()
         self.index_bits = index_bits
         self.profile = resolve_profile(profile)
@@ -38,7 +38,8 @@ class TraceMode(MatmulMode):
     def _add(self, op: str, family: str, a, b, grad: bool = False) -> int:
         phase = current_phase()
         fault = classify_call(family, a, b, self.index_bits, self.profile)
-        record = CallRecord(len(self.calls), op, TensorSpec.of(a), TensorSpec.of(b), fault, phase, self._where(phase), grad, self._within)
+        record = CallRecord(len(self.calls), op, TensorSpec.of(a), TensorSpec.of(b), fault, phase,
+                            self._where(phase), grad, self._within)
         self.calls.append(record)
         return record.index
 
@@ -81,14 +82,8 @@ class TraceMode(MatmulMode):
                 handle.remove()
 
 
-def trace_faults(
-    fn: Callable[..., Any],
-    *args: Any,
-    index_bits: int = MPS_INDEX_BITS,
-    module: torch.nn.Module | None = None,
-    profile: Profile = None,
-    **kwargs: Any,
-) -> FaultPlan:
+def trace_faults(fn: Callable[..., Any], *args: Any, index_bits: int = MPS_INDEX_BITS,
+                 module: torch.nn.Module | None = None, profile: Profile = None, **kwargs: Any) -> FaultPlan:
     """Runs `fn(*args, **kwargs)` (on meta tensors, typically) and predicts every call's fault.
 
     Args:
@@ -106,14 +101,8 @@ def trace_faults(
     return FaultPlan.from_trace(tuple(mode.calls), index_bits, mode.profile)
 
 
-def trace_module(
-    module: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    *,
-    backward: bool = False,
-    index_bits: int = MPS_INDEX_BITS,
-    profile: Profile = None,
-) -> FaultPlan:
+def trace_module(module: torch.nn.Module, inputs: dict[str, torch.Tensor], *, backward: bool = False,
+                 index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
     """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked."""
 
     def step() -> None:
@@ -122,7 +111,6 @@ def trace_module(
                 module(**inputs)
             return
         output = module(**inputs)
-        first = output if isinstance(output, torch.Tensor) else output[0]
-        first.float().sum().backward()
+        (output if isinstance(output, torch.Tensor) else output[0]).float().sum().backward()
 
     return trace_faults(step, index_bits=index_bits, module=module, profile=profile)

@@ -38,3 +38,18 @@ def rich_table(title: str, header: list[str] | tuple[str, ...], rows: list[list[
     for row in rows:
         table.add_row(*(escape(str(cell)) for cell in row))
     return table
+
+
+def markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines; a "|" inside a cell is escaped."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+
+
+def html_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    """An HTML table, every header and cell escaped."""
+    from html import escape
+
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"

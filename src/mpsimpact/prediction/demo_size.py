@@ -33,15 +33,16 @@ def usable_bytes(memory: str) -> tuple[int, str]:
         import torch
 
         if not torch.backends.mps.is_available():
-            raise UsageError("--memory auto reads torch.mps.recommended_max_memory() and needs a Mac with MPS; give a size such as 32GB.")
+            raise UsageError("--memory auto reads torch.mps.recommended_max_memory() and needs a Mac with "
+                             "MPS; give a size such as 32GB.")
         value = int(torch.mps.recommended_max_memory())
         return value, f"{value / GIB:.1f} GiB (torch.mps.recommended_max_memory() on this Mac)"
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GB|G|GIB)?\s*", memory.upper())
     if not match or float(match[1]) <= 0:
         raise UsageError(f"--memory must be a size such as 32GB, or auto; got '{memory}'.")
-    total = float(match[1]) * GIB  # Apple's "32 GB" of unified memory is 32 GiB
-    value = int(total * RECOMMENDED_SHARE)
-    return value, f"{value / GIB:.1f} GiB (about 2/3 of {float(match[1]):g} GB unified memory, Metal's recommended maximum)"
+    value = int(float(match[1]) * GIB * RECOMMENDED_SHARE)  # Apple's "32 GB" of unified memory is 32 GiB
+    return value, (f"{value / GIB:.1f} GiB (about 2/3 of {float(match[1]):g} GB unified memory, "
+                   "Metal's recommended maximum)")
 
 
 def visible_batch(first_corrupted: int) -> int:
@@ -50,7 +51,8 @@ def visible_batch(first_corrupted: int) -> int:
     return first_corrupted + needed
 
 
-def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int], index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
+def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int],
+                 index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
     """Per dtype and length: the smallest clearly-visible run, its predicted corruption and peak."""
     options = []
     for length in (L for L in DEMO_LENGTHS if L in traced):
@@ -62,16 +64,17 @@ def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[in
             continue  # a run that stops (or aborts) shows an error, not the silent effect
         for dtype, size in DTYPE_BYTES.items():
             options.append({
-                "dtype": dtype, "max_length": length, "batch_size": batch, "first_corrupted_text": prediction.first_corrupted_text,
+                "dtype": dtype, "max_length": length, "batch_size": batch,
+                "first_corrupted_text": prediction.first_corrupted_text,
                 "corrupted_count": prediction.corrupted_count, "outcome": prediction.describe(),
-                "estimated_peak_gib": round(estimate_peak_bytes(config, batch, length, size) / GIB, 1),
-            })
+                "estimated_peak_gib": round(estimate_peak_bytes(config, batch, length, size) / GIB, 1)})
     return options
 
 
 def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int) -> int:
-    """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0 if none)."""
-    return int(memory.largest_fitting_batch(lambda batch: estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype]) * HEADROOM, budget))
+    """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0: none)."""
+    return int(memory.largest_fitting_batch(
+        lambda batch: estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype]) * HEADROOM, budget))
 
 
 def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict[str, Any]:
@@ -80,19 +83,20 @@ def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict
         option["fits"] = option["estimated_peak_gib"] * GIB * HEADROOM <= budget
     fitting = [o for o in options if o["fits"]]
     if not fitting:
-        smallest = min(options, key=lambda o: o["estimated_peak_gib"])
+        demo = min(options, key=lambda o: o["estimated_peak_gib"])
         return {"command": None, "why": (
-            f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's attention scores and softmax alone are "
-            f"2 x 2^32 elements ({2 * 2**32 * 2 / GIB:.0f} GiB in half precision, {2 * 2**32 * 4 / GIB:.0f} GiB in float32) at any "
-            f"length; the smallest demo ({smallest['batch_size']} x {smallest['max_length']}, {smallest['dtype']}) needs about "
-            f"{smallest['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU or CUDA machine.")}
-    order = {"float32": 0, "float16": 1, "bfloat16": 2}
-    best = min(fitting, key=lambda o: (-o["max_length"], order[o["dtype"]]))
+            f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's attention scores and "
+            f"softmax alone are 2 x 2^32 elements ({2 * 2**32 * 2 / GIB:.0f} GiB in half precision, "
+            f"{2 * 2**32 * 4 / GIB:.0f} GiB in float32) at any length; the smallest demo "
+            f"({demo['batch_size']} x {demo['max_length']}, {demo['dtype']}) needs about "
+            f"{demo['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU or CUDA "
+            "machine.")}
+    best = min(fitting, key=lambda o: (-o["max_length"], list(DTYPE_BYTES).index(o["dtype"])))
     command = f"mpsimpact run {scenario} --batch-size {best['batch_size']} --max-length {best['max_length']}"
     command += f" --dtype {best['dtype']}" if best["dtype"] != "float32" else ""
     return {"command": command, "option": best, "why": (
-        f"{best['batch_size']} x {best['max_length']} in {best['dtype']}: about {best['estimated_peak_gib']} GiB of "
-        f"{budget / GIB:.1f}; {best['outcome']}.")}
+        f"{best['batch_size']} x {best['max_length']} in {best['dtype']}: about {best['estimated_peak_gib']} "
+        f"GiB of {budget / GIB:.1f}; {best['outcome']}.")}
 
 
 def mac_table(config: Any, first_corrupted: int, length: int = 512) -> list[dict[str, Any]]:

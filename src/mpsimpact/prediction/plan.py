@@ -8,7 +8,7 @@ from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
-from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, option, validate
+from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, Validated, option
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
 from mpsimpact.prediction.memory import estimate_peak_bytes
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
@@ -26,7 +26,7 @@ def sweep_batches(heads: int, index_bits: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanConfig:
+class PlanConfig(Validated):
     """What `mpsimpact plan` was asked; embedded in its JSON."""
 
     scenario: str
@@ -41,10 +41,6 @@ class PlanConfig:
     versions: bool = False
     out: str | None = None
     memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
-
-    def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded."""
-        validate(self)
 
 
 def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
@@ -67,55 +63,53 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
     profile = resolve_profile(config.torch_profile)
-    traced = {L: per_text_calls(meta, L, backward=config.backward) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
-    calls = traced[length]
-    plan = plan_at(calls, batch, config.index_bits, profile)
-    forward = predict(plan, batch, heads, "forward")
+    traced = {L: per_text_calls(meta, L, backward=config.backward)
+              for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
+    plan = plan_at(traced[length], batch, config.index_bits, profile)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
-        "profile": profile.to_json(),
-        "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
-        "calls_traced": len(plan.calls),
+        "profile": profile.to_json(), "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads,
+        "layers": model_config.num_hidden_layers, "calls_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, "forward"),
-        "largest_safe_batch": safe[length],
+        "prediction": summarise(plan, batch, heads, "forward"), "largest_safe_batch": safe[length],
         "largest_safe_batch_by_length": dict(sorted(safe.items())),
         "estimated_peak_gib": round(estimate_peak_bytes(model_config, batch, length) / 2**30, 1),
-        "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__)),
-    }
+        "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.memory:
-        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, forward)
+        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe)
     if config.versions:
         from mpsimpact.prediction.version_table import version_table
 
-        report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention), batch, length, heads, config.index_bits)
+        report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention),
+                                           batch, length, heads, config.index_bits)
     if config.sweep:
         report["sweep"] = sweep(traced, heads, config.index_bits, profile)
     return report
 
 
-def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int, safe: dict, forward) -> dict[str, Any]:
+def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int,
+                   safe: dict) -> dict[str, Any]:
     """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
     from mpsimpact.prediction.demo_size import demo_options, mac_table, recommend, usable_bytes
 
     budget, basis = usable_bytes(config.memory)
     options = demo_options(traced, model_config, heads, safe, config.index_bits)
-    first = safe.get(512, 0) + 1
     return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
-            "recommendation": recommend(options, budget, scenario), "mac_table": mac_table(model_config, first)}
+            "recommendation": recommend(options, budget, scenario),
+            "mac_table": mac_table(model_config, safe.get(512, 0) + 1)}
 
 
 def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:
     """Predicted corrupted fraction (or stop) over `sweep_batches`, for each table length."""
     table = {}
     for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
-        calls = traced[length]
         rows = []
         for batch in sweep_batches(heads, index_bits):
-            p = predict(plan_at(calls, batch, index_bits, profile), batch, heads)
-            rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch, "stops": p.stop.fault.kind if p.stop else None})
+            p = predict(plan_at(traced[length], batch, index_bits, profile), batch, heads)
+            rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch,
+                         "stops": p.stop.fault.kind if p.stop else None})
         table[str(length)] = rows
     return table

@@ -6,7 +6,7 @@ answer checked by tracing at the boundary; bisection over traces if that fails).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -88,12 +88,14 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
 def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int = MPS_INDEX_BITS,
                    profile: Profile = None) -> FaultPlan:
     """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
-    records = []
-    for fitted in calls:
-        call = fitted.at(length)
-        fault = classify_call(call.family, call.a, call.b, index_bits, profile)
-        records.append(dataclasses.replace(call, fault=fault))
-    return FaultPlan.from_trace(tuple(records), index_bits, profile)
+    return _decided((fitted.at(length) for fitted in calls), index_bits, profile)
+
+
+def _decided(calls: Iterable[CallRecord], index_bits: int, profile: Profile) -> FaultPlan:
+    """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
+    records = tuple(dataclasses.replace(c, fault=classify_call(c.family, c.a, c.b, index_bits, profile))
+                    for c in calls)
+    return FaultPlan.from_trace(records, index_bits, profile)
 
 
 def is_clean(plan: FaultPlan) -> bool:
@@ -120,15 +122,14 @@ def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int |
     return low
 
 
-def candidate_lengths(calls: list[LengthFittedCall], high: int, index_bits: int = MPS_INDEX_BITS) -> list[int]:
+def candidate_lengths(calls: list[LengthFittedCall], high: int,
+                      index_bits: int = MPS_INDEX_BITS) -> list[int]:
     """The lengths where some rule's condition can change: every count reaching 2**(bits-1) or 2**bits
     (>=) or passing it (>). Between two candidates every call's outcome stays the same."""
     limit, view_limit = limits(index_bits)
-    unique = {(f.call.family, f.a, f.b): f for f in calls}.values()
     found = {1}
-    for fitted in unique:
-        width = len(_quantities(fitted.at(high)))
-        for i in range(width):
+    for fitted in {(f.call.family, f.a, f.b): f for f in calls}.values():  # one per distinct call
+        for i in range(len(_quantities(fitted.at(high)))):
             def count(length: int, i: int = i) -> int:
                 return _quantities(fitted.at(length))[i]
             for bound in (view_limit, view_limit + 1, limit, limit + 1):
@@ -181,8 +182,8 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
             return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
         if _signature(trace_at(length)) != _signature(expected) or is_clean(expected) != (length == answer):
             return bisect_clean(trace_at, high, f"a trace at length {length} differs from the fit")
-    basis = (f"arithmetic on calls traced at lengths {', '.join(map(str, lengths))} (each shape, stride and offset a "
-             f"quadratic in the length), checked by tracing at {' and '.join(map(str, checks))}")
+    basis = (f"arithmetic on calls traced at lengths {', '.join(map(str, lengths))} (each shape, stride and "
+             f"offset a quadratic in the length), checked by tracing at {' and '.join(map(str, checks))}")
     return BoundarySearch(answer, high, basis)
 
 
@@ -200,14 +201,15 @@ def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> B
         mid = (good + bad) // 2
         traces += 1
         good, bad = (mid, bad) if is_clean(trace_at(mid)) else (good, mid)
-    return BoundarySearch(good, high, f"bisection over {traces} traces, assuming smaller is never worse ({why})")
+    return BoundarySearch(good, high,
+                          f"bisection over {traces} traces, assuming smaller is never worse ({why})")
 
 
-def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False, index_bits: int = MPS_INDEX_BITS,
-                     profile: Profile = None) -> FaultPlan:
+def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False,
+                     index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
     """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
-    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile)
+    inputs = {"input_ids": torch.zeros(batch, length, dtype=torch.long, device="meta")}
+    return trace_module(meta_module, inputs, backward=backward, index_bits=index_bits, profile=profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,13 +249,14 @@ def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool 
     ]
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> bool:
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
+            profile: Profile = None) -> bool:
     """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
     return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
 
 
-def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS, ceiling: int = 1 << 24,
-                       profile: Profile = None) -> int:
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS,
+                       ceiling: int = 1 << 24, profile: Profile = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
     where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
     candidate sizes are checked."""
@@ -275,10 +278,8 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = M
     return ceiling
 
 
-def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
+            profile: Profile = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
-    records = []
-    for p in calls:
-        a, b = p.at(batch)
-        records.append(dataclasses.replace(p.call, a=a, b=b, fault=classify_call(p.call.family, a, b, index_bits, profile)))
-    return FaultPlan.from_trace(tuple(records), index_bits, profile)
+    rebuilt = (dataclasses.replace(p.call, a=a, b=b) for p in calls for a, b in [p.at(batch)])
+    return _decided(rebuilt, index_bits, profile)

@@ -10,7 +10,6 @@ import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict
-
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
 
@@ -25,36 +24,36 @@ def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
     outcome = stop.fault.kind if stop is not None else forward.outcome
     message = forward.describe()
     if whole is not None and stop is not None and stop.phase == "backward" and forward.outcome != "clean":
-        message = f"{forward.describe()} (logits), then {'process abort' if stop.fault.kind == 'abort' else 'error'} in backward: {stop.fault.message}"
+        what = "process abort" if stop.fault.kind == "abort" else "error"
+        message = f"{forward.describe()} (logits), then {what} in backward: {stop.fault.message}"
     elif whole is not None and stop is not None:
         message = whole.describe()
     elif whole is not None and (wrong := [c for c in whole.silent if c.phase == "backward"]):
         outcome = "wrong" if outcome == "clean" else outcome
         message = f"{message} (logits); {len(wrong)} gradient products silently wrong in backward"
-    return {
-        "outcome": outcome, "first_corrupted_text": forward.first_corrupted_text,
-        "corrupted_count": forward.corrupted_count if forward.first_corrupted_text is not None else None, "message": message,
-    }
+    return {"outcome": outcome, "first_corrupted_text": forward.first_corrupted_text,
+            "corrupted_count": forward.corrupted_count if forward.first_corrupted_text is not None else None,
+            "message": message}
 
 
-def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int, index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
+def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int,
+                  index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
     """Rows {release, attention, phase, outcome, first_corrupted_text, corrupted_count, message, note}:
     one per release range whose cells agree, and one for unmeasured newer releases.
 
     Args:
         meta_for: builds the model on meta with an attention implementation ("eager", "sdpa").
     """
-    traces = {
-        (attention, phase): trace_classifier(meta_for(attention), batch, length, backward=phase == "training", index_bits=index_bits)
-        for attention in ATTENTIONS for phase in PHASES
-    }
+    traces = {(attention, phase): trace_classifier(meta_for(attention), batch, length,
+                                                   backward=phase == "training", index_bits=index_bits)
+              for attention in ATTENTIONS for phase in PHASES}
     per_release = {}
     for release in (*MEASURED_RELEASES, CONSERVATIVE):
         cells = {}
         for (attention, phase), plan in traces.items():
             decided = plan.under(release)
-            forward = predict(decided, batch, heads, "forward")
-            cells[(attention, phase)] = cell(forward, predict(decided, batch, heads, "all") if phase == "training" else None)
+            whole = predict(decided, batch, heads, "all") if phase == "training" else None
+            cells[(attention, phase)] = cell(predict(decided, batch, heads, "forward"), whole)
         per_release[release] = cells
     return _merge(per_release)
 
@@ -70,8 +69,9 @@ def _merge(per_release: dict[str, dict]) -> list[dict[str, Any]]:
     groups.append([CONSERVATIVE])
     rows = []
     for group in groups:
-        label = NEWER if group == [CONSERVATIVE] else group[0] if len(group) == 1 else f"{group[0]}-{group[-1]}"
-        notes = sorted({note for release in group for note in profile_for(release).notes})
+        label = (NEWER if group == [CONSERVATIVE] else group[0] if len(group) == 1
+                 else f"{group[0]}-{group[-1]}")
+        note = " ".join(sorted({n for release in group for n in profile_for(release).notes}))
         for (attention, phase), value in per_release[group[0]].items():
-            rows.append({"release": label, "attention": attention, "phase": phase, **value, "note": " ".join(notes)})
+            rows.append({"release": label, "attention": attention, "phase": phase, **value, "note": note})
     return rows

@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.output.page import format_cell, rich_table
+from mpsimpact.output.page import format_cell, markdown_table, rich_table
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
-CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)", "first bad row (sample, head)"]
+CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)",
+               "first bad row (sample, head)"]
 
 
 def _count(n: int) -> str:
@@ -58,31 +59,27 @@ def headline(report: dict[str, Any]) -> str:
     m, g = report["model"], report["geometry"]
     target = f" + decoder {g['target_len']}" if g["target_len"] is not None else ""
     return (f"{m['source']} ({m['found_in']}): {m['class']} ({m['model_type']}, {m['heads']} heads, "
-            f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; {g['phase']} at batch "
-            f"{g['batch_size']} x {g['seq_len']} tokens{target}; {report['calls_traced']} matmul calls traced on meta "
-            "(shapes only).")
+            f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; "
+            f"{g['phase']} at batch {g['batch_size']} x {g['seq_len']} tokens{target}; "
+            f"{report['calls_traced']} matmul calls traced on meta (shapes only).")
 
 
 def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     """The summary lines after the tables, as (label, text)."""
-    m, p, pred = report["model"], report["torch_profile"], report["prediction"]
+    m, p, pred, g = report["model"], report["torch_profile"], report["prediction"], report["geometry"]
     rules = f"torch {p['label']}, {'measured' if p['measured'] else 'not measured'}; from {p['source']}"
     by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
-    lines = [
+    return [
         ("task", f"{m['task']} ({m['task_basis']})"),
         ("attention", f"{m['attention']} ({m['attention_basis']})"),
-        ("rules", rules),
-        ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
-        ("largest safe batch", f"{report['largest_safe_batch']} at {report['geometry']['seq_len']} tokens "
+        ("rules", rules), ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
+        ("largest safe batch", f"{report['largest_safe_batch']} at {g['seq_len']} tokens "
                                f"({by_batch['basis']})"),
-        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {report['geometry']['batch_size']} "
+        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {g['batch_size']} "
                                 f"(searched 1..{by_length['high']}; {by_length['basis']})"),
         ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
                         f"({report['estimated_peak_basis']})"),
-    ]
-    lines += [("guard", advice) for advice in report["guard_advice"]]
-    lines += [("note", note) for note in p["notes"]]
-    return lines
+    ] + [("guard", a) for a in report["guard_advice"]] + [("note", n) for n in p["notes"]]
 
 
 def stop_line(stops: list[dict[str, Any]]) -> str:
@@ -90,7 +87,8 @@ def stop_line(stops: list[dict[str, Any]]) -> str:
     first, more = stops[0], len(stops) - 1
     what = "aborts the process" if first["kind"] == "abort" else "raises"
     tail = f" ({more} later calls would too; the run never reaches them)" if more else ""
-    return f"MPS {what} at call {first['index']} ({first['op']} in {first['module'] or first['phase']}): {first['message']}{tail}"
+    where = first["module"] or first["phase"]
+    return f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}"
 
 
 def print_check(report: dict[str, Any]) -> None:
@@ -99,7 +97,8 @@ def print_check(report: dict[str, Any]) -> None:
     console = Console()
     console.print(headline(report), soft_wrap=True)
     if report["faulting_calls"]:
-        console.print(rich_table("calls that hit a rule", CALL_HEADER, grouped_calls(report["faulting_calls"])))
+        calls = grouped_calls(report["faulting_calls"])
+        console.print(rich_table("calls that hit a rule", CALL_HEADER, calls))
     else:
         console.print("[bold green]No call crosses a limit.[/]")
     stops = report["prediction"]["stops"]
@@ -113,9 +112,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     """check.md: the same content as the console."""
     lines = [f"# mpsimpact check: {report['model']['source']}", "", headline(report), ""]
     if report["faulting_calls"]:
-        lines += ["## Calls that hit a rule", "", "| " + " | ".join(CALL_HEADER) + " |", "|---" * len(CALL_HEADER) + "|"]
-        rows = grouped_calls(report["faulting_calls"])
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        table = markdown_table(CALL_HEADER, grouped_calls(report["faulting_calls"]))
+        lines += ["## Calls that hit a rule", "", *table]
     else:
         lines.append("No call crosses a limit.")
     stops = report["prediction"]["stops"]

@@ -13,17 +13,11 @@ from typing import Any
 
 from mpsimpact.upgrade.matrix import ATTENTIONS, Progress
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, rich_table
+from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, html_table, markdown_table,
+                                   rich_table)
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
 UNPROBED_COLOUR = "#dddddd"
-
-
-def _build_note(row: dict[str, Any]) -> str:
-    if row["status"] != "probed":
-        return row["status"]
-    packages = len(row["overlay"]["installed"])
-    return f"{'cached' if row['cached'] else 'built'} ({packages} packages differ)"
 
 
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -33,13 +27,14 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
     for row in report["rows"]:
         time_cell = " + ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in row["timing"].items()) or "-"
         if row["status"] != "probed":
-            rows.append([row["transformers"], f"{row['status']}: {row['reason']}", time_cell, "-", "-", "-", "-"])
+            rows.append([row["transformers"], f"{row['status']}: {row['reason']}", time_cell] + ["-"] * 4)
             continue
-        f = row["findings"]
-        first = f["eager_first_corrupted_text"]
+        f, first = row["findings"], row["findings"]["eager_first_corrupted_text"]
         eager = f"text {first}, on every release" if first is not None else "differs by release"
-        rows.append([row["transformers"], _build_note(row), time_cell, f["default_attention"], str(f["output_attentions_runs"]),
-                     eager, "stops and splits" if f["guard_ok"] else "FAILED"])
+        env = f"{'cached' if row['cached'] else 'built'} ({len(row['overlay']['installed'])} packages differ)"
+        guard = "stops and splits" if f["guard_ok"] else "FAILED"
+        rows.append([row["transformers"], env, time_cell, f["default_attention"],
+                     str(f["output_attentions_runs"]), eager, guard])
     return rows
 
 
@@ -52,13 +47,14 @@ def guard_rows(report: dict[str, Any]) -> list[list[str]]:
             first = off.get("first_corrupted_text")
             wrong = f", {off['corrupted_count']} texts from {first}" if first is not None else ""
             attention = run["attention"] + (" (default)" if label == "default" else "")
-            rows.append([row["transformers"], attention, f"{off['status']}{wrong} ({len(off['faulted_calls'])} calls)",
-                         run["raise"]["status"], f"{chunk['status']} ({chunk['chunked_calls']} calls split)"])
+            calls = f"{off['status']}{wrong} ({len(off['faulted_calls'])} calls)"
+            rows.append([row["transformers"], attention, calls, run["raise"]["status"],
+                         f"{chunk['status']} ({chunk['chunked_calls']} calls split)"])
     return rows
 
 
 def short_outcome(cell: dict[str, Any], sep: str = " ") -> str:
-    """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (not characterised), "clean"."""
+    """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (uncharacterised), "clean"."""
     if cell["outcome"] == "wrong" and cell["first_corrupted_text"] is not None:
         return f"wrong{sep}from {cell['first_corrupted_text']}"
     return {"wrong_other": f"wrong{sep}(not char.)"}.get(cell["outcome"], cell["outcome"])
@@ -72,7 +68,7 @@ def release_rows(report: dict[str, Any]) -> list[list[str]]:
         for attention in ATTENTIONS:
             cells = row.get("cells", {}).get(attention) or {}
             reason = row["probe"]["implementations"][attention].get("error", "-") if probed else "not probed"
-            label = attention + (" (default)" if probed and row["findings"]["default_attention"] == attention else "")
+            label = attention + " (default)" * (probed and row["findings"]["default_attention"] == attention)
             outcomes = [short_outcome(cells[c["profile"]]) if cells else reason for c in report["columns"]]
             rows.append([row["transformers"], label, *outcomes])
     return rows
@@ -80,19 +76,20 @@ def release_rows(report: dict[str, Any]) -> list[list[str]]:
 
 def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table, as (title, header, rows), shared by the console, Markdown and HTML."""
-    emu, cfg = report["emulated"], report["config"]
-    ops = [[r["transformers"], name, "; ".join(lines) or "-"] for r in report["rows"] if r["status"] == "probed"
-           for name, lines in r["findings"]["attention_ops"].items()]
+    emu, cfg, lead = report["emulated"], report["config"], ["transformers", "attention"]
+    ops = [[r["transformers"], name, "; ".join(lines) or "-"] for r in report["rows"]
+           if r["status"] == "probed" for name, lines in r["findings"]["attention_ops"].items()]
     summary = ["transformers", "environment", "time", "default attention", "output_attentions=True runs",
                "eager: first wrong text", "guard"]
-    outcome_title = f"Outcome on MPS at {cfg['batch_size']} x {cfg['max_length']}, by torch release group (predicted from shapes)"
-    guard_title = (f"Guard check: tiny random BERT, {emu['batch']} x {emu['length']}, {EMULATED_LABEL} {emu['profile']}, "
-                   f"{emu['index_bits']}-bit index")
+    outcome_title = (f"Outcome on MPS at {cfg['batch_size']} x {cfg['max_length']}, by torch release group "
+                     "(predicted from shapes)")
+    guard_title = (f"Guard check: tiny random BERT, {emu['batch']} x {emu['length']}, "
+                   f"{EMULATED_LABEL} {emu['profile']}, {emu['index_bits']}-bit index")
     return [
         ("By transformers release", summary, summary_rows(report)),
-        (outcome_title, ["transformers", "attention", *[c["group"] for c in report["columns"]]], release_rows(report)),
-        (guard_title, ["transformers", "attention", "guard off", "guard raise", "guard chunk"], guard_rows(report)),
-        ("Attention calls that reach MPS (bmm and SDPA, per layer)", ["transformers", "attention", "calls: a @ b (layouts)"], ops),
+        (outcome_title, [*lead, *[c["group"] for c in report["columns"]]], release_rows(report)),
+        (guard_title, [*lead, "guard off", "guard raise", "guard chunk"], guard_rows(report)),
+        ("Attention calls that reach MPS (bmm and SDPA, per layer)", [*lead, "calls: a @ b (layouts)"], ops),
     ]
 
 
@@ -111,17 +108,18 @@ def notes(report: dict[str, Any]) -> list[str]:
         if probed and not differ:
             lines.append(f"{name}: the same attention calls, with the same layouts, in every probed release.")
         elif differ:
-            lines.append(f"{name}: the attention calls differ from {probed[0]['transformers']}'s in {', '.join(differ)}.")
-    lines += [f"transformers {r['transformers']}: {r['status']}: {r['reason']}" for r in report["rows"] if "reason" in r]
-    return lines
+            lines.append(f"{name}: the attention calls differ from {probed[0]['transformers']}'s in "
+                         f"{', '.join(differ)}.")
+    return lines + [f"transformers {r['transformers']}: {r['status']}: {r['reason']}"
+                    for r in report["rows"] if "reason" in r]
 
 
 def headline(report: dict[str, Any]) -> str:
     cfg, env = report["config"], report["environment"]
-    return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, torch {env['torch']} "
-            "(the running one, in every environment). Outcomes predicted from shapes (meta tensors); guard checked on a "
-            "tiny random BERT under "
-            f"{EMULATED_LABEL} {report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
+    return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, "
+            f"torch {env['torch']} (the running one, in every environment). Outcomes predicted from shapes "
+            f"(meta tensors); guard checked on a tiny random BERT under {EMULATED_LABEL} "
+            f"{report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
 
 
 def result_line(report: dict[str, Any]) -> str:
@@ -134,21 +132,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     """matrix.md: the headline, every table, the notes and the heatmap."""
     lines = [f"# mpsimpact matrix: {report['config']['scenario']}", "", headline(report), ""]
     for title, header, rows in tables(report):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-        lines.append("")
-    lines += [*(f"- {note}" for note in notes(report)), "", result_line(report), "", "![matrix](matrix.png)", ""]
+        lines += [f"## {title}", "", *markdown_table(header, rows), ""]
+    lines += [f"- {note}" for note in notes(report)]
+    lines += ["", result_line(report), "", "![matrix](matrix.png)", ""]
     return "\n".join(lines)
 
 
 def render_html(report: dict[str, Any], figure: bytes) -> str:
     """matrix.html: self-contained (inline CSS and figure), in report.html's look."""
     esc = html.escape
-    sections = "".join(
-        f"<h2>{esc(title)}</h2><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in header)}</tr>"
-        + "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in rows) + "</table>"
-        for title, header, rows in tables(report)
-    )
+    sections = "".join(f"<h2>{esc(title)}</h2>{html_table(header, rows)}"
+                       for title, header, rows in tables(report))
     items = "".join(f"<li>{esc(note)}</li>" for note in notes(report))
     image = base64.b64encode(figure).decode()
     title = f"mpsimpact matrix: {esc(report['config']['scenario'])}"
@@ -181,20 +175,21 @@ def heatmap(report: dict[str, Any]) -> bytes:
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7,
                     color="black" if not cell or cell["outcome"] == "clean" else "white")
     for index, attention in enumerate(ATTENTIONS):
-        ax.text(len(groups) * (index + 0.5), -0.15, f"{attention} attention", ha="center", va="bottom", fontsize=9,
-                weight="bold")
+        ax.text(len(groups) * (index + 0.5), -0.15, f"{attention} attention", ha="center", va="bottom",
+                fontsize=9, weight="bold")
     ax.axvline(len(groups), color="black", linewidth=2)
     ax.set_xlim(0, len(columns))
     ax.set_ylim(len(rows), 0)
     ticks = [c["group"].replace("-", "-\n").replace(" newer", "\nnewer") for _, c in columns]
     ax.set_xticks([x + 0.5 for x in range(len(columns))], ticks, fontsize=7)
     labels = [f"transformers {r['transformers']}"
-              + (f"\n(default: {r['findings']['default_attention']})" if r["status"] == "probed" else "") for r in rows]
+              + (f"\n(default: {r['findings']['default_attention']})" if r["status"] == "probed" else "")
+              for r in rows]
     ax.set_yticks([y + 0.5 for y in range(len(rows))], labels, fontsize=8)
     cfg = report["config"]
-    ax.set_title(f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by transformers release and torch release "
-                 "(predicted from shapes)", fontsize=9, pad=26)
-    handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + [Patch(color=UNPROBED_COLOUR, label="not probed")]
+    ax.set_title(f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by transformers "
+                 "release and torch release (predicted from shapes)", fontsize=9, pad=26)
+    handles = [Patch(color=c, label=k) for k, c in (*COLORS.items(), ("not probed", UNPROBED_COLOUR))]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return png(fig)
 
@@ -242,6 +237,7 @@ def progress_bars() -> Iterator[Progress]:
         def advance(version: str, stage: str) -> None:
             if version not in tasks:
                 tasks[version] = bars.add_task(f"transformers {version}", total=2)
-            bars.update(tasks[version], description=f"transformers {version}: {stage}", completed=steps[stage])
+            bars.update(tasks[version], description=f"transformers {version}: {stage}",
+                        completed=steps[stage])
 
         yield advance

@@ -13,7 +13,8 @@ def write_sweep_figure(table: dict, path: str, model: str) -> None:
     from mpsimpact.runs.figures import sweep_figure
     from mpsimpact.output.files import atomic_write_bytes
 
-    atomic_write_bytes(path, sweep_figure(table, f"{model}: predicted corrupted fraction (MPS, eager attention)"))
+    title = f"{model}: predicted corrupted fraction (MPS, eager attention)"
+    atomic_write_bytes(path, sweep_figure(table, title))
 
 
 def print_plan(report: dict[str, Any]) -> None:
@@ -21,9 +22,13 @@ def print_plan(report: dict[str, Any]) -> None:
     from rich.console import Console
     console = Console()
     cfg, pred = report["config"], report["prediction"]
-    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): batch {cfg['batch_size']}, max length {cfg['max_length']}, {report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), decided for MPS on torch {report['profile']['label']}.")
+    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): "
+                  f"batch {cfg['batch_size']}, max length {cfg['max_length']}, "
+                  f"{report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), "
+                  f"decided for MPS on torch {report['profile']['label']}.")
     calls = grouped_calls(report["faulting_calls"])
-    console.print(rich_table("calls that hit a rule", CALL_HEADER, calls) if calls else "No call crosses a limit.")
+    console.print(rich_table("calls that hit a rule", CALL_HEADER, calls) if calls
+                  else "No call crosses a limit.")
     stop = pred["stops"][0] if pred["stops"] else None
     if stop is not None:
         what = "abort the process" if stop["kind"] == "abort" else "raise"
@@ -31,7 +36,7 @@ def print_plan(report: dict[str, Any]) -> None:
     else:
         console.print(f"Predicted: {pred['describe']}.")
     console.print(rich_table("largest safe batch", ("max length", "texts"),
-                                list(report["largest_safe_batch_by_length"].items())))
+                             list(report["largest_safe_batch_by_length"].items())))
     console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB.")
     for line in report["guard_advice"]:
         console.print(line, soft_wrap=True)
@@ -47,21 +52,19 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
     rows = [[o["dtype"], o["max_length"], o["batch_size"], o["outcome"], f"{o['estimated_peak_gib']} GiB",
              "yes" if o["fits"] else "no"] for o in memory["options"]]
     console.print(rich_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
-                                ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
+                             ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
     rec = memory["recommendation"]
-    console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"] else f"[bold red]{rec['why']}[/]", soft_wrap=True)
+    console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"]
+                  else f"[bold red]{rec['why']}[/]", soft_wrap=True)
 
 
 def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
+    from mpsimpact.reports.versions import TITLES, by_release
 
-    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
-    body = []
-    for release in dict.fromkeys(r["release"] for r in rows):
-        cells = {(r["attention"], r["phase"]): r["message"] for r in rows if r["release"] == release}
-        body.append([release, *[cells[c] for c in columns]])
-    title = f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens (from shapes alone)"
-    console.print(rich_table(title, ["torch", *(f"{a}, {p}" for a, p in columns)], body, show_lines=True))
+    body = [[release, *(c["message"] for c in cells)] for release, cells in by_release(rows).items()]
+    title = (f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens "
+             "(from shapes alone)")
+    console.print(rich_table(title, ["torch", *TITLES], body, show_lines=True))
     for note in sorted({r["note"] for r in rows if r["note"]}):
         console.print(f"note: {note}", soft_wrap=True)
 
@@ -80,17 +83,14 @@ def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
 
             cfg = report["config"]
             atomic_write_text(partial / "versions.md", to_markdown(report["versions"]))
-            title = f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by torch release (predicted from shapes)"
+            title = (f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by torch release "
+                     "(predicted from shapes)")
             atomic_write_bytes(partial / "versions.png", heatmap(report["versions"], title))
     return folder
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
-
-
 def _print_sweep(console, table: dict) -> None:
-    rows = [[row["batch"], *[(c := table[length][i])["stops"] or f"{c['corrupted_fraction']:.1%}" for length in table]]
-            for i, row in enumerate(next(iter(table.values())))]
-    console.print(rich_table("predicted corrupted fraction by batch size", ["batch", *(f"L={n}" for n in table)],
-                                rows, justify="right"))
+    rows = [[row["batch"], *[(c := table[length][i])["stops"] or f"{c['corrupted_fraction']:.1%}"
+                             for length in table]] for i, row in enumerate(next(iter(table.values())))]
+    header = ["batch", *(f"L={n}" for n in table)]
+    console.print(rich_table("predicted corrupted fraction by batch size", header, rows, justify="right"))

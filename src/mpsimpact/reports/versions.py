@@ -5,27 +5,36 @@ from __future__ import annotations
 from typing import Any
 
 from mpsimpact.engine.faults import STOP_KINDS
+from mpsimpact.output.page import markdown_table
 from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
 
-COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "error": "#984ea3", "abort": "#222222"}
+COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "error": "#984ea3",
+          "abort": "#222222"}
+# The table's columns, (attention, phase), and their titles.
+COLUMNS = [(a, p) for a in ATTENTIONS for p in PHASES]
+TITLES = [f"{a}, {p}" for a, p in COLUMNS]
+
+
+def by_release(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The table's rows as {release range: its cells in COLUMNS order}."""
+    cells = {(r["release"], r["attention"], r["phase"]): r for r in rows}
+    return {release: [cells[(release, *c)] for c in COLUMNS] for release, *_ in cells}
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     """The table as Markdown: one row per release range, one column per attention x phase."""
-    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
-    lines = ["| torch | " + " | ".join(f"{a}, {p}" for a, p in columns) + " |", "|---|" + "---|" * len(columns)]
-    for release in dict.fromkeys(r["release"] for r in rows):
-        cells = {(r["attention"], r["phase"]): r for r in rows if r["release"] == release}
-        lines.append(f"| {release} | " + " | ".join(cells[c]["message"].replace("|", "/") for c in columns) + " |")
-    notes = sorted({r["note"] for r in rows if r["note"]})
-    return "\n".join(lines + [""] + [f"- {note}" for note in notes]) + "\n"
+    table = [[release, *(c["message"].replace("|", "/") for c in cells)]
+             for release, cells in by_release(rows).items()]
+    notes = [f"- {note}" for note in sorted({r["note"] for r in rows if r["note"]})]
+    return "\n".join([*markdown_table(["torch", *TITLES], table), "", *notes]) + "\n"
 
 
 def _short(row: dict[str, Any]) -> str:
     first = row["first_corrupted_text"]
     if row["outcome"] in STOP_KINDS and first is not None:
         return f"wrong from {first},\nthen {row['outcome']} in bwd"
-    return {"wrong": f"wrong from {first}" if first is not None else "wrong", "wrong_other": "wrong\n(not characterised)"}.get(row["outcome"], row["outcome"])
+    wrong = f"wrong from {first}" if first is not None else "wrong"
+    return {"wrong": wrong, "wrong_other": "wrong\n(not characterised)"}.get(row["outcome"], row["outcome"])
 
 
 def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
@@ -35,19 +44,18 @@ def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
     from mpsimpact.output.plot import png, pyplot
 
     plt = pyplot()
-    releases = list(dict.fromkeys(r["release"] for r in rows))
-    columns = [(a, p) for a in ATTENTIONS for p in PHASES]
-    fig, ax = plt.subplots(figsize=(2.3 * len(columns) + 1.5, 0.55 * len(releases) + 1.6))
-    for y, release in enumerate(releases):
-        for x, column in enumerate(columns):
-            r = next(r for r in rows if r["release"] == release and (r["attention"], r["phase"]) == column)
+    releases = by_release(rows)
+    fig, ax = plt.subplots(figsize=(2.3 * len(COLUMNS) + 1.5, 0.55 * len(releases) + 1.6))
+    for y, cells in enumerate(releases.values()):
+        for x, r in enumerate(cells):
             ax.add_patch(plt.Rectangle((x, y), 1, 1, color=COLORS[r["outcome"]], alpha=0.85))
-            label = _short(r)
-            ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=8, color="white" if r["outcome"] != "clean" else "black")
-    ax.set_xlim(0, len(columns))
+            ax.text(x + 0.5, y + 0.5, _short(r), ha="center", va="center", fontsize=8,
+                    color="white" if r["outcome"] != "clean" else "black")
+    ax.set_xlim(0, len(COLUMNS))
     ax.set_ylim(len(releases), 0)
-    ax.set_xticks([x + 0.5 for x in range(len(columns))], [f"{a}\n{p}" for a, p in columns])
-    ax.set_yticks([y + 0.5 for y in range(len(releases))], releases)
+    ax.set_xticks([x + 0.5 for x in range(len(COLUMNS))], [f"{a}\n{p}" for a, p in COLUMNS])
+    ax.set_yticks([y + 0.5 for y in range(len(releases))], list(releases))
     ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8)
     return png(fig)

@@ -11,22 +11,24 @@ import torch
 from mpsimpact.output.page import rich_table
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.runs.kind import RunKind
+from mpsimpact.runs.kind import PASS_COLUMNS, RunKind
 from mpsimpact.runs.runner import device_reference, reference_logits, run_conditions
 from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
 
 
-def select_reference(config, model, texts: list[str], geometry: Geometry, boundary: int | None, progress) -> tuple[np.ndarray, dict[str, Any]]:
-    """The fp32 reference: on the CPU (cached), or chunked on the device itself (--reference-device device)."""
+def select_reference(config, model, texts: list[str], geometry: Geometry, boundary: int | None,
+                     progress) -> tuple[np.ndarray, dict[str, Any]]:
+    """The fp32 reference: on the CPU (cached), or with --reference-device device chunked on the device."""
     device = geometry.device
     info: dict[str, Any] = {"device": "cpu", "dtype": "float32"}
     if config.reference_device == "device" and device != "cpu":
         model.module.to(device)
-        ref, spot = device_reference(model, texts, geometry.run_length, device, boundary, progress(f"reference ({device}, chunked)", len(texts)))
+        advance = progress(f"reference ({device}, chunked)", len(texts))
+        ref, spot = device_reference(model, texts, geometry.run_length, device, boundary, advance)
         info.update(device=device, cached=False, cpu_spot_check=spot)
     else:
-        ref, cached = reference_logits(model, texts, geometry.run_length, progress("reference (CPU fp32)", len(texts)))
-        info["cached"] = cached
+        advance = progress("reference (CPU fp32)", len(texts))
+        ref, info["cached"] = reference_logits(model, texts, geometry.run_length, advance)
     return ref, info
 
 
@@ -34,52 +36,50 @@ class ClassifyKind(RunKind):
     """Inference of a classifier: logits per text, corrupted above a relative error threshold."""
 
     name = "inference"
-    columns = (
-        ("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"), ("corrupted_fraction", "fraction"),
-        ("first_corrupted_index", "first corrupted"), ("predicted_first_corrupted_index", "predicted first"),
-        ("flips", "flips"), ("accuracy", "accuracy"), ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"),
-    )
+    columns = (*PASS_COLUMNS, ("flips", "flips"), ("accuracy", "accuracy"),
+               ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "figures")
 
-    def run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-        with full_precision_reductions():
-            return self._run(config, scenario, model, geometry, plans, progress)
-
-    def _run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-        device = geometry.device
+    @full_precision_reductions()
+    def run(self, config, scenario, model, geometry: Geometry, plans: dict,
+            progress) -> tuple[dict[str, Any], dict[str, Any]]:
+        device, fp32 = geometry.device, geometry.dtype == "float32"
         texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
         inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
         first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
-        ref, reference_info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
-        reference_info["accuracy"] = float((ref.argmax(1) == gold).mean())
+        ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
+        info["accuracy"] = float((ref.argmax(1) == gold).mean())
         module = model.module.to(device=device, dtype=getattr(torch, geometry.dtype))
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        judge = ref if geometry.dtype == "float32" else _half_reference(module, model, texts, geometry, reference_info, progress)
-        reference_info["judged_against"] = "cpu float32" if geometry.dtype == "float32" else f"{device} {geometry.dtype}, small batches"
-        reference_info["threshold"] = config.corruption_threshold
-        conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts, "errors": {}, "preds": {}}
+        judge = ref if fp32 else _half_reference(module, model, texts, geometry, info, progress)
+        info["judged_against"] = "cpu float32" if fp32 else f"{device} {geometry.dtype}, small batches"
+        info["threshold"] = config.corruption_threshold
+        conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts,
+                                  "errors": {}, "preds": {}}
         for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
             _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
-            if "flips" in result and geometry.dtype != "float32":
+            if "flips" in result and not fp32:
                 result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())
-                result["fp32_reference_accuracy"] = reference_info["accuracy"]
+                result["fp32_reference_accuracy"] = info["accuracy"]
             conditions.append(result)
         model.module.to(dtype=torch.float32)
-        return {"repeated_texts": repeats, "tokens": token_stats, "reference": reference_info, "conditions": conditions}, arrays
+        return {"repeated_texts": repeats, "tokens": token_stats, "reference": info,
+                "conditions": conditions}, arrays
 
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
-        from mpsimpact.runs import figures
+        from mpsimpact.runs.figures import render_all
 
-        return figures.render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
+        return render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
-        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"), "logits.npz": logits_npz(arrays)}
+        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
+                "logits.npz": logits_npz(arrays)}
 
     def console_table(self, report: dict):
         g = report["geometry"]
+        title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
         header = ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall")
-        return rich_table(f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}",
-                             header, [_console_row(c) for c in report["conditions"]], justify="right")
+        return rich_table(title, header, [_console_row(c) for c in report["conditions"]], justify="right")
 
     def damage(self, report: dict, off: dict) -> str:
         wrong, flips, c = off["corrupted_count"], off.get("flips", 0), off.get("collapse", {})
@@ -93,8 +93,9 @@ class ClassifyKind(RunKind):
         for condition in report["conditions"]:
             if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
                 c = condition["collapse"]
-                lines.append(f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device "
-                             f"vs {c['reference_share']:.1%} in the reference")
+                lines.append(f"guard off: corrupted texts collapse onto '{c['class']}': "
+                             f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} "
+                             "in the reference")
             if condition.get("message"):
                 lines.append(f"guard {condition['guard']}: {condition['status']}: {condition['message']}")
         return lines
@@ -118,10 +119,9 @@ def _half_reference(module, model, texts: list[str], geometry: Geometry, info: d
     """The same-dtype, small-batch reference that judges half precision (reference.same_dtype_reference)."""
     from mpsimpact.runs.reference import CHUNK, same_dtype_reference
 
-    judge = same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device,
-                                 progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts)))
     info["same_dtype"] = {"device": geometry.device, "dtype": geometry.dtype, "batch": CHUNK}
-    return judge
+    advance = progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts))
+    return same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device, advance)
 
 
 def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
@@ -162,5 +162,6 @@ def logits_npz(arrays: dict) -> bytes:
     import numpy as np
 
     buffer = io.BytesIO()
-    np.savez(buffer, reference=arrays["reference"], gold=arrays["gold"], **{f"guard_{k}": v for k, v in arrays.get("logits", {}).items()})
+    np.savez(buffer, reference=arrays["reference"], gold=arrays["gold"],
+             **{f"guard_{k}": v for k, v in arrays.get("logits", {}).items()})
     return buffer.getvalue()

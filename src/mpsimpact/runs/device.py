@@ -41,15 +41,13 @@ def has_device(name: str) -> bool:
 def resolve_device(requested: str) -> str:
     """Turns "auto" into mps, else cuda, else cpu; refuses a device this machine lacks."""
     if requested not in DEVICES:
-        raise DeviceError(f"--device must be one of {', '.join(DEVICES)}, got '{requested}'.", device=requested)
+        raise DeviceError(f"--device must be one of {', '.join(DEVICES)}, got '{requested}'.",
+                          device=requested)
     if requested == "auto":
         return next(name for name in ("mps", "cuda", "cpu") if has_device(name))
     if not has_device(requested):
-        raise DeviceError(
-            f"Device '{requested}' is not available on this machine ({machine_name()}); "
-            "use --device cpu to emulate MPS faults.",
-            device=requested,
-        )
+        raise DeviceError(f"Device '{requested}' is not available on this machine ({machine_name()}); "
+                          "use --device cpu to emulate MPS faults.", device=requested)
     return requested
 
 
@@ -57,14 +55,14 @@ def resolve_emulation(requested: bool | None, device: str) -> bool:
     """--emulate/--no-emulate: emulate by default everywhere but on MPS, where the real fault runs."""
     emulated = requested if requested is not None else device != "mps"
     if emulated and device == "mps":
-        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the real fault runs. Use --no-emulate or --device cpu.")
+        raise UsageError("--emulate is for CPU and CUDA devices; on MPS the real fault runs. "
+                         "Use --no-emulate or --device cpu.")
     return emulated
 
 
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of host RAM."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = page * os.sysconf("SC_PHYS_PAGES")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as fh:
             fields = dict(line.split(":", 1) for line in fh)
@@ -86,11 +84,9 @@ def check_memory(device: str, needed: int, what: str, advice: str) -> None:
     """Raises MemoryPreflightError, before anything is allocated, when `needed` does not fit."""
     offered = device_memory(device)
     if needed > offered:
-        raise MemoryPreflightError(
-            f"This run needs about {needed / GIB:.1f} GiB for {what}; {device} offers "
-            f"{offered / GIB:.1f} GiB. {advice}",
-            device=device, needed_bytes=needed, offered_bytes=offered,
-        )
+        raise MemoryPreflightError(f"This run needs about {needed / GIB:.1f} GiB for {what}; {device} offers "
+                                   f"{offered / GIB:.1f} GiB. {advice}",
+                                   device=device, needed_bytes=needed, offered_bytes=offered)
 
 
 @contextlib.contextmanager

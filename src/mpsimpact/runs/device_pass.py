@@ -15,7 +15,8 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.runs.device import GIB, check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, UsageError
-from mpsimpact.prediction.memory import TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes, largest_fitting_batch
+from mpsimpact.prediction.memory import (TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes,
+                                         largest_fitting_batch)
 from mpsimpact.modes.guard import guard
 from mpsimpact.prediction.demo_size import DTYPE_BYTES
 
@@ -52,8 +53,10 @@ class Geometry:
             if self.device != "mps":
                 return f"{self.device} control (no emulation)"
             other = release.release != installed_profile().release
-            return f"real MPS (torch {installed_profile().label})" + (f", guarded and planned as torch {release.label}" if other else "")
-        scale = f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed else "at full scale"
+            planned = f", guarded and planned as torch {release.label}" if other else ""
+            return f"real MPS (torch {installed_profile().label}){planned}"
+        scale = (f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed
+                 else "at full scale")
         precision = "" if self.dtype == "float32" else f", {self.dtype}"
         return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
 
@@ -71,22 +74,21 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
     training = is_training(config) if training is None else training
     dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
-    full = estimate_training_bytes(model.config, batch, max_length) if training else estimate_peak_bytes(model.config, batch, max_length, dtype_bytes)
+    full = (estimate_training_bytes(model.config, batch, max_length) if training
+            else estimate_peak_bytes(model.config, batch, max_length, dtype_bytes))
     run_length = _run_length(config, device, emulated, full, max_length)
     geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
     if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
-        raise UsageError(
-            f"--max-length {max_length} cannot be emulated exactly at reduced length {run_length}: the wrap "
-            "period must be a whole number of batches, which needs power-of-two lengths. Use a power of two, "
-            "or a device with enough memory for the full scale."
-        )
+        raise UsageError(f"--max-length {max_length} cannot be emulated exactly at reduced length "
+                         f"{run_length}: the wrap period must be a whole number of batches, which needs "
+                         "power-of-two lengths. Use a power of two, or a device with enough memory for the "
+                         "full scale.")
     if training:
         check_training_memory(model.config, device, batch, run_length)
     else:
         check_memory(
             device, estimate_peak_bytes(model.config, batch, run_length, dtype_bytes), "one device pass",
-            "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).",
-        )
+            "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).")
     return geometry
 
 
@@ -98,13 +100,12 @@ def _run_length(config: Any, device: str, emulated: bool, full: int, max_length:
     if device != "cpu" and full <= device_memory(device):
         return max_length
     if device == "mps" or (not emulated and device != "cpu"):
-        hint = (f" `mpsimpact plan {config.scenario} --memory auto` names the smallest demo that fits this Mac."
-                if device == "mps" else "")
+        hint = "" if device != "mps" else (
+            f" `mpsimpact plan {config.scenario} --memory auto` names the smallest demo that fits this Mac.")
         raise MemoryPreflightError(
-            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} offers "
-            f"{device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use --dtype float16.{hint}",
-            device=device, needed_bytes=full,
-        )
+            f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} "
+            f"offers {device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use "
+            f"--dtype float16.{hint}", device=device, needed_bytes=full)
     return min(max_length, REDUCED_LENGTH)
 
 
@@ -128,37 +129,36 @@ def check_training_memory(model_config: Any, device: str, batch: int, length: in
     check_memory(device, needed, f"one training step ({TRAINING_PARTS}) at {batch} x {length}", advice)
 
 
-def build_batch(texts: tuple[str, ...], labels: tuple[int, ...], batch: int) -> tuple[list[str], np.ndarray, int]:
+def build_batch(texts: tuple[str, ...], labels: tuple[int, ...],
+                batch: int) -> tuple[list[str], np.ndarray, int]:
     """The first `batch` texts in the data's fixed order, repeated if there are too few; returns
     (texts, gold labels, how many positions are repeats)."""
     reps = -(-batch // len(texts))
-    picked = (list(texts) * reps)[:batch]
-    gold = np.array((list(labels) * reps)[:batch])
-    return picked, gold, max(0, batch - len(texts))
+    return (list(texts) * reps)[:batch], np.array((list(labels) * reps)[:batch]), max(0, batch - len(texts))
 
 
 @contextlib.contextmanager
 def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
     """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
-    if not geometry.emulated:
-        emulation = contextlib.nullcontext(None)
-    else:
-        emulation = emulate(plan=plan) if geometry.replayed else emulate(index_bits=geometry.index_bits, profile=geometry.profile or None)
-    guarding = (guard(guard_mode, index_bits=geometry.index_bits, profile=geometry.profile or None)
-                if guard_mode != "off" else contextlib.nullcontext(None))
+    bits, profile = geometry.index_bits, geometry.profile or None
+    emulation = (contextlib.nullcontext(None) if not geometry.emulated
+                 else emulate(plan=plan) if geometry.replayed else emulate(index_bits=bits, profile=profile))
+    guarding = (guard(guard_mode, index_bits=bits, profile=profile) if guard_mode != "off"
+                else contextlib.nullcontext(None))
     with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
         yield emu, g
 
 
-def tokenize(tokenizer, texts: list[str], geometry: Geometry) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def tokenize(tokenizer, texts: list[str], geometry: Geometry
+             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Pads every text to the run length; reports which texts a reduced length truncates."""
-    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length", return_tensors="pt")
+    enc = tokenizer(texts, truncation=True, max_length=geometry.run_length, padding="max_length",
+                    return_tensors="pt")
     lengths = np.array([len(ids) for ids in tokenizer(texts, truncation=False)["input_ids"]])
     reduced = np.flatnonzero((lengths > geometry.run_length) & (geometry.run_length < geometry.max_length))
-    stats = {
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, {
         "truncated_at_max_length": int((lengths > geometry.max_length).sum()),
         "truncated_by_reduced_length": reduced.tolist(),
         "truncated_by_reduced_length_fraction": reduced.size / len(texts),
         "mean_tokens": float(lengths.mean()),
     }
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, stats

@@ -15,7 +15,7 @@ from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
 from mpsimpact.output.page import EMULATED_LABEL
-from mpsimpact.runs.kind import RunKind
+from mpsimpact.runs.kind import PASS_COLUMNS, RunKind
 from mpsimpact.runs.runner import run_conditions
 from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
 
@@ -25,33 +25,30 @@ class EmbedKind(RunKind):
 
     name = "embedding"
     dtypes = ("float32",)
-    columns = (
-        ("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"), ("corrupted_fraction", "fraction"),
-        ("first_corrupted_index", "first corrupted"), ("predicted_first_corrupted_index", "predicted first"),
-        ("self_retrieval_failures", "self-retrieval failures"), ("recall_at_10", "recall@10"),
-        ("top1_changed", "top-1 changed"), ("wall_s", "wall s"),
-    )
+    columns = (*PASS_COLUMNS, ("self_retrieval_failures", "self-retrieval failures"),
+               ("recall_at_10", "recall@10"), ("top1_changed", "top-1 changed"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")
 
-    def run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
-        with full_precision_reductions():
-            return self._run(config, scenario, model, geometry, plans, progress)
-
-    def _run(self, config, scenario, model, geometry: Geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    @full_precision_reductions()
+    def run(self, config, scenario, model, geometry: Geometry, plans: dict,
+            progress) -> tuple[dict[str, Any], dict[str, Any]]:
         from mpsimpact.runs.reference import run_chunked
 
         texts, _, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
         inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
         # Queries on the CPU, so only the index can be corrupted.
-        queries = run_chunked(model.module.to("cpu"), model.tokenizer, list(scenario.queries), geometry.run_length)
+        queries = run_chunked(model.module.to("cpu"), model.tokenizer, list(scenario.queries),
+                              geometry.run_length)
         first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
         ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
-        info.update(threshold=COSINE_THRESHOLD, measure="cosine to the reference vector", queries=len(queries), query_device="cpu")
+        info.update(threshold=COSINE_THRESHOLD, measure="cosine to the reference vector",
+                    queries=len(queries), query_device="cpu")
         module = model.module.to(geometry.device)
         inputs = {k: v.to(geometry.device) for k, v in inputs.items()}
         twins = twin_ids(ref)
         conditions = []
-        arrays: dict[str, Any] = {"reference": ref, "queries": queries, "texts": texts, "embeddings": {}, "per_text": {}}
+        arrays: dict[str, Any] = {"reference": ref, "queries": queries, "texts": texts, "embeddings": {},
+                                  "per_text": {}}
         for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
             embeddings = result.pop("logits", None)
             if embeddings is not None:
@@ -60,7 +57,8 @@ class EmbedKind(RunKind):
                 arrays["embeddings"][key] = embeddings
             conditions.append(result)
         model.module.to("cpu")
-        return {"repeated_texts": repeats, "tokens": token_stats, "reference": info, "conditions": conditions}, arrays
+        return {"repeated_texts": repeats, "tokens": token_stats, "reference": info,
+                "conditions": conditions}, arrays
 
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
         from mpsimpact.runs.figures import render_retrieval
@@ -93,23 +91,28 @@ class EmbedKind(RunKind):
 
 
 def retrieval_lines(report: dict) -> list[str]:
-    """Self-retrieval, query results, hubs and direction of each completed condition with corrupted vectors."""
+    """Self-retrieval, query results, hubs and direction of each completed condition with corrupted
+    vectors."""
     lines = []
     for c in report["conditions"]:
         if c["status"] != "completed":
             continue
-        who = f"guard {c['guard']}" if c.get("attention", "eager") == "eager" else f"{c['attention']}, guard {c['guard']}"
+        eager = c.get("attention", "eager") == "eager"
+        who = f"guard {c['guard']}" if eager else f"{c['attention']}, guard {c['guard']}"
         s, q, h, d = c["self_retrieval"], c["query_results"], c["hubs"], c["direction"]
-        lines.append(f"{who}: {c['corrupted_count']} corrupted vectors (first {c['first_corrupted_index']}, predicted "
-                     f"{c['predicted_first_corrupted_index']}); self-retrieval: {s['failures']} documents are no longer their "
-                     f"own nearest neighbour (median rank {s['median_failed_rank']}, max {s['max_rank']}); queries: mean "
-                     f"recall@10 {q['recall_at_10']:.4f}, top-1 changed for {q['top1_changed']} of {q['queries']}.")
+        lines.append(f"{who}: {c['corrupted_count']} corrupted vectors (first {c['first_corrupted_index']}, "
+                     f"predicted {c['predicted_first_corrupted_index']}); self-retrieval: {s['failures']} "
+                     f"documents are no longer their own nearest neighbour (median rank "
+                     f"{s['median_failed_rank']}, max {s['max_rank']}); queries: mean recall@10 "
+                     f"{q['recall_at_10']:.4f}, top-1 changed for {q['top1_changed']} of {q['queries']}.")
         if c["corrupted_count"]:
             lines.append(
-                f"{who}: hubs: corrupted documents fill {h['corrupted_top10_appearances']} top-10 slots (reference "
-                f"{h['reference_top10_appearances']}, uniform expectation {h['expected_if_uniform']:.1f}); mean pairwise cosine "
-                f"of corrupted vectors {_fmt(d['corrupted_mean_pairwise_cosine'])} vs clean {_fmt(d['clean_mean_pairwise_cosine'])} "
-                f"(the same documents in the reference: {_fmt(d['corrupted_reference_mean_pairwise_cosine'])}).")
+                f"{who}: hubs: corrupted documents fill {h['corrupted_top10_appearances']} top-10 slots "
+                f"(reference {h['reference_top10_appearances']}, uniform expectation "
+                f"{h['expected_if_uniform']:.1f}); mean pairwise cosine of corrupted vectors "
+                f"{_fmt(d['corrupted_mean_pairwise_cosine'])} vs clean "
+                f"{_fmt(d['clean_mean_pairwise_cosine'])} (the same documents in the reference: "
+                f"{_fmt(d['corrupted_reference_mean_pairwise_cosine'])}).")
     return lines
 
 

@@ -11,90 +11,89 @@ from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
 
 
-def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:
+def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float,
+                      title: str) -> bytes:
     """Relative logit error per batch position, one series per completed guard condition."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    floor = 1e-9
-    styles = {"off": ("tab:red", 3, "guard off"), "chunk": ("tab:green", 2, "guard chunk"), "raise": ("tab:blue", 2, "guard raise")}
+    fig, ax = pyplot().subplots(figsize=(9, 4))
+    styles = {"off": ("tab:red", 3, "guard off"), "chunk": ("tab:green", 2, "guard chunk"),
+              "raise": ("tab:blue", 2, "guard raise")}
     for guard_mode, err in errors.items():
         color, size, label = styles.get(guard_mode, ("gray", 2, guard_mode))
-        ax.scatter(np.arange(err.size), np.clip(err, floor, None), s=size, color=color, label=label, alpha=0.7, linewidths=0)
+        ax.scatter(np.arange(err.size), np.clip(err, 1e-9, None), s=size, color=color, label=label, alpha=0.7,
+                   linewidths=0)
     ax.axhline(threshold, color="black", linestyle=":", linewidth=1, label=f"corrupted above {threshold:g}")
     if predicted is not None:
-        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5, label=f"predicted from shapes: text {predicted}")
-    ax.set_yscale("log")
-    ax.set_xlabel("position in batch")
-    ax.set_ylabel("max |logit - ref| / max |ref|  (floored at 1e-9)")
-    ax.set_title(title)
+        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5,
+                   label=f"predicted from shapes: text {predicted}")
+    ax.set(yscale="log", xlabel="position in batch", title=title,
+           ylabel="max |logit - ref| / max |ref|  (floored at 1e-9)")
     ax.legend(loc="upper left", fontsize=8, markerscale=4)
     return png(fig)
 
 
 def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
     """Bars: the corrupted texts' predicted classes on the device vs in the reference."""
-    plt = pyplot()
     labels = list(counts["device"])
     x = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(x - 0.2, [counts["reference"][k] for k in labels], width=0.4, label="reference (CPU fp32)", color="tab:gray")
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, [counts["reference"][k] for k in labels], width=0.4, label="reference (CPU fp32)",
+           color="tab:gray")
     ax.bar(x + 0.2, [counts["device"][k] for k in labels], width=0.4, label="device", color="tab:red")
     for offset, key in ((-0.2, "reference"), (0.2, "device")):
         for i, k in enumerate(labels):
             ax.text(i + offset, counts[key][k], str(counts[key][k]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, labels)
-    ax.set_ylabel("corrupted texts")
-    ax.set_title(title)
+    ax.set(ylabel="corrupted texts", title=title)
     ax.legend(fontsize=8)
     return png(fig)
 
 
-def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: tuple[str, ...], title: str) -> bytes:
+def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: tuple[str, ...],
+              title: str) -> bytes:
     """Confusion matrix: rows reference prediction, columns device prediction."""
-    plt = pyplot()
     n = len(label_names)
     matrix = np.zeros((n, n), dtype=int)
     np.add.at(matrix, (reference_pred, device_pred), 1)
-    fig, ax = plt.subplots(figsize=(5, 4.2))
+    fig, ax = pyplot().subplots(figsize=(5, 4.2))
     ax.imshow(matrix, cmap="Blues")
     for i in range(n):
         for j in range(n):
-            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", color="white" if matrix[i, j] > matrix.max() / 2 else "black")
+            colour = "white" if matrix[i, j] > matrix.max() / 2 else "black"
+            ax.text(j, i, str(matrix[i, j]), ha="center", va="center", color=colour)
     ax.set_xticks(range(n), label_names)
     ax.set_yticks(range(n), label_names)
-    ax.set_xlabel("device prediction")
-    ax.set_ylabel("reference prediction")
-    ax.set_title(title)
+    ax.set(xlabel="device prediction", ylabel="reference prediction", title=title)
     return png(fig)
 
 
-def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray], reference_pred: np.ndarray) -> dict[str, bytes]:
+def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray],
+               reference_pred: np.ndarray) -> dict[str, bytes]:
     """Every figure of a run, by file name."""
     tag = run_tag(run)
     batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
-    figures = {
-        "error_by_position.png": error_by_position(errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"], f"{tag}: batch {batch}, max length {length}"),
-    }
+    figures = {"error_by_position.png": error_by_position(
+        errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"],
+        f"{tag}: batch {batch}, max length {length}")}
     off = next((c for c in run["conditions"] if c["guard"] == "off" and c["status"] == "completed"), None)
     if off is not None:
-        figures["corrupted_classes.png"] = corrupted_classes(off["corrupted_class_counts"], f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts")
-        figures["confusion.png"] = confusion(preds["off"], reference_pred, tuple(run["label_names"]), f"{tag}, guard off")
+        classes_title = f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts"
+        figures["corrupted_classes.png"] = corrupted_classes(off["corrupted_class_counts"], classes_title)
+        figures["confusion.png"] = confusion(preds["off"], reference_pred, tuple(run["label_names"]),
+                                             f"{tag}, guard off")
     return figures
 
 
 def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
     """Predicted corrupted fraction vs batch size, one line per max length; stops marked."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = pyplot().subplots(figsize=(8, 4))
     for length, rows in table.items():
-        batches = [r["batch"] for r in rows]
-        ax.plot(batches, [r["corrupted_fraction"] for r in rows], marker="o", markersize=3, label=f"max length {length}")
+        ax.plot([r["batch"] for r in rows], [r["corrupted_fraction"] for r in rows], marker="o", markersize=3,
+                label=f"max length {length}")
         for r in rows:
             if r["stops"]:
                 ax.annotate(r["stops"], (r["batch"], 0), fontsize=6, rotation=90, va="bottom")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (texts)")
-    ax.set_ylabel("fraction of texts silently wrong")
+    ax.set(xlabel="batch size (texts)", ylabel="fraction of texts silently wrong")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return png(fig)
@@ -122,8 +121,8 @@ def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
         ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=60, fontsize=6)
         ax.set_yticks(range(len(ys)), ys, fontsize=6)
         ax.set_title(f"M={family[0]} K={family[1]} N={family[2]}", fontsize=8)
-    handles = [plt.Line2D([], [], marker="s", linestyle="", color=c, label=k) for k, c in OUTCOME_COLORS.items()]
-    handles.append(plt.Line2D([], [], marker="x", linestyle="", color="black", label="disagrees with model"))
+    marks = [("s", c, k) for k, c in OUTCOME_COLORS.items()] + [("x", "black", "disagrees with model")]
+    handles = [plt.Line2D([], [], marker=m, linestyle="", color=c, label=k) for m, c, k in marks]
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=7, bbox_to_anchor=(0.5, 1.02))
     fig.suptitle(title, y=1.06, fontsize=9)
     fig.tight_layout()
@@ -132,33 +131,32 @@ def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
 
 def gradient_error_by_layer(errors: dict[str, dict[str, float]], title: str) -> bytes:
     """Relative gradient error of every parameter tensor, in model order, per guard condition."""
-    plt = pyplot()
     names = list(next(iter(errors.values())))
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = pyplot().subplots(figsize=(11, 4.5))
     for guard_mode, per_tensor in errors.items():
-        ax.plot(range(len(names)), [max(per_tensor[n], 1e-9) for n in names], marker="o", markersize=3, linewidth=1, label=f"guard {guard_mode}")
+        ax.plot(range(len(names)), [max(per_tensor[n], 1e-9) for n in names], marker="o", markersize=3,
+                linewidth=1, label=f"guard {guard_mode}")
     ax.axhline(1e-3, color="black", linestyle=":", linewidth=1, label="wrong above 1e-3")
-    ticks = [i for i, n in enumerate(names) if n.endswith("query.weight") or "embeddings.word" in n or n.startswith("head")]
-    ax.set_xticks(ticks, [names[i].replace("encoder.encoder.", "").replace(".attention.self.query.weight", " attn") for i in ticks], rotation=45, ha="right", fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("max |g - g_ref| / max |g_ref|  (floored at 1e-9)")
-    ax.set_title(title)
+    ticks = [i for i, n in enumerate(names)
+             if n.endswith("query.weight") or "embeddings.word" in n or n.startswith("head")]
+    short = [names[i].replace("encoder.encoder.", "").replace(".attention.self.query.weight", " attn")
+             for i in ticks]
+    ax.set_xticks(ticks, short, rotation=45, ha="right", fontsize=7)
+    ax.set(yscale="log", ylabel="max |g - g_ref| / max |g_ref|  (floored at 1e-9)", title=title)
     ax.legend(fontsize=8)
     return png(fig)
 
 
 def eval_changes(changes: dict[str, np.ndarray], title: str) -> bytes:
     """Which evaluation texts the device-trained model predicts differently from the reference-trained one."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(changes)))
+    fig, ax = pyplot().subplots(figsize=(9, 1.2 + 0.5 * len(changes)))
     for row, (guard_mode, changed) in enumerate(changes.items()):
         xs = np.flatnonzero(changed)
         ax.scatter(xs, np.full(xs.size, row), marker="|", s=120, color="tab:red")
         ax.text(len(changed) + 2, row, f"{xs.size} changed", va="center", fontsize=8)
     ax.set_yticks(range(len(changes)), [f"guard {g}" for g in changes])
     ax.set_xlim(-1, len(next(iter(changes.values()))) + 60)
-    ax.set_xlabel("evaluation text")
-    ax.set_title(title)
+    ax.set(xlabel="evaluation text", title=title)
     return png(fig)
 
 
@@ -167,9 +165,11 @@ def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, by
     tag = run_tag(run)
     figures = {}
     if arrays["gradient_errors"]:
-        figures["gradient_error_by_layer.png"] = gradient_error_by_layer(arrays["gradient_errors"], f"{tag}: gradient error per parameter tensor, step 1")
+        figures["gradient_error_by_layer.png"] = gradient_error_by_layer(
+            arrays["gradient_errors"], f"{tag}: gradient error per parameter tensor, step 1")
     if arrays["eval_changes"]:
-        figures["eval_changes.png"] = eval_changes(arrays["eval_changes"], f"{tag}: evaluation predictions after training, device vs reference")
+        figures["eval_changes.png"] = eval_changes(
+            arrays["eval_changes"], f"{tag}: evaluation predictions after training, device vs reference")
     return figures
 
 
@@ -178,52 +178,47 @@ def run_tag(run: dict[str, Any]) -> str:
     return EMULATED_LABEL if run["geometry"]["emulated"] else run["geometry"]["device"]
 
 
-def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float, title: str) -> bytes:
+def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float,
+                       title: str) -> bytes:
     """1 - cosine to the reference vector per batch position, one series per completed condition."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = pyplot().subplots(figsize=(9, 4))
     styles = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}
     for key, cos in cosines.items():
         color, size = styles.get(key, ("gray", 2))
-        distance = np.nan_to_num(1.0 - cos, nan=2.0)
-        ax.scatter(np.arange(cos.size), np.clip(distance, 1e-9, None), s=size, color=color, label=f"guard {key}", alpha=0.7, linewidths=0)
-    ax.axhline(1 - threshold, color="black", linestyle=":", linewidth=1, label=f"corrupted below cosine {threshold:g}")
+        distance = np.clip(np.nan_to_num(1.0 - cos, nan=2.0), 1e-9, None)
+        ax.scatter(np.arange(cos.size), distance, s=size, color=color, label=f"guard {key}", alpha=0.7,
+                   linewidths=0)
+    ax.axhline(1 - threshold, color="black", linestyle=":", linewidth=1,
+               label=f"corrupted below cosine {threshold:g}")
     if predicted is not None:
-        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5, label=f"predicted from shapes: text {predicted}")
-    ax.set_yscale("log")
-    ax.set_xlabel("position in batch (corpus document)")
-    ax.set_ylabel("1 - cosine to reference  (floored at 1e-9)")
-    ax.set_title(title)
+        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5,
+                   label=f"predicted from shapes: text {predicted}")
+    ax.set(yscale="log", xlabel="position in batch (corpus document)", title=title,
+           ylabel="1 - cosine to reference  (floored at 1e-9)")
     ax.legend(loc="upper left", fontsize=8, markerscale=4)
     return png(fig)
 
 
 def recall_per_query(recalls: dict[str, np.ndarray], title: str) -> bytes:
     """Recall@10 of the device index against the reference index, per query and condition."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = pyplot().subplots(figsize=(9, 3.5))
     for row, (key, recall) in enumerate(recalls.items()):
-        ax.scatter(np.arange(recall.size), recall + 0.01 * row, s=6, label=f"guard {key} (mean {recall.mean():.3f})")
-    ax.set_ylim(-0.05, 1.1)
-    ax.set_xlabel("query")
-    ax.set_ylabel("recall@10 vs reference top 10")
-    ax.set_title(title)
+        label = f"guard {key} (mean {recall.mean():.3f})"
+        ax.scatter(np.arange(recall.size), recall + 0.01 * row, s=6, label=label)
+    ax.set(ylim=(-0.05, 1.1), xlabel="query", ylabel="recall@10 vs reference top 10", title=title)
     ax.legend(fontsize=8, markerscale=2)
     return png(fig)
 
 
 def top10_appearances(appearances: np.ndarray, corrupted: np.ndarray, title: str) -> bytes:
     """How many queries' top-10 lists each document is in: corrupted vs clean documents."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     bins = np.arange(0, max(int(appearances.max()), 1) + 2) - 0.5
     for mask, label, color in ((~corrupted, "clean", "tab:gray"), (corrupted, "corrupted", "tab:red")):
         if mask.any():
             ax.hist(appearances[mask], bins=bins, alpha=0.6, color=color, density=True,
                     label=f"{label} ({mask.sum()} docs, {appearances[mask].sum()} appearances)")
-    ax.set_xlabel("top-10 appearances over all queries")
-    ax.set_ylabel("share of documents")
-    ax.set_title(title)
+    ax.set(xlabel="top-10 appearances over all queries", ylabel="share of documents", title=title)
     ax.legend(fontsize=8)
     return png(fig)
 
@@ -231,15 +226,17 @@ def top10_appearances(appearances: np.ndarray, corrupted: np.ndarray, title: str
 def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarray]]) -> dict[str, bytes]:
     """The figures of a retrieval run, by file name."""
     tag, g = run_tag(run), run["geometry"]
-    threshold = run["reference"]["threshold"]
+    threshold, first = run["reference"]["threshold"], run["prediction"]["first_corrupted_text"]
     figures = {}
     if per_text:
-        figures["cosine_by_position.png"] = cosine_by_position(
-            {k: v["cosine"] for k, v in per_text.items()}, run["prediction"]["first_corrupted_text"], threshold,
-            f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference")
-        figures["recall_per_query.png"] = recall_per_query({k: v["recall"] for k, v in per_text.items()}, f"{tag}: recall@10 per query")
+        title = f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference"
+        cosines = {k: v["cosine"] for k, v in per_text.items()}
+        figures["cosine_by_position.png"] = cosine_by_position(cosines, first, threshold, title)
+        figures["recall_per_query.png"] = recall_per_query(
+            {k: v["recall"] for k, v in per_text.items()}, f"{tag}: recall@10 per query")
     if "off" in per_text:
         off = per_text["off"]
-        figures["top10_appearances.png"] = top10_appearances(off["appearances"], ~(off["cosine"] >= threshold),
-                                                             f"{tag}, guard off: top-10 appearances, corrupted vs clean")
+        title = f"{tag}, guard off: top-10 appearances, corrupted vs clean"
+        corrupted = ~(off["cosine"] >= threshold)
+        figures["top10_appearances.png"] = top10_appearances(off["appearances"], corrupted, title)
     return figures

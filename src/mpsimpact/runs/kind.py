@@ -15,6 +15,10 @@ from mpsimpact.output.page import EMULATED_LABEL, format_cell, rich_table
 SCHEMA_VERSION = 2
 # Every kind by its report name, filled as kind classes are defined (see RunKind.__init_subclass__).
 KINDS: dict[str, RunKind] = {}
+# The columns a kind that judges one device pass per condition (classify, embed) leads with.
+PASS_COLUMNS = (("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"),
+                ("corrupted_fraction", "fraction"), ("first_corrupted_index", "first corrupted"),
+                ("predicted_first_corrupted_index", "predicted first"))
 
 
 class RunKind(abc.ABC):
@@ -35,10 +39,9 @@ class RunKind(abc.ABC):
     def check(self, config: Any) -> None:
         """Refuses, before anything is loaded, the options this kind does not support."""
         if config.attention not in self.attentions or config.dtype not in self.dtypes:
-            raise UsageError(
-                f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and --dtype "
-                f"{' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} --versions` predicts sdpa."
-            )
+            raise UsageError(f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and "
+                             f"--dtype {' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} "
+                             "--versions` predicts sdpa.")
 
     def geometry(self, config: Any, model: Any, device: str, batch: int, max_length: int):
         """Emulation, run length and the memory check for this kind's device pass (or step)."""
@@ -47,7 +50,8 @@ class RunKind(abc.ABC):
         return decide_geometry(config, model, device, batch, max_length, training=self.backward)
 
     @abc.abstractmethod
-    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict, progress) -> tuple[dict, dict]:
+    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict,
+            progress) -> tuple[dict, dict]:
         """Every condition against the reference; returns (report body with "conditions",
         "repeated_texts", "tokens" and "reference"; arrays for figures and files)."""
 
@@ -88,13 +92,14 @@ class RunKind(abc.ABC):
 
     def console_table(self, report: dict):
         """The console's conditions table (a rich Table): by default the report's columns."""
-        g = report["geometry"]
-        return rich_table(f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}",
-                             [title for _, title in columns(report)], condition_rows(report), justify="right")
+        g, header = report["geometry"], [title for _, title in columns(report)]
+        title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
+        return rich_table(title, header, condition_rows(report), justify="right")
 
     def console_lines(self, report: dict) -> list[str]:
         """Lines printed under the table (before the notes)."""
-        return [f"guard {c['guard']}: {c['status']}: {c['message']}" for c in report["conditions"] if c.get("message")]
+        return [f"guard {c['guard']}: {c['status']}: {c['message']}"
+                for c in report["conditions"] if c.get("message")]
 
 
 def kind_of(report: dict) -> RunKind:
@@ -102,7 +107,8 @@ def kind_of(report: dict) -> RunKind:
     register when their module is imported (the scenario's, or reports.run for any report)."""
     name = report.get("kind", "inference")
     if name not in KINDS:
-        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows ({', '.join(sorted(KINDS))}).")
+        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows "
+                         f"({', '.join(sorted(KINDS))}).")
     return KINDS[name]
 
 
@@ -123,4 +129,5 @@ def columns_of(kind: RunKind, conditions: list[dict]) -> tuple[tuple[str, str], 
 
 def condition_rows(run: dict) -> list[list[str]]:
     """The conditions table: one row per condition (attention implementation and guard)."""
-    return [[format_cell(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)] for c in run["conditions"]]
+    return [[format_cell(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)]
+            for c in run["conditions"]]

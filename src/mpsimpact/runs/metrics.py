@@ -10,7 +10,6 @@ import numpy as np
 from mpsimpact.config import CORRUPTION_THRESHOLD
 
 
-
 def relative_error(logits: np.ndarray, reference: np.ndarray) -> np.ndarray:
     """Per text: max |logit - reference| / max |reference| (the published demo's measure)."""
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -22,13 +21,8 @@ def class_counts(predictions: np.ndarray, classes: int) -> list[int]:
     return np.bincount(predictions, minlength=classes).tolist()
 
 
-def summarize(
-    logits: np.ndarray,
-    reference: np.ndarray,
-    gold: np.ndarray,
-    label_names: tuple[str, ...],
-    threshold: float = CORRUPTION_THRESHOLD,
-) -> dict[str, Any]:
+def summarize(logits: np.ndarray, reference: np.ndarray, gold: np.ndarray, label_names: tuple[str, ...],
+              threshold: float = CORRUPTION_THRESHOLD) -> dict[str, Any]:
     """The aggregate metrics of one completed condition."""
     err = relative_error(logits, reference)
     corrupted = err > threshold
@@ -37,21 +31,21 @@ def summarize(
     classes = len(label_names)
     device_counts = class_counts(pred[corrupted], classes)
     reference_counts = class_counts(ref_pred[corrupted], classes)
-    summary: dict[str, Any] = {
+    return {
         "corrupted_count": int(corrupted.sum()),
         "corrupted_fraction": float(corrupted.mean()),
         "first_corrupted_index": int(positions[0]) if positions.size else None,
-        "corrupted_contiguous_to_end": bool(positions.size and positions[-1] - positions[0] + 1 == positions.size and positions[-1] == len(err) - 1),
+        "corrupted_contiguous_to_end": bool(positions.size and corrupted[positions[0]:].all()),
         "flips": int((pred != ref_pred).sum()),
         "accuracy": float((pred == gold).mean()),
         "reference_accuracy": float((ref_pred == gold).mean()),
         "non_finite_count": int((~np.isfinite(logits)).any(axis=1).sum()),
         "max_relative_error": float(err.max()) if err.size else 0.0,
-        "corrupted_class_counts": {"device": dict(zip(label_names, device_counts)), "reference": dict(zip(label_names, reference_counts))},
+        "corrupted_class_counts": {"device": dict(zip(label_names, device_counts)),
+                                   "reference": dict(zip(label_names, reference_counts))},
         "collapse": collapse(device_counts, reference_counts, label_names),
         "significance": significance(pred, ref_pred, gold, device_counts, reference_counts),
     }
-    return summary
 
 
 def collapse(device_counts: list[int], reference_counts: list[int], label_names) -> dict[str, Any]:
@@ -60,7 +54,8 @@ def collapse(device_counts: list[int], reference_counts: list[int], label_names)
     if total == 0:
         return {"class": None, "device_share": None, "reference_share": None}
     top = int(np.argmax(device_counts))
-    return {"class": label_names[top], "device_share": device_counts[top] / total, "reference_share": reference_counts[top] / total}
+    return {"class": label_names[top], "device_share": device_counts[top] / total,
+            "reference_share": reference_counts[top] / total}
 
 
 def significance(pred, ref_pred, gold, device_counts, reference_counts) -> dict[str, Any]:

@@ -19,9 +19,8 @@ RANK_BUCKETS = ((1, 1), (2, 10), (11, 100), (101, None))
 
 
 def unit(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (vectors / norms).astype(np.float32)
+        return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
 
 
 def cosines(embeddings: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -41,8 +40,7 @@ def self_ranks(embeddings: np.ndarray, reference: np.ndarray, twins: np.ndarray)
     scores = unit(reference) @ unit(embeddings).T  # (B, B)
     own = np.diag(scores)
     others = twins[None, :] != twins[:, None]
-    ranks = ((scores > own[:, None]) & others).sum(axis=1)
-    return np.where(np.isfinite(own), ranks, len(own) - 1)
+    return np.where(np.isfinite(own), ((scores > own[:, None]) & others).sum(axis=1), len(own) - 1)
 
 
 def top_k(queries: np.ndarray, index: np.ndarray, k: int = TOP_K) -> np.ndarray:
@@ -66,8 +64,8 @@ def mean_pairwise_cosine(vectors: np.ndarray) -> float | None:
 def rank_summary(ranks: np.ndarray) -> dict[str, Any]:
     """Self-retrieval failures and the distribution of their ranks."""
     failed = ranks[ranks > 0]
-    buckets = {(f"{lo}" if lo == hi else f"{lo}-{hi}" if hi else f">{lo - 1}"): int(((failed >= lo) & (failed <= (hi or ranks.size))).sum())
-               for lo, hi in RANK_BUCKETS}
+    buckets = {(f"{lo}" if lo == hi else f"{lo}-{hi}" if hi else f">{lo - 1}"):
+               int(((failed >= lo) & (failed <= (hi or ranks.size))).sum()) for lo, hi in RANK_BUCKETS}
     return {
         "failures": int(failed.size), "failure_fraction": float(failed.size / max(ranks.size, 1)),
         "median_failed_rank": float(np.median(failed)) if failed.size else None,
@@ -75,7 +73,8 @@ def rank_summary(ranks: np.ndarray) -> dict[str, Any]:
     }
 
 
-def query_summary(device_top: np.ndarray, reference_top: np.ndarray, twins: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
+def query_summary(device_top: np.ndarray, reference_top: np.ndarray,
+                  twins: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     """Recall@k of the device index against the reference index's top k, and top-1 changes."""
     dev, ref = twins[device_top], twins[reference_top]
     recall = np.array([np.isin(d, r).mean() for d, r in zip(dev, ref)])
@@ -86,7 +85,8 @@ def query_summary(device_top: np.ndarray, reference_top: np.ndarray, twins: np.n
     }, recall
 
 
-def hub_summary(device_top: np.ndarray, reference_top: np.ndarray, corrupted: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
+def hub_summary(device_top: np.ndarray, reference_top: np.ndarray,
+                corrupted: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     """How often the corrupted documents appear in the queries' top-k lists: on the device, in the
     reference, and if every document were equally likely."""
     size = corrupted.size
@@ -96,35 +96,37 @@ def hub_summary(device_top: np.ndarray, reference_top: np.ndarray, corrupted: np
     seen = int(appearances[corrupted].sum())
     return {
         "corrupted_top10_appearances": seen, "reference_top10_appearances": int(before[corrupted].sum()),
-        "expected_if_uniform": float(expected), "ratio_to_expected": float(seen / expected) if expected else None,
+        "expected_if_uniform": float(expected),
+        "ratio_to_expected": float(seen / expected) if expected else None,
         "max_appearances_corrupted": int(appearances[corrupted].max()) if corrupted.any() else 0,
         "max_appearances_clean": int(appearances[~corrupted].max()) if (~corrupted).any() else 0,
     }, appearances
 
 
-def summarize_embeddings(embeddings: np.ndarray, reference: np.ndarray, queries: np.ndarray, twins: np.ndarray,
-                         threshold: float = COSINE_THRESHOLD) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def summarize_embeddings(embeddings: np.ndarray, reference: np.ndarray, queries: np.ndarray,
+                         twins: np.ndarray, threshold: float = COSINE_THRESHOLD
+                         ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One completed condition's aggregates, and its per-document and per-query arrays."""
     cos = cosines(embeddings, reference)
     corrupted = ~(cos >= threshold)
     positions = np.flatnonzero(corrupted)
     ranks = self_ranks(embeddings, reference, twins)
     device_top, reference_top = top_k(queries, embeddings), top_k(queries, reference)
-    queries_json, recall = query_summary(device_top, reference_top, twins)
+    results, recall = query_summary(device_top, reference_top, twins)
     hubs, appearances = hub_summary(device_top, reference_top, corrupted)
-    summary = {
+    finite_corrupted = np.isfinite(cos[corrupted]).any()
+    return {
         "corrupted_count": int(corrupted.sum()), "corrupted_fraction": float(corrupted.mean()),
         "first_corrupted_index": int(positions[0]) if positions.size else None,
-        "corrupted_contiguous_to_end": bool(positions.size and positions[-1] - positions[0] + 1 == positions.size and positions[-1] == cos.size - 1),
+        "corrupted_contiguous_to_end": bool(positions.size and corrupted[positions[0]:].all()),
         "non_finite_count": int((~np.isfinite(embeddings)).any(axis=1).sum()),
         "min_cosine": float(np.nanmin(cos)) if np.isfinite(cos).any() else None,
         "min_clean_cosine": float(cos[~corrupted].min()) if (~corrupted).any() else None,
-        "max_corrupted_cosine": float(np.nanmax(cos[corrupted])) if np.isfinite(cos[corrupted]).any() else None,
+        "max_corrupted_cosine": float(np.nanmax(cos[corrupted])) if finite_corrupted else None,
         "self_retrieval": rank_summary(ranks), "self_retrieval_failures": int((ranks > 0).sum()),
-        "query_results": queries_json, "recall_at_10": queries_json["recall_at_10"], "top1_changed": queries_json["top1_changed"],
-        "hubs": hubs,
+        "query_results": results, "recall_at_10": results["recall_at_10"],
+        "top1_changed": results["top1_changed"], "hubs": hubs,
         "direction": {"corrupted_mean_pairwise_cosine": mean_pairwise_cosine(embeddings[corrupted]),
                       "clean_mean_pairwise_cosine": mean_pairwise_cosine(embeddings[~corrupted]),
                       "corrupted_reference_mean_pairwise_cosine": mean_pairwise_cosine(reference[corrupted])},
-    }
-    return summary, {"cosine": cos, "rank": ranks, "recall": recall, "appearances": appearances}
+    }, {"cosine": cos, "rank": ranks, "recall": recall, "appearances": appearances}

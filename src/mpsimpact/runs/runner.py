@@ -14,17 +14,8 @@ import torch
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.runs.device import GIB, resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
-from mpsimpact.config import (
-    BATCH_SIZE,
-    CORRUPTION_THRESHOLD,
-    DEVICE,
-    INDEX_BITS,
-    MAX_LENGTH,
-    TORCH_PROFILE,
-    Check,
-    option,
-    validate,
-)
+from mpsimpact.config import (BATCH_SIZE, CORRUPTION_THRESHOLD, DEVICE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE,
+                              Check, Validated, option)
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import resolve_profile
@@ -38,7 +29,7 @@ HALF_THRESHOLD = 2e-2
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Validated):
     """Everything `mpsimpact run` was asked; embedded in every report."""
 
     scenario: str = "sentiment"
@@ -68,10 +59,6 @@ class RunConfig:
         reference, at least HALF_THRESHOLD (kernel-order rounding of clean texts stays below it)."""
         return self.threshold if self.dtype == "float32" else max(self.threshold, HALF_THRESHOLD)
 
-    def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded."""
-        validate(self)
-
     @property
     def guards(self) -> tuple[str, ...]:
         return GUARDS if self.guard == "all" else (self.guard,)
@@ -86,7 +73,8 @@ def condition_key(attention: str, guard_mode: str) -> str:
     return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
 
 
-def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan, guard_mode: str) -> dict[str, Any]:
+def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan,
+                guard_mode: str) -> dict[str, Any]:
     """One forward pass of the whole batch under one guard condition."""
     if geometry.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -130,26 +118,26 @@ def reference_logits(model, texts: list[str], run_length: int, advance=None) -> 
     return logits, False
 
 
-def device_reference(model, texts: list[str], run_length: int, device: str, boundary: int | None, advance=None) -> tuple[np.ndarray, dict]:
+def device_reference(model, texts: list[str], run_length: int, device: str, boundary: int | None,
+                     advance=None) -> tuple[np.ndarray, dict]:
     """A chunked, unemulated reference on the device itself (for big GPUs), spot-checked on the
     CPU on a sample that includes the texts around the predicted boundary."""
     from mpsimpact.runs.metrics import relative_error
     from mpsimpact.runs.reference import run_chunked
 
     logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance, device=device)
-    rng = np.random.default_rng(0)
     around = range(max(0, (boundary or 0) - 8), min(len(texts), (boundary or 0) + 8))
-    sample = sorted(set(around) | set(rng.choice(len(texts), size=min(48, len(texts)), replace=False).tolist()))
+    drawn = np.random.default_rng(0).choice(len(texts), size=min(48, len(texts)), replace=False).tolist()
+    sample = sorted(set(around) | set(drawn))
     cpu = run_chunked(model.module.to("cpu"), model.tokenizer, [texts[i] for i in sample], run_length)
     model.module.to(device)
-    diff = relative_error(logits[sample], cpu)
-    return logits, {"texts": len(sample), "includes_boundary": boundary is not None, "max_relative_difference": float(diff.max())}
+    return logits, {"texts": len(sample), "includes_boundary": boundary is not None,
+                    "max_relative_difference": float(relative_error(logits[sample], cpu).max())}
 
 
 def model_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks of the model's largest ModuleList (its transformer layers)."""
-    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(lists, key=len, default=[]))
+    return list(max([m for m in module.modules() if isinstance(m, torch.nn.ModuleList)], key=len, default=[]))
 
 
 @contextlib.contextmanager
@@ -163,11 +151,8 @@ def layer_progress(layers: list[torch.nn.Module], advance):
             handle.remove()
 
 
-def _no_progress(description: str, total: int):
-    return None
-
-
-def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_scenario(config: RunConfig,
+                 progress=lambda description, total: None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Runs every guard condition of `config` as the scenario's kind of run; returns (report, arrays
     for samples and figures).
 
@@ -188,8 +173,9 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     model = scenario.model
     geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
                                    profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
-    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits,
-                                 backward=kind.backward, profile=geometry.profile) for a in config.attentions}
+    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length,
+                                 index_bits=config.index_bits, backward=kind.backward,
+                                 profile=geometry.profile) for a in config.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
     report["columns"] = [list(pair) for pair in columns_of(kind, report["conditions"])]
@@ -197,7 +183,8 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     return report, arrays
 
 
-def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int, max_length: int) -> dict[str, Any]:
+def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int,
+                max_length: int) -> dict[str, Any]:
     """What every run report starts with: config, environment, geometry, model, data and the predictions."""
     from mpsimpact.runs.environment import collect_environment
 
@@ -225,13 +212,15 @@ def run_conditions(config: RunConfig, module, inputs, geometry: Geometry, plans:
     for attention, plan in plans.items():
         use_attention(module, attention)
         prediction = predict(plan, geometry.batch_size, heads)
+        geo = dataclasses.replace(geometry, attention=attention)
         for guard_mode in config.guards:
             yield condition_key(attention, guard_mode), condition_pass(
-                module, inputs, dataclasses.replace(geometry, attention=attention), plan, prediction, guard_mode, progress)
+                module, inputs, geo, plan, prediction, guard_mode, progress)
     use_attention(module, "eager")
 
 
-def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str, progress) -> dict[str, Any]:
+def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str,
+                   progress) -> dict[str, Any]:
     """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
     if would_abort(geometry, prediction, guard_mode):
         return skipped_abort(guard_mode, prediction)
@@ -247,13 +236,14 @@ def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> l
     """The version table at this run's full-scale geometry (see versions.version_table)."""
     from mpsimpact.prediction.version_table import version_table
 
-    return version_table(lambda attention: scenario.meta_module(attention=attention), batch, length, model.heads, index_bits)
+    return version_table(lambda a: scenario.meta_module(attention=a), batch, length, model.heads, index_bits)
 
 
 def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
     """On real MPS an unguarded call the plan says aborts would kill this process (and the report)."""
     stop = prediction.stop
-    return geometry.device == "mps" and not geometry.emulated and guard_mode == "off" and stop is not None and stop.fault.kind == "abort"
+    return (geometry.device == "mps" and not geometry.emulated and guard_mode == "off"
+            and stop is not None and stop.fault.kind == "abort")
 
 
 def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
@@ -261,25 +251,26 @@ def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
     return {
         "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0,
         "predicted_first_corrupted_index": prediction.first_corrupted_text,
-        "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process on MPS "
-                   f"({call.fault.message}); see `mpsimpact plan`.",
+        "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process "
+                   f"on MPS ({call.fault.message}); see `mpsimpact plan`.",
     }
 
 
 def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
     notes = [geometry.mode + "."]
     if geometry.index_bits != 32:
-        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by 2^{32 - geometry.index_bits}.")
+        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by "
+                     f"2^{32 - geometry.index_bits}.")
     if geometry.emulated:
-        release = resolve_profile(geometry.profile or None)
-        notes.append(f"No Apple GPU was used: MPS's faults were emulated from the published fault model for torch {release.label}.")
+        notes.append("No Apple GPU was used: MPS's faults were emulated from the published fault model for "
+                     f"torch {resolve_profile(geometry.profile or None).label}.")
     if geometry.replayed:
         reduced = token_stats["truncated_by_reduced_length"]
-        notes.append(
-            f"Texts run at {geometry.run_length} tokens with the fault plan traced at {geometry.max_length}; "
-            f"{len(reduced)} texts ({token_stats['truncated_by_reduced_length_fraction']:.2%}) are longer than "
-            f"{geometry.run_length} tokens and were truncated by the reduction (positions {reduced[:20]})."
-        )
+        notes.append(f"Texts run at {geometry.run_length} tokens with the fault plan traced at "
+                     f"{geometry.max_length}; {len(reduced)} texts "
+                     f"({token_stats['truncated_by_reduced_length_fraction']:.2%}) are longer than "
+                     f"{geometry.run_length} tokens and were truncated by the reduction (positions "
+                     f"{reduced[:20]}).")
     if repeats:
         notes.append(f"The data has fewer texts than the batch: {repeats} positions repeat earlier texts.")
     return notes

@@ -23,6 +23,7 @@ LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
 FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1}
 SAMPLE = 24  # batches judged per cell beyond the boundaries, when not all are affordable
+NO_VALUES = {"first_bad_batch": None, "max_rel_error": None}  # a cell that was not judged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +41,15 @@ class Cell:
         """The operand specs this cell builds (see `make_operands`)."""
         a, b = (self.batch, self.m, self.k), (self.batch, self.k, self.n)
         dt = str(DTYPES[self.dtype]).removeprefix("torch.")
-        if self.layout == "contiguous":
-            return TensorSpec.contiguous(a, dt), TensorSpec.contiguous(b, dt)
-        if self.layout == "a_transposed":
-            return TensorSpec.contiguous((self.batch, self.k, self.m), dt).transpose(), TensorSpec.contiguous(b, dt)
-        if self.layout == "b_transposed":
-            return TensorSpec.contiguous(a, dt), TensorSpec.contiguous((self.batch, self.n, self.k), dt).transpose()
         sa, sb = TensorSpec.contiguous(a, dt), TensorSpec.contiguous(b, dt)
-        return dataclasses.replace(sa, storage_offset=self.m * self.k), dataclasses.replace(sb, storage_offset=self.k * self.n)
+        if self.layout == "contiguous":
+            return sa, sb
+        if self.layout == "a_transposed":
+            return TensorSpec.contiguous((self.batch, self.k, self.m), dt).transpose(), sb
+        if self.layout == "b_transposed":
+            return sa, TensorSpec.contiguous((self.batch, self.n, self.k), dt).transpose()
+        return (dataclasses.replace(sa, storage_offset=self.m * self.k),
+                dataclasses.replace(sb, storage_offset=self.k * self.n))
 
     def bytes_needed(self) -> int:
         a, b = self.specs()
@@ -75,11 +77,11 @@ def grid(index_bits: int, dtypes: tuple[str, ...], layouts: tuple[str, ...], qui
     """Every cell of the sweep; `quick` keeps fp32 for all families and the other dtypes for one."""
     cells = []
     for m, k, n in FAMILIES:
+        batches = sorted(thresholds(m, k, n, index_bits))
         for dtype in dtypes:
             if quick and dtype != "fp32" and (m, k, n) != (256, 64, 256):
                 continue
-            for layout in layouts:
-                cells += [Cell(m, k, n, batch, layout, dtype) for batch in sorted(thresholds(m, k, n, index_bits))]
+            cells += [Cell(m, k, n, batch, layout, dtype) for layout in layouts for batch in batches]
     return cells
 
 
@@ -111,17 +113,18 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
     return sorted(p for p in picks if 0 <= p < cell.batch)
 
 
-def observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None = None) -> dict[str, Any]:
+def observe(cell: Cell, device: str, emulated: bool, index_bits: int,
+            profile: str | None = None) -> dict[str, Any]:
     """Runs one cell and classifies what came back: ok, error, abort (emulated), wrong_all, wrong_tail,
     truncated (bad values mostly zero), or wrong_other (wrong otherwise, or not emulated)."""
     from mpsimpact.runs.device import device_memory
 
     if cell.bytes_needed() > device_memory(device):
-        return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": None}
+        return {"observed": "skipped_memory", **NO_VALUES, "message": None}
     try:
         return _observe(cell, device, emulated, index_bits, profile)
     except torch.OutOfMemoryError as error:
-        return {"observed": "skipped_memory", "first_bad_batch": None, "max_rel_error": None, "message": str(error).splitlines()[0]}
+        return {"observed": "skipped_memory", **NO_VALUES, "message": str(error).splitlines()[0]}
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()  # cells differ in size: give cached blocks back
@@ -143,11 +146,12 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
     except torch.OutOfMemoryError:
         raise
     except NotEmulatedError as error:
-        return {"observed": "wrong_other", "message": error.message, "first_bad_batch": None, "max_rel_error": None, "emulated_values": False}
+        return {"observed": "wrong_other", "message": error.message, **NO_VALUES, "emulated_values": False}
     except RuntimeError as error:
         kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
-        return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
-    batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
+        return {"observed": kind, "message": str(error).splitlines()[0], **NO_VALUES}
+    affordable = cell.batch * cell.m * cell.n <= 1 << 26
+    batches = judged_batches(cell, predicted.first_bad_batch, affordable, index_bits)
     index = torch.tensor(batches)
     ref = torch.bmm(a[index].double().cpu(), b[index].double().cpu())  # (S, M, N) in float64
     err = (out[index].double().cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
@@ -161,8 +165,7 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
 
 def _zero_share(out: torch.Tensor, bad: list[int], ref: torch.Tensor, judged: list[int]) -> float:
     """Of the wrong elements of the bad batches, the share that is exactly zero."""
-    rows = [judged.index(b) for b in bad]
-    got, want = out[torch.tensor(bad)].double().cpu(), ref[torch.tensor(rows)]
+    got, want = out[torch.tensor(bad)].double().cpu(), ref[torch.tensor([judged.index(b) for b in bad])]
     wrong = (got - want).abs() > TOLERANCE["fp32"] * want.abs().amax()
     return float((got[wrong] == 0).double().mean()) if wrong.any() else 0.0
 
@@ -201,27 +204,32 @@ def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, i
     control = not emulated and device != "mps"
     if in_process or emulated:
         for cell in cells:
-            yield _row(cell, observe(cell, device, emulated, index_bits, profile), device, index_bits, control, profile)
+            seen = observe(cell, device, emulated, index_bits, profile)
+            yield _row(cell, seen, device, index_bits, control, profile)
         return
     yield from _worker_rows(cells, device, index_bits, control, profile)
 
 
-def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool, profile: str | None = None) -> dict[str, Any]:
+def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
+         profile: str | None = None) -> dict[str, Any]:
     a, b = cell.specs()
     prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
-    expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
-    row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device, "index_bits": index_bits,
-           "torch": torch.__version__, "prediction": prediction, "expected": expected, **seen}
+    row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device,
+           "index_bits": index_bits, "torch": torch.__version__, "prediction": prediction,
+           "expected": {"kind": "ok", "first_bad_batch": None} if control else prediction, **seen}
     row["agree"] = None if seen["observed"] == "skipped_memory" else agrees(row)
     return row
 
 
-def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool, profile: str | None) -> Iterator[dict[str, Any]]:
+def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
+                 profile: str | None) -> Iterator[dict[str, Any]]:
     """Runs cells in a subprocess; a cell whose process dies is recorded as a crash."""
     start = 0
     while start < len(cells):
-        payload = json.dumps({"cells": [c.to_json() for c in cells[start:]], "device": device, "index_bits": index_bits})
-        proc = subprocess.Popen([sys.executable, "-m", "mpsimpact.runs.sweep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        payload = json.dumps({"cells": [c.to_json() for c in cells[start:]], "device": device,
+                              "index_bits": index_bits})
+        proc = subprocess.Popen([sys.executable, "-m", "mpsimpact.runs.sweep"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=os.environ.copy())
         proc.stdin.write(payload)
         proc.stdin.close()
         done = 0
@@ -231,7 +239,7 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
         code = proc.wait()
         start += done
         if code != 0 and start < len(cells):
-            crash = {"observed": "crash", "message": f"exit code {code}", "first_bad_batch": None, "max_rel_error": None}
+            crash = {"observed": "crash", "message": f"exit code {code}", **NO_VALUES}
             yield _row(cells[start], crash, device, index_bits, control, profile)
             start += 1
 
@@ -239,8 +247,7 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
 def _worker_main() -> None:
     job = json.loads(sys.stdin.read())
     for spec in job["cells"]:
-        seen = observe(Cell(**spec), job["device"], False, job["index_bits"])
-        print(json.dumps(seen), flush=True)
+        print(json.dumps(observe(Cell(**spec), job["device"], False, job["index_bits"])), flush=True)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,13 +18,14 @@ class TrainKind(RunKind):
     dtypes = ("float32",)
     attentions = ("eager",)
     columns = (
-        ("guard", "guard"), ("status", "status"), ("phase", "stopped in"), ("corrupted_count", "corrupted logits"),
-        ("corrupted_gradient_tensors", "wrong gradient tensors"), ("max_gradient_rel_error", "max gradient error"),
-        ("update_rel_error", "update error"), ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"),
-    )
+        ("guard", "guard"), ("status", "status"), ("phase", "stopped in"),
+        ("corrupted_count", "corrupted logits"), ("corrupted_gradient_tensors", "wrong gradient tensors"),
+        ("max_gradient_rel_error", "max gradient error"), ("update_rel_error", "update error"),
+        ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "gradients.json", "figures")
 
-    def run(self, config, scenario, model, geometry, plans: dict, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    def run(self, config, scenario, model, geometry, plans: dict,
+            progress) -> tuple[dict[str, Any], dict[str, Any]]:
         from mpsimpact.runs.training import run_training
 
         plan = plans[config.attentions[0]]
@@ -51,9 +52,9 @@ class TrainKind(RunKind):
 
     def console_lines(self, report: dict) -> list[str]:
         lines = []
-        for condition in report["conditions"]:
-            for op in condition.get("faulted_ops", []):
-                lines.append(f"guard {condition['guard']}: {op['op']} {op['a']} @ {op['b']}: {op['kind']} in {' and '.join(op['phases'])}")
-            if condition.get("message"):
-                lines.append(f"guard {condition['guard']}: {condition['status']} in {condition['phase']}: {condition['message']}")
+        for c in report["conditions"]:
+            lines += [f"guard {c['guard']}: {op['op']} {op['a']} @ {op['b']}: {op['kind']} in "
+                      f"{' and '.join(op['phases'])}" for op in c.get("faulted_ops", [])]
+            if c.get("message"):
+                lines.append(f"guard {c['guard']}: {c['status']} in {c['phase']}: {c['message']}")
         return lines

@@ -45,8 +45,9 @@ def training_copy(module: torch.nn.Module, device: str) -> torch.nn.Module:
     return model
 
 
-def train_steps(module, inputs, labels, steps: int, lr: float, geometry: Geometry | None, plan, guard_mode: str,
-                reference_gradients: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def train_steps(module, inputs, labels, steps: int, lr: float, geometry: Geometry | None, plan,
+                guard_mode: str, reference_gradients: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, Any]:
     """Runs `steps` Adam steps; records the first step's logits (even if its backward fails), every
     call the emulator altered, where a stop happened, and the first step's gradients: their error
     against `reference_gradients` when given (no copy kept), else the gradients themselves."""
@@ -79,7 +80,8 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
     held: dict[str, Any] = {}
     stage = "forward"
     try:
-        stepping = condition(geometry, plan, guard_mode, training=True) if geometry else contextlib.nullcontext((None, None))
+        stepping = (condition(geometry, plan, guard_mode, training=True) if geometry
+                    else contextlib.nullcontext((None, None)))
         keeping_less = recompute_activations(module, trusted_matmuls(geometry, plan))
         with stepping as (emu, _g), keeping_less:
             held["emu"] = emu
@@ -108,8 +110,8 @@ def trusted_matmuls(geometry: Geometry | None, plan) -> frozenset[str]:
     return MATMULS - {call.family for call in plan.calls if not call.fault.is_ok}
 
 
-def gradient_errors(gradients: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
-                    ) -> dict[str, float]:
+def gradient_errors(gradients: Mapping[str, torch.Tensor],
+                    reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter tensor: max |g - g_ref| / max |g_ref|."""
     errors = {}
     for name, ref in reference.items():
@@ -118,7 +120,8 @@ def gradient_errors(gradients: Mapping[str, torch.Tensor], reference: Mapping[st
     return errors
 
 
-def update_error(trained: torch.nn.Module, reference: torch.nn.Module, initial: Mapping[str, torch.Tensor]) -> float:
+def update_error(trained: torch.nn.Module, reference: torch.nn.Module,
+                 initial: Mapping[str, torch.Tensor]) -> float:
     """max over parameters of |delta - delta_ref| / max |delta_ref| (the update, not the weights)."""
     worst = 0.0
     ref_params = dict(reference.named_parameters())
@@ -146,17 +149,19 @@ def train_reference(config, model, inputs, labels, eval_texts, length: int) -> R
     return ReferenceRun(reference_model, result["logits"], result["gradients"], eval_preds, result["status"])
 
 
-def run_training(config, scenario, model, geometry: Geometry, plan, progress) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_training(config, scenario, model, geometry: Geometry, plan,
+                 progress) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every guard condition's steps plus the CPU reference; returns (conditions, arrays)."""
     texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
     inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
     labels = torch.as_tensor(gold)
     eval_texts, eval_gold = list(scenario.eval_data.texts), np.array(scenario.eval_data.labels)
     reference = train_reference(config, model, inputs, labels, eval_texts, geometry.run_length)
-    device_batch = ({k: v.to(geometry.device) for k, v in inputs.items()}, labels.to(geometry.device))
-    conditions, arrays = [], {"gradient_errors": {}, "eval_changes": {}, "reference_eval": reference.eval_preds}
+    on_device = ({k: v.to(geometry.device) for k, v in inputs.items()}, labels.to(geometry.device))
+    arrays = {"gradient_errors": {}, "eval_changes": {}, "reference_eval": reference.eval_preds}
+    conditions = []
     for guard_mode in config.guards:
-        result = train_condition(config, model, geometry, plan, guard_mode, device_batch, reference, eval_texts)
+        result = train_condition(config, model, geometry, plan, guard_mode, on_device, reference, eval_texts)
         if "gradient_errors" in result:
             arrays["gradient_errors"][guard_mode] = result.pop("gradient_errors")
         if "eval_preds" in result:
@@ -171,8 +176,8 @@ def run_training(config, scenario, model, geometry: Geometry, plan, progress) ->
             "reference": {"device": "cpu", "status": reference.status, "eval_texts": len(eval_texts)}}, arrays
 
 
-def train_condition(config, model, geometry: Geometry, plan, guard_mode: str, device_batch, reference: ReferenceRun,
-                    eval_texts: list[str]) -> dict[str, Any]:
+def train_condition(config, model, geometry: Geometry, plan, guard_mode: str, device_batch,
+                    reference: ReferenceRun, eval_texts: list[str]) -> dict[str, Any]:
     """One guard condition: a fresh trained copy, its steps, its comparison with the reference; the
     copy is freed before the next condition makes its own."""
     from mpsimpact.runs.metrics import relative_error
@@ -182,9 +187,9 @@ def train_condition(config, model, geometry: Geometry, plan, guard_mode: str, de
                          reference.gradients)
     logits = result.pop("logits", None)
     if logits is not None:
-        err = relative_error(logits, reference.logits)
-        result["corrupted_count"] = int((err > config.threshold).sum())
-        result["first_corrupted_index"] = int(np.argmax(err > config.threshold)) if result["corrupted_count"] else None
+        wrong = relative_error(logits, reference.logits) > config.threshold
+        result["corrupted_count"] = int(wrong.sum())
+        result["first_corrupted_index"] = int(np.argmax(wrong)) if result["corrupted_count"] else None
     if "gradient_errors" in result:
         errors = result["gradient_errors"]
         result["corrupted_gradient_tensors"] = sum(e > GRADIENT_THRESHOLD for e in errors.values())
@@ -205,4 +210,5 @@ def faulted_ops(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         key = (r["op"], tuple(r["a"]["shape"]), tuple(r["b"]["shape"]), r["fault"]["kind"])
         grouped.setdefault(key, set()).add(r["phase"])
-    return [{"op": k[0], "a": list(k[1]), "b": list(k[2]), "kind": k[3], "phases": sorted(v)} for k, v in grouped.items()]
+    return [{"op": op, "a": list(a), "b": list(b), "kind": kind, "phases": sorted(phases)}
+            for (op, a, b, kind), phases in grouped.items()]

@@ -16,9 +16,8 @@ from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder,
 VERSIONS = ("torch", "transformers")
 PROFILES = ("fault profile", "profile (geometry)", "torch profile (config)")
 # Condition columns that describe a run's cost or its prediction rather than its outcome.
-NOT_COMPARED = (
-    "guard", "wall_s", "corrupted_fraction", "predicted_first_corrupted_index", "reference_accuracy",
-)
+NOT_COMPARED = ("guard", "wall_s", "corrupted_fraction", "predicted_first_corrupted_index",
+                "reference_accuracy")
 # Observed sweep classes in which MPS (or its emulation) did something wrong.
 FAULTED = SILENT_KINDS | STOP_KINDS | {"crash"}
 
@@ -90,26 +89,21 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
     """
     before, after = load_folder(old), load_folder(new)
     if before.kind != after.kind:
-        raise UsageError(
-            f"Cannot compare a {before.kind} ('{old}') with a {after.kind} ('{new}'); "
-            "pass two run folders or two sweep folders."
-        )
-    readable = range(1, SCHEMA_VERSION + 1)  # each schema only adds to the one before
-    if before.schema_version != after.schema_version and not {before.schema_version, after.schema_version} <= set(readable):
-        raise UsageError(
-            f"'{old}' has schema_version {before.schema_version} and '{new}' has {after.schema_version}; "
-            "re-run the older one with this mpsimpact to compare them."
-        )
+        raise UsageError(f"Cannot compare a {before.kind} ('{old}') with a {after.kind} ('{new}'); "
+                         "pass two run folders or two sweep folders.")
+    readable = set(range(1, SCHEMA_VERSION + 1))  # each schema only adds to the one before
+    versions = {before.schema_version, after.schema_version}
+    if len(versions) > 1 and not versions <= readable:
+        raise UsageError(f"'{old}' has schema_version {before.schema_version} and '{new}' has "
+                         f"{after.schema_version}; re-run the older one with this mpsimpact to compare them.")
     environment = _environment_rows(before, after)
     part = _compare_runs(before, after) if isinstance(before, RunFolder) else _compare_sweeps(before, after)
     differing = _differing_geometry(before, after)
     if differing:
         part["verdicts"] = [Verdict(f"different geometry: not comparable ({'; '.join(differing)})", True)]
     part["verdicts"] += _context_verdicts(environment, before, after)
-    return Comparison(
-        kind=before.kind, old=str(old), new=str(new), modes=(before.mode, after.mode),
-        emulated=(before.emulated, after.emulated), environment=environment, **part,
-    )
+    return Comparison(kind=before.kind, old=str(old), new=str(new), modes=(before.mode, after.mode),
+                      emulated=(before.emulated, after.emulated), environment=environment, **part)
 
 
 def _environment_rows(before, after) -> list[dict[str, Any]]:
@@ -261,7 +255,8 @@ def _bug_verdict(key: tuple[str, str], old: _Outcome, new: _Outcome) -> Verdict:
         return _same_texts_verdict(prefix, old.positions, new.positions)
     if old.signature == new.signature:
         if new.state == "corrupted":
-            same = f"same count: {new.count} texts, first at position {new.first}; no samples to compare texts"
+            same = (f"same count: {new.count} texts, first at position {new.first}; no samples to compare "
+                    "texts")
         else:
             same = f"{_label(key)} {new.detail} in both runs"
         return Verdict(f"{prefix}bug still present ({same})", False)
@@ -276,10 +271,9 @@ def _same_texts_verdict(prefix: str, old: frozenset[int], new: frozenset[int]) -
     """Compares two exact corrupted sets."""
     if old == new:
         return Verdict(f"{prefix}bug still present (same {len(new)} texts)", False)
-    return Verdict(
-        f"{prefix}bug still present, different texts ({len(old)} -> {len(new)} corrupted: "
-        f"{len(new - old)} newly, {len(old - new)} no longer; first at position {min(old, default=None)} -> {min(new, default=None)})", True,
-    )
+    return Verdict(f"{prefix}bug still present, different texts ({len(old)} -> {len(new)} corrupted: "
+                   f"{len(new - old)} newly, {len(old - new)} no longer; first at position "
+                   f"{min(old, default=None)} -> {min(new, default=None)})", True)
 
 
 def _stops_in_time(outcome: _Outcome) -> bool:
@@ -359,7 +353,8 @@ def _fault_verdicts(old: SweepFolder, new: SweepFolder, changed: list[dict[str, 
     if old.rows is None or new.rows is None:
         side = "old" if old.rows is None else "new"
         same = old.summary.get("by_class") == new.summary.get("by_class")
-        text = f"cells not compared (no sweep.jsonl in the {side} sweep); counts by class {'un' * same}changed"
+        text = (f"cells not compared (no sweep.jsonl in the {side} sweep); counts by class "
+                f"{'un' * same}changed")
         return verdicts + [Verdict(text, not same)]
     if changed:
         first = changed[0]
@@ -376,7 +371,5 @@ def _agreement_verdict(agreement: dict[str, dict[str, int]]) -> Verdict:
     if old == new:
         counts = f"{new['agree']} agree, {new['disagree']} disagree"
         return Verdict(f"agreement with the fault model unchanged ({counts})", False)
-    return Verdict(
-        f"agreement with the fault model changed: {old['agree']} -> {new['agree']} agree, "
-        f"{old['disagree']} -> {new['disagree']} disagree", old["disagree"] != new["disagree"],
-    )
+    return Verdict(f"agreement with the fault model changed: {old['agree']} -> {new['agree']} agree, "
+                   f"{old['disagree']} -> {new['disagree']} disagree", old["disagree"] != new["disagree"])

@@ -21,16 +21,14 @@ RUN_GEOMETRY = (
     ("batch size", ("geometry", "batch_size")), ("max length", ("geometry", "max_length")),
     ("run length", ("geometry", "run_length")), ("index bits", ("geometry", "index_bits")),
     ("model", ("model",)), ("data source", ("data_source",)), ("scenario", ("config", "scenario")),
-    ("kind", ("kind",)),
-)
+    ("kind", ("kind",)))
 # What may differ between the two sides: (name, path in report.json).
 RUN_ENVIRONMENT = (
     ("torch", ("environment", "torch")), ("transformers", ("environment", "transformers")),
     ("mpsimpact", ("environment", "mpsimpact")), ("device", ("geometry", "device")),
     ("mode", ("geometry", "mode")), ("fault profile", ("environment", "fault_profile")),
     ("profile (geometry)", ("geometry", "profile")), ("torch profile (config)", ("config", "torch_profile")),
-    ("machine", ("environment", "machine")),
-)
+    ("machine", ("environment", "machine")))
 DEFAULT_ATTENTION = "eager"
 WHAT_TO_PASS = "pass a folder written by `mpsimpact run` or `mpsimpact sweep`"
 
@@ -74,10 +72,8 @@ def _check_schema(path: Path, data: dict[str, Any], default: int | None) -> int:
     if not isinstance(version, int):
         raise UsageError(f"'{path}' is not an mpsimpact report (no schema_version); {WHAT_TO_PASS}.")
     if version > SCHEMA_VERSION:
-        raise UsageError(
-            f"'{path}' has schema_version {version}, newer than this mpsimpact reads ({SCHEMA_VERSION}); "
-            "upgrade mpsimpact to compare it."
-        )
+        raise UsageError(f"'{path}' has schema_version {version}, newer than this mpsimpact reads "
+                         f"({SCHEMA_VERSION}); upgrade mpsimpact to compare it.")
     return version
 
 
@@ -124,7 +120,8 @@ def load_run(path: Path) -> RunFolder:
     """Reads a run folder; see RunFolder."""
     report = _read_json(path / "report.json")
     if not _is_run_report(report):
-        raise UsageError(f"'{path / 'report.json'}' is not an mpsimpact run report (no conditions or geometry); {WHAT_TO_PASS}.")
+        raise UsageError(f"'{path / 'report.json'}' is not an mpsimpact run report (no conditions or "
+                         f"geometry); {WHAT_TO_PASS}.")
     _check_schema(path / "report.json", report, None)
     if (path / "samples.jsonl").is_file():
         corrupted = _corrupted_from_samples(path / "samples.jsonl")
@@ -152,7 +149,8 @@ def _corrupted_from_samples(path: Path) -> dict[tuple[str, str], frozenset[int]]
             if sample.get("corrupted"):
                 found.add(int(sample["position"]))
     except (AttributeError, KeyError, TypeError, ValueError):
-        raise UsageError(f"'{path}' is not an mpsimpact samples file (a line without guard or position).") from None
+        raise UsageError(f"'{path}' is not an mpsimpact samples file (a line without guard or "
+                         "position).") from None
     return {key: frozenset(found) for key, found in positions.items()}
 
 
@@ -177,12 +175,9 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
             raise UsageError(f"'{path}': '{name}' has shape {list(logits.shape)}, the reference "
                              f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this folder.")
     threshold = report.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
-    return {
-        (name.removeprefix("guard_"), DEFAULT_ATTENTION): frozenset(
-            np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist()
-        )
-        for name, logits in arrays.items() if name.startswith("guard_")
-    }
+    return {(name.removeprefix("guard_"), DEFAULT_ATTENTION):
+            frozenset(np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist())
+            for name, logits in arrays.items() if name.startswith("guard_")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +224,10 @@ class SweepFolder:
 def load_sweep(path: Path) -> SweepFolder:
     """Reads a sweep folder; see SweepFolder."""
     summary = _read_json(path / "summary.json")
-    if not isinstance(summary, dict) or not isinstance(summary.get("by_class"), dict) or "cells" not in summary:
-        raise UsageError(f"'{path / 'summary.json'}' is not an mpsimpact sweep summary (no cells or by_class).")
+    if (not isinstance(summary, dict) or not isinstance(summary.get("by_class"), dict)
+            or "cells" not in summary):
+        raise UsageError(f"'{path / 'summary.json'}' is not an mpsimpact sweep summary (no cells or "
+                         "by_class).")
     _check_schema(path / "summary.json", summary, SCHEMA_VERSION)
     rows = _read_jsonl(path / "sweep.jsonl") if (path / "sweep.jsonl").is_file() else None
     if rows and not all(isinstance(r, dict) and isinstance(r.get("cell"), dict) for r in rows):
@@ -249,4 +246,5 @@ def load_folder(folder: str | Path) -> RunFolder | SweepFolder:
         return load_run(path)
     if (path / "summary.json").is_file():
         return load_sweep(path)
-    raise UsageError(f"'{path}' holds neither report.json (a run) nor summary.json (a sweep); {WHAT_TO_PASS}.")
+    raise UsageError(f"'{path}' holds neither report.json (a run) nor summary.json (a sweep); "
+                     f"{WHAT_TO_PASS}.")

@@ -11,6 +11,7 @@ import re
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ WITH_WEIGHTS = "default, output_attentions"
 # Each implementation probed, and what it asks transformers for (None: the version's default).
 IMPLEMENTATIONS = {"eager": "eager", "sdpa": "sdpa", WITH_WEIGHTS: None}
 # A tiny random BERT (tests/tiny.py's sizes): hidden 16 over 4 heads, 2 layers, 64 positions.
-TINY_BERT = {"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
-             "max_position_embeddings": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+TINY_BERT = {"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 32, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+             "attention_probs_dropout_prob": 0.0,
              "initializer_range": 0.5}  # peaked attention: near-uniform P would hide which row a wrap reads
 # Its emulated batch: P is (24 * 4, 32, 32), 98,304 > 2**16 elements, so P V wraps from batch-head
 # ceil(2**16 / (32 * 32)) = 64, text 16; fused SDPA's 98,304 score elements are above 2**16 too.
@@ -45,10 +47,6 @@ def build_meta(config: Any, task: str, attention: str | None) -> Any:
         return auto.from_config(config, **kwargs).eval()
 
 
-def _is_meta_value_error(error: BaseException) -> bool:
-    return "meta tensors" in str(error)
-
-
 def trace_at(model: Any, batch: int, length: int, output_attentions: bool = False) -> tuple[Any, bool]:
     """The model's FaultPlan at (batch, length) on meta, and whether the mask workaround was needed.
 
@@ -69,7 +67,7 @@ def trace_at(model: Any, batch: int, length: int, output_attentions: bool = Fals
     try:
         return trace_module(model, inputs), False
     except RuntimeError as error:
-        if not _is_meta_value_error(error):
+        if "meta tensors" not in str(error):
             raise
     with mock.patch("torch.jit.is_tracing", return_value=True):
         return trace_module(model, inputs), True
@@ -85,8 +83,7 @@ def op_path(plan: Any) -> list[dict[str, Any]]:
             "b": {"shape": list(call.b.shape), "layout": call.b.layout},
             "within_sdpa": call.within is not None,
         }
-        key = json.dumps(entry, sort_keys=True)
-        seen.setdefault(key, entry | {"count": 0})["count"] += 1
+        seen.setdefault(json.dumps(entry, sort_keys=True), entry | {"count": 0})["count"] += 1
     return list(seen.values())
 
 
@@ -104,16 +101,14 @@ def outcomes(plan: Any, batch: int, heads: int, profiles: list[str]) -> dict[str
     for profile in profiles:
         decided = plan.under(profile)
         forward = predict(decided, batch, heads, "forward")
-        faults: dict[tuple, int] = {}
-        for call in decided.faults:
-            key = (call.op, re.sub(r"\.\d+(\.|$)", r".*\1", call.module), call.fault.kind, call.fault.rule)
-            faults[key] = faults.get(key, 0) + 1
+        faults = Counter((c.op, re.sub(r"\.\d+(\.|$)", r".*\1", c.module), c.fault.kind, c.fault.rule)
+                         for c in decided.faults)
         result[profile] = {
             "outcome": forward.outcome, "message": forward.describe(),
-            "first_corrupted_text": forward.first_corrupted_text, "first_corrupted_head": forward.first_corrupted_head,
+            "first_corrupted_text": forward.first_corrupted_text,
+            "first_corrupted_head": forward.first_corrupted_head,
             "corrupted_count": forward.corrupted_count if forward.first_corrupted_text is not None else None,
-            "faults": [{"op": k[0], "module": k[1], "kind": k[2], "rule": k[3], "count": n} for k, n in faults.items()],
-        }
+            "faults": [dict(zip(("op", "module", "kind", "rule"), k), count=n) for k, n in faults.items()]}
     return result
 
 
@@ -124,15 +119,17 @@ def probe_implementation(config: Any, job: dict[str, Any], name: str) -> dict[st
         model = build_meta(config, job["task"], requested)
     except (ValueError, ImportError) as error:  # e.g. an architecture without SDPA in this version
         return {"requested": requested or "default", "error": _first_line(error)}
-    plan, workaround = trace_at(model, job["batch_size"], job["max_length"], output_attentions=requested is None)
+    plan, workaround = trace_at(model, job["batch_size"], job["max_length"],
+                                output_attentions=requested is None)
     return {
-        "requested": requested or "default", "gets": model.config._attn_implementation, "runs": runs_attention(plan),
-        "calls": len(plan.calls), "meta_mask_workaround": workaround, "op_path": op_path(plan),
-        "outcomes": outcomes(plan, job["batch_size"], config.num_attention_heads, job["profiles"]),
-    }
+        "requested": requested or "default", "gets": model.config._attn_implementation,
+        "runs": runs_attention(plan), "calls": len(plan.calls), "meta_mask_workaround": workaround,
+        "op_path": op_path(plan),
+        "outcomes": outcomes(plan, job["batch_size"], config.num_attention_heads, job["profiles"])}
 
 
-def _emulated(model: Any, ids: Any, index_bits: int, profile: str, guard_mode: str | None) -> tuple[Any, Any, Any]:
+def _emulated(model: Any, ids: Any, index_bits: int, profile: str,
+              guard_mode: str | None) -> tuple[Any, Any, Any]:
     """(output or the exception, the emulator, the guard) of one forward under emulated MPS."""
     import torch
 
@@ -142,7 +139,8 @@ def _emulated(model: Any, ids: Any, index_bits: int, profile: str, guard_mode: s
     emu = active = None
     try:
         with torch.no_grad(), emulate(index_bits, profile=profile) as emu:
-            guarded = guard(guard_mode, index_bits=index_bits, profile=profile) if guard_mode else contextlib.nullcontext()
+            guarded = (guard(guard_mode, index_bits=index_bits, profile=profile) if guard_mode
+                       else contextlib.nullcontext())
             with guarded as active:
                 return model(input_ids=ids).last_hidden_state, emu, active
     except RuntimeError as error:  # EmulatedMpsError, NotEmulatedError, OversizedOpError
@@ -175,9 +173,9 @@ def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: str
     equal = not isinstance(out, BaseException) and torch.allclose(out, plain, **TOLERANCE)
     checks["chunk"] = {
         "status": "equal" if equal else "differs" if not isinstance(out, BaseException) else "error",
-        "chunked_calls": len(active.chunked) if active is not None else 0, "emulator_records": len(emu.records) if emu else 0,
-        **({"message": _first_line(out)} if isinstance(out, BaseException) else {}),
-    }
+        "chunked_calls": len(active.chunked) if active is not None else 0,
+        "emulator_records": len(emu.records) if emu else 0,
+        **({"message": _first_line(out)} if isinstance(out, BaseException) else {})}
     checks["guard_ok"] = bool(off["faulted_calls"]) and stopped and equal
     return checks
 
@@ -187,8 +185,8 @@ def emulated_runs(profile: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModel, BertConfig
 
-    shape = (TINY_RUN["batch"], TINY_RUN["length"])
-    ids = torch.randint(1, TINY_BERT["vocab_size"], shape, generator=torch.Generator().manual_seed(0))  # (B, L)
+    ids = torch.randint(1, TINY_BERT["vocab_size"], (TINY_RUN["batch"], TINY_RUN["length"]),
+                        generator=torch.Generator().manual_seed(0))  # (B, L)
     runs = {}
     for label, attention in (("default", None), ("eager", "eager")):
         torch.manual_seed(0)
@@ -198,7 +196,8 @@ def emulated_runs(profile: str) -> dict[str, Any]:
             plain = model(input_ids=ids).last_hidden_state  # (B, L, 16)
         runs[label] = {"attention": model.config._attn_implementation,
                        **guard_checks(model, ids, plain, TINY_RUN["index_bits"], profile)}
-    return {"model": "tiny random BERT (hidden 16, 4 heads, 2 layers)", "profile": profile, **TINY_RUN, "runs": runs}
+    return {"model": "tiny random BERT (hidden 16, 4 heads, 2 layers)", "profile": profile, **TINY_RUN,
+            "runs": runs}
 
 
 def probe(job: dict[str, Any]) -> dict[str, Any]:
@@ -215,16 +214,16 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
         "schema": PROBE_SCHEMA,
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
                      "python": sys.version.split()[0]},
-        "paths": {"transformers": transformers.__file__, "torch": torch.__file__, "mpsimpact": str(Path(__file__).resolve().parents[1] / "__init__.py")},
-        "model_type": config.model_type, "heads": config.num_attention_heads, "layers": config.num_hidden_layers,
+        "paths": {"transformers": transformers.__file__, "torch": torch.__file__,
+                  "mpsimpact": str(Path(__file__).resolve().parents[1] / "__init__.py")},
+        "model_type": config.model_type, "heads": config.num_attention_heads,
+        "layers": config.num_hidden_layers,
         "default_attention": build_meta(config, job["task"], None).config._attn_implementation,
-        "implementations": {name: probe_implementation(config, job, name) for name in IMPLEMENTATIONS},
-    }
+        "implementations": {name: probe_implementation(config, job, name) for name in IMPLEMENTATIONS}}
     traced = time.perf_counter()
     result["emulated"] = emulated_runs(job["emulated_profile"])
-    done = time.perf_counter()
     result["timing"] = {"import_s": round(imported - started, 2), "trace_s": round(traced - imported, 2),
-                        "emulated_s": round(done - traced, 2)}
+                        "emulated_s": round(time.perf_counter() - traced, 2)}
     return result
 
 
