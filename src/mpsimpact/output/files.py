@@ -274,7 +274,8 @@ def claim_out_dir(out: str | None, default_prefix: str) -> Path:
             except OSError as error:
                 if created:
                     shutil.rmtree(folder, ignore_errors=True)
-                raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); pass another --out.") from None
+                raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); "
+                                 "pass another --out.") from None
             _remove_dead_partial_folders(folder)
         _CLAIMS[key] = _Claim(folder, fd, created)
     _release_at_exit()

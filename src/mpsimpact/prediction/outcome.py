@@ -67,7 +67,8 @@ class Prediction:
             "corrupted_count": self.corrupted_count,
             "corrupted_fraction": self.corrupted_count / self.batch,
             "uncharacterised_faults": len(self.uncharacterised),
-            "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind, "message": self.stop.fault.message},
+            "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind,
+                                                     "message": self.stop.fault.message},
             "silent_faults": [call.to_json() for call in self.silent],
         }
 

@@ -102,7 +102,8 @@ def render_html(comparison: Comparison) -> str:
     title = f"mpsimpact compare: {esc(comparison.kind)}s"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>{HTML_STYLE}
-.changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.cannot-tell{{background:#f6d365;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
+.changed{{color:#fff;background:#c0392b;padding:0 .4em;border-radius:4px}}.info{{color:#555}}
+.cannot-tell{{background:#f6d365;padding:0 .4em;border-radius:4px}}
 </style></head><body>
 <h1>{title}</h1>
 {banners}<h2>Verdicts</h2><ul>{verdicts}</ul><p><strong>{esc(result_line(comparison))}</strong></p>
@@ -132,7 +133,8 @@ def print_comparison(comparison: Comparison, folder: Path | None = None) -> None
     for title, header, rows in tables(comparison):
         console.print(rich_table(title, header, rows, justify="right"))
     for verdict in comparison.verdicts:
-        tag = {"changed": "[bold red]changed[/]", "cannot-tell": "[bold yellow]cannot tell[/]"}.get(_tag(verdict), "[dim]info[/]")
+        styles = {"changed": "[bold red]changed[/]", "cannot-tell": "[bold yellow]cannot tell[/]"}
+        tag = styles.get(_tag(verdict), "[dim]info[/]")
         console.print(f"{tag}  {escape(verdict.text)}", soft_wrap=True)
     console.print(result_line(comparison), soft_wrap=True)
     if folder is not None:

@@ -69,7 +69,8 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
     table = html_table([t for _, t in columns(run)], condition_rows(run))
     scenario, model, data = esc(run["config"]["scenario"]), esc(run["model"]), esc(run["data_source"])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {scenario}</title>
-<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}.headline{{font-size:1.5em;font-weight:bold}}</style>
+<style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}
+.headline{{font-size:1.5em;font-weight:bold}}</style>
 </head><body>
 <h1>mpsimpact run: {scenario}</h1>
 <p class="headline">{esc(kind_of(run).headline(run))}</p>

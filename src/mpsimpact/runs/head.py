@@ -49,7 +49,8 @@ def first_texts_with_every_label(data: LabelledTexts, limit: int) -> LabelledTex
                          data.source)
 
 
-def train_head(out_dir: Path | None = None, *, limit: int | None = None, advance: Callable[[int], None] | None = None) -> dict[str, Any]:
+def train_head(out_dir: Path | None = None, *, limit: int | None = None,
+               advance: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Fits the head, writes `sentiment_head.npz` and `.json` (atomically); returns the metadata.
 
     Args:
@@ -79,7 +80,8 @@ def train_head(out_dir: Path | None = None, *, limit: int | None = None, advance
         "split": f"de-duplicated texts; held out iff sha256(text) mod {HELDOUT_MODULUS} == 0",
         "train_texts": len(train), "heldout_texts": len(heldout), "heldout_accuracy": round(accuracy, 4),
         "labels": list(train.label_names), "embed_max_length": EMBED_LENGTH, "C": C, "seed": SEED,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scikit-learn": sklearn.__version__, "python": platform.python_version()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "scikit-learn": sklearn.__version__, "python": platform.python_version()},
     }
     buffer = io.BytesIO()
     np.savez(buffer, weight=fit.coef_.astype(np.float32), bias=fit.intercept_.astype(np.float32))

@@ -44,7 +44,8 @@ def run_chunked(
     with torch.inference_mode():
         for start in range(0, len(texts), chunk):
             picked = order[start : start + chunk]
-            enc = tokenizer([texts[i] for i in picked], truncation=True, max_length=max_length, padding=padding, return_tensors="pt")
+            enc = tokenizer([texts[i] for i in picked], truncation=True, max_length=max_length, padding=padding,
+                            return_tensors="pt")
             out = fn(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu().numpy()
             for row, index in zip(out, picked):
                 rows[index] = row

@@ -173,7 +173,8 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
     for name, logits in arrays.items():
         if name.startswith("guard_") and logits.shape != arrays["reference"].shape:
             raise UsageError(f"'{path}': '{name}' has shape {list(logits.shape)}, the reference "
-                             f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this folder.")
+                             f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this "
+                             "folder.")
     threshold = report.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
     return {(name.removeprefix("guard_"), DEFAULT_ATTENTION):
             frozenset(np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist())

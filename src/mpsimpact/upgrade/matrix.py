@@ -187,7 +187,8 @@ def findings(result: dict[str, Any]) -> dict[str, Any]:
         "eager_first_corrupted_text": firsts.pop() if len(firsts) == 1 else None,
         "attention_ops": {name: _attention_ops(impl.get("op_path", [])) for name, impl in impls.items()},
         "guard_ok": all(run["guard_ok"] for run in runs.values()),
-        "guard": {label: {"attention": run["attention"], **{mode: run[mode]["status"] for mode in ("off", "raise", "chunk")}}
+        "guard": {label: {"attention": run["attention"],
+                          **{mode: run[mode]["status"] for mode in ("off", "raise", "chunk")}}
                   for label, run in runs.items()},
     }
 
