@@ -73,7 +73,10 @@ def shows_config_defaults(config: Callable[[], type]) -> type[TyperCommand]:
         # The config modules import torch: their defaults are read when a command's --help is shown, not
         # when the app is built, so that `mpsimpact --help` stays instant.
         def format_help(self, ctx: Any, formatter: Any) -> None:
-            fields = {field.name: field.default for field in dataclasses.fields(config())}
+            try:
+                fields = {field.name: field.default for field in dataclasses.fields(config())}
+            except ModuleNotFoundError:  # a light install (no demo extra): help without the config's defaults
+                fields = {}
             for param in self.params:
                 default = fields.get(param.name)
                 if param.param_type_name != "option" or default is None or default is dataclasses.MISSING:
