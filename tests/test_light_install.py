@@ -57,6 +57,9 @@ def test_the_core_install_has_no_demo_packages_and_the_guard_works(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and 'pip install "mpsimpact[demo]"' in lines[0], run.stderr
     assert not (tmp_path / "outputs").exists()
+    helped = subprocess.run([str(env / "bin" / "mpsimpact"), "run", "--help"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=300, env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"})
+    assert helped.returncode == 0 and "--batch-size" in helped.stdout, helped.stderr
 
 
 def test_the_demo_packages_are_an_extra_and_the_guard_imports_none_of_them():
