@@ -64,11 +64,14 @@ def test_a_waiting_rebuild_goes_ahead_when_the_user_is_done(tmp_path, capsys):
         make_stale(overlay.path)
         thread = threading.Thread(target=lambda: done.update(overlay=OverlayCache(tmp_path, rebuilder).ensure(VERSION)))
         thread.start()
-        time.sleep(0.5)
+        said, deadline = "", time.monotonic() + 30  # until the rebuild is really waiting (slow on a loaded machine)
+        while "waiting for another mpsimpact process building or using" not in said and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said += capsys.readouterr().err
+        assert "waiting for another mpsimpact process building or using" in said
         assert rebuilder.calls == []  # still waiting while the environment is used
     thread.join(10)
     assert rebuilder.calls == [VERSION] and done["overlay"].cached is False
-    assert "waiting for another mpsimpact process building or using" in capsys.readouterr().err
 
 
 def test_two_builds_of_one_release_build_it_once(tmp_path):
