@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +59,9 @@ def model_fingerprint(module: torch.nn.Module) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MPSIMPACT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpsimpact"
-    return Path(root) / "reference"
+    from mpsimpact.engine.release import cache_root
+
+    return cache_root() / "reference"
 
 
 def cache_key(fingerprint: str, texts: Sequence[str], max_length: int) -> str:

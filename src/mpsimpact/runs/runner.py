@@ -195,7 +195,7 @@ def run_scenario(config: RunConfig, progress=_no_progress) -> tuple[dict[str, An
     scenario.load()
     model = scenario.model
     geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
-                                   profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
+                                   profile=resolve_profile(config.torch_profile).ref, dtype=config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length, index_bits=config.index_bits,
                                  backward=kind.backward, profile=geometry.profile) for a in config.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
