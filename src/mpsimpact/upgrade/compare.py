@@ -11,6 +11,7 @@ from typing import Any
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns
+from mpsimpact.runs.sweep import cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
 
 VERSIONS = ("torch", "transformers")
@@ -316,11 +317,6 @@ def _chunk_verdict(key: tuple[str, str], old: _Outcome, new: _Outcome) -> Verdic
 def _observed(row: dict[str, Any]) -> str:
     first = row.get("first_bad_batch")
     return str(row.get("observed")) + (f" from batch {first}" if first is not None else "")
-
-
-def cell_name(cell: dict[str, Any]) -> str:
-    """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
-    return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"
 
 
 def _compare_sweeps(old: SweepFolder, new: SweepFolder) -> dict[str, Any]:
