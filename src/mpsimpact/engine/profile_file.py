@@ -70,6 +70,11 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
+    return profile_fields(data, path, families)
+
+
+def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str, Any]:
+    """The FaultProfile fields of a parsed profile.json (from `path`, which errors name)."""
     if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
         raise ProfileFileError(f"'{path}' is not an mpsimpact profile (its 'kind' is not '{PROFILE_KIND}'); "
                                "pass a profile.json written by `mpsimpact sweep`.", path)
@@ -88,8 +93,9 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
     read.get("unmeasured", lambda v: v == list(unmeasured), f"{json.dumps(list(unmeasured))} (its null rules)")
     notes = read.get("notes", lambda v: v is None or (isinstance(v, list) and all(map(_is_str, v))),
                      "a list of texts")
+    on_mac = measured_on.get("device") == "mps" and not emulated
     return fields | {
-        "release": release, "group": release, "measured": not emulated, "source": str(path),
+        "release": release, "group": release, "measured": on_mac, "source": str(path),
         "measured_on": describe_measurement(measured_on), "unmeasured": unmeasured, "notes": tuple(notes or ()),
     }
 

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from mpsimpact.engine.profile_file import ProfileFileError, read_profile_fields
+from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
 
 # What every console line, report and figure says when no Apple GPU was used.
 MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.0")
@@ -360,6 +360,16 @@ def load_profile(path: str | Path) -> FaultProfile:
 @functools.lru_cache(maxsize=32)
 def _load_profile(path: Path, mtime_ns: int, size: int) -> FaultProfile:
     return FaultProfile(**read_profile_fields(path, FAMILIES))
+
+
+def profile_from_json(data: Any, origin: str | Path) -> FaultProfile:
+    """The profile of profile.json's parsed content (e.g. derived from a sweep's rows in memory); `origin`
+    names it in errors and is its `source`.
+
+    Raises:
+        ProfileFileError: a field is wrong (the message names `origin` and the field).
+    """
+    return FaultProfile(**profile_fields(data, Path(origin), FAMILIES))
 
 
 def is_profile_path(text: str) -> bool:

@@ -28,7 +28,7 @@ from mpsimpact.config import (
 )
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import trace_classifier
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import STUDY, resolve_profile
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, condition
 
@@ -280,7 +280,8 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by 2^{32 - geometry.index_bits}.")
     if geometry.emulated:
         release = resolve_profile(geometry.profile or None)
-        notes.append(f"No Apple GPU was used: MPS's faults were emulated from the published fault model for torch {release.label}.")
+        origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
+        notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch {release.label}.")
     if geometry.replayed:
         reduced = token_stats["truncated_by_reduced_length"]
         notes.append(

@@ -13,6 +13,7 @@ from mpsimpact.errors import UsageError
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns
 from mpsimpact.runs.sweep import cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
+from mpsimpact.upgrade.profile_change import describe_change
 
 VERSIONS = ("torch", "transformers")
 PROFILES = ("fault profile", "profile (geometry)", "torch profile (config)")
@@ -106,6 +107,8 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
     differing = _differing_geometry(before, after)
     if differing:
         part["verdicts"] = [Verdict(f"different geometry: not comparable ({'; '.join(differing)})", True)]
+    if isinstance(before, SweepFolder):  # a profile is the same at any index width: always comparable
+        part["verdicts"] = _profile_verdicts(before, after) + part["verdicts"]
     part["verdicts"] += _context_verdicts(environment, before, after)
     return Comparison(
         kind=before.kind, old=str(old), new=str(new), modes=(before.mode, after.mode),
@@ -224,11 +227,15 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
 
 def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
     """A condition one side could not run: no verdict on it, and what to do about that."""
+    from mpsimpact.engine.release import is_profile_path
+
     release = _get_release(folder)
+    why = (f"the profile {release} leaves its calls unmeasured" if is_profile_path(release) else
+           f"torch {release} is an unmeasured release, whose fault values nobody characterised")
     return Verdict(
-        f"cannot tell: {_label(key)}: the {side} side could not be emulated (torch {release} is an unmeasured "
-        "release, whose fault values nobody characterised); measure it on a Mac with `mpsimpact sweep "
-        "--device mps`, then compare with `--torch-profile` set to the sweep's profile.json", False, True)
+        f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why}); measure it on a Mac with "
+        "`mpsimpact sweep --device mps`, then compare with `--torch-profile` set to the sweep's profile.json",
+        False, True)
 
 
 def _get_release(folder: RunFolder) -> str:
@@ -333,6 +340,16 @@ def _compare_sweeps(old: SweepFolder, new: SweepFolder) -> dict[str, Any]:
         if alone:
             verdicts.append(Verdict(f"{len(alone)} cells only in the {side} sweep: not compared", False))
     return {"cells": changed, "agreement": agreement, "verdicts": verdicts}
+
+
+def _profile_verdicts(old: SweepFolder, new: SweepFolder) -> list[Verdict]:
+    """How the release profile each sweep measured changed, in plain words (upgrade.profile_change); a
+    change matters."""
+    before, after = old.profile(), new.profile()
+    if before is None or after is None:
+        return []
+    text, changed = describe_change(before, after)
+    return [Verdict(text, changed)]
 
 
 def _faulted(sweep: SweepFolder) -> int:
