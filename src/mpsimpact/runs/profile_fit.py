@@ -136,14 +136,19 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         index_bits, max_memory: the sweep's index width and memory budget in bytes (None: not limited).
     """
     release = profile_release(emulated, emulated_release, torch_version)
-    settings, unexplained = fit_bmm(rows, release)
+    control = not emulated and device != "mps"
+    # A control device computes every cell right, which would read as a release that fixed everything.
+    settings, unexplained = ([], []) if control else fit_bmm(rows, release)
     skipped = [row for row in rows if not is_measured(row)]
     notes = [NOT_MEASURED_NOTE]
+    if control:
+        notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is judged "
+                     "conservatively.")
     if skipped:
         notes.append(f"{len(skipped)} of {len(rows)} cells were not run (over the memory budget) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
-    if not settings:
+    if not settings and not control:
         notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): bmm "
                      "is judged conservatively. Report the cells upstream and to mpsimpact.")
     rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | {"bmm": settings or None}

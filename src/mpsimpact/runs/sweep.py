@@ -62,7 +62,8 @@ class Cell:
         output, and one chunk of fp32 draws (see `make_operands`)."""
         a, b = self.specs()
         size = DTYPES[self.dtype].itemsize
-        return (a.extent + b.extent + self.batch * self.m * self.n) * size + CHUNK_ELEMENTS * 4
+        draws = min(CHUNK_ELEMENTS, max(a.extent, b.extent))
+        return (a.extent + b.extent + self.batch * self.m * self.n) * size + draws * 4
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: drawing the operands and the product (SPEEDS)."""
@@ -193,9 +194,10 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
         kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
         return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
     batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
-    index = torch.tensor(batches)
-    ref = torch.bmm(a[index].double().cpu(), b[index].double().cpu())  # (S, M, N) in float64
-    err = (out[index].double().cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
+    index = torch.tensor(batches, device=out.device)
+    # To the CPU before float64: MPS has no float64.
+    ref = torch.bmm(a[index].cpu().double(), b[index].cpu().double())  # (S, M, N) in float64
+    err = (out[index].cpu().double() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
     bad = [batch for batch, e in zip(batches, err.tolist()) if not e <= TOLERANCE[cell.dtype]]
     observed = _classify_bad(bad, batches)
     if bad and _zero_share(out, bad, ref, batches) >= 0.9:
@@ -207,7 +209,7 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
 def _zero_share(out: torch.Tensor, bad: list[int], ref: torch.Tensor, judged: list[int]) -> float:
     """Of the wrong elements of the bad batches, the share that is exactly zero."""
     rows = [judged.index(b) for b in bad]
-    got, want = out[torch.tensor(bad)].double().cpu(), ref[torch.tensor(rows)]
+    got, want = out[torch.tensor(bad, device=out.device)].cpu().double(), ref[torch.tensor(rows)]
     wrong = (got - want).abs() > TOLERANCE["fp32"] * want.abs().amax()
     return float((got[wrong] == 0).double().mean()) if wrong.any() else 0.0
 
@@ -262,6 +264,18 @@ def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, i
         if start < len(cells):
             yield _row(cells[start], not_run(cells[start], budget), device, index_bits, control, profile)
             start += 1
+
+
+def predicted_rows(cells: list[Cell], index_bits: int, profile: str | None = None) -> list[dict[str, Any]]:
+    """The rows an emulated sweep of `cells` writes when every cell comes out as `profile`'s rules say,
+    without running a tensor (for sizing a sweep, and for deriving profiles in tests)."""
+    rows = []
+    for cell in cells:
+        fault = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
+        seen = {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch,
+                "message": fault.message or None, "max_rel_error": None}
+        rows.append(_row(cell, seen, "cpu", index_bits, False, profile))
+    return rows
 
 
 def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
