@@ -27,8 +27,8 @@ def main(
     in_process: bool | None = option("--in-process", "Run real-device cells in this process (no crash "
                                                      "isolation)."),
     torch_profile: str | None = shared("--torch-profile"),
-    max_memory: float | None = option("--max-memory", "GiB one cell may hold; a cell that needs more is not "
-                                                      "run and stays unmeasured.",
+    max_memory: str | None = option("--max-memory", "Memory one cell may hold: 20 (GiB), 20GiB or 512MiB; a "
+                                                    "cell that needs more is not run and stays unmeasured.",
                                       "what the device lends this process: MPS's recommended maximum, "
                                       "else the free memory"),
 ) -> None:

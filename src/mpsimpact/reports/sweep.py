@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,14 @@ from mpsimpact.runs.sweep import DTYPES, LAYOUTS, NOT_RUN, is_measured
 GIB = 1 << 30
 PROGRESS_EVERY_S = 5.0  # a progress line at least this far apart (and for every cell that disagrees)
 FILES = ("sweep.jsonl", "summary.json", "profile.json", "outcome_map.png")
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f"'{text}' is not a size above 0")
+    return int(float(match[1]) * (1 << 20 if (match[2] or "g").startswith("m") else GIB))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +44,8 @@ class SweepConfig:
     expect_fixed: bool = False
     in_process: bool = False
     torch_profile: str | None = option(None, TORCH_PROFILE)
-    max_memory: float | None = option(None, Check("--max-memory", low=0, inclusive=False, hint=" GiB"))
+    max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
+                                                hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded."""
@@ -68,7 +78,7 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
             "threshold (their matrices have 8192 elements or more); use a larger --index-bits, e.g. 20."
         )
     profile = resolve_profile(config.torch_profile)
-    budget = int(config.max_memory * GIB) if config.max_memory else device_memory(device)
+    budget = memory_bytes(config.max_memory) if config.max_memory else device_memory(device)
     console = Console(highlight=False)
     mode = (f"{EMULATED_LABEL} (torch {profile.label}) on {device}" if emulated
             else f"real {device} (predicted as torch {profile.label})")
@@ -124,9 +134,9 @@ def print_plan(console, mode: str, config: SweepConfig, grid_and_todo, budget: i
     estimate = CellClock(fits, device).total_estimate
     console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells"
                   + (f", {len(cells) - len(todo)} done by an earlier run (resumed)" if len(todo) < len(cells) else ""))
-    console.print(f"To run: {len(fits)} cells, the largest holding {largest / GIB:.1f} GiB, about "
+    console.print(f"To run: {len(fits)} cells, the largest holding {largest / GIB:.3g} GiB, about "
                   f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
-                  f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.1f} GiB budget (--max-memory) "
+                  f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.3g} GiB budget (--max-memory) "
                   "and are not run (unmeasured).")
     console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
                   f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
