@@ -48,6 +48,10 @@ __all__ = [
 # right whatever the layouts (not measured; bmm's view rule 2 is not applied to mm). Fused SDPA is
 # wrong above LIMIT score elements on 2.5.1 .. 2.12.1 (values not characterised); with gradients, and
 # on 2.4.1, SDPA is the math path (bmm rules).
+# A profile measured by `mpsimpact sweep` (engine.profile_file) sets these per-release fields from its
+# cells, and may find a rule gone (output_rule "correct", view_rule "none", input_wrap False); settings its
+# cells left open are judged by the worst of them (`undecided`), aspects it did not measure as the
+# conservative profile judges them (`conservative`).
 # Only element counts matter: the wrap is an element index, the same for every dtype.
 # Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
