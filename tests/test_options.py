@@ -39,8 +39,9 @@ SHARED = {  # option -> (bad value, the message's start), and which commands tak
                                    "give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are "
                                    "judged conservatively), 'conservative', or a profile.json written by "
                                    "`mpsimpact sweep`."),
-                        ("/no/such/profile.json", "Cannot read the profile '/no/such/profile.json': No such file "
-                                                  "or directory; pass a profile.json written by `mpsimpact sweep`.")],
+                        ("/no/such/profile.json",
+                         "Cannot read the profile '/no/such/profile.json': No such file or directory; pass a "
+                         "profile.json written by `mpsimpact sweep`.")],
 }
 TAKES = {
     "run": set(SHARED),

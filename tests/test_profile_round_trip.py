@@ -15,16 +15,16 @@ runner = CliRunner()
 
 
 def sweep(out, profile, bits, *extra):
-    args = ["sweep", "--device", "cpu", "--emulate", "--torch-profile", str(profile), "--index-bits", str(bits),
-            *extra, "--out", str(out)]
+    args = ["sweep", "--device", "cpu", "--emulate", "--torch-profile", str(profile),
+            "--index-bits", str(bits), *extra, "--out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     return [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
 
 
 def decisions(rows):
-    return [(r["cell"], r["prediction"]["kind"], r["prediction"]["first_bad_batch"], r["prediction"]["message"],
-             r["observed"]) for r in rows]
+    return [(r["cell"], r["prediction"]["kind"], r["prediction"]["first_bad_batch"],
+             r["prediction"]["message"], r["observed"]) for r in rows]
 
 
 def corrupted_texts(folder):
@@ -73,8 +73,8 @@ def test_a_run_corrupts_the_same_texts_with_the_file_as_with_the_release_name(tm
     texts = {}
     for name, profile in (("release", "2.5.1"), ("file", str(path))):
         out = tmp_path / name
-        result = runner.invoke(app, ["run", "sentiment", "--batch-size", "16", "--max-length", "256", "--index-bits",
-                                     "23", "--device", "cpu", "--guard", "off", "--seed", "0",
+        result = runner.invoke(app, ["run", "sentiment", "--batch-size", "16", "--max-length", "256",
+                                     "--index-bits", "23", "--device", "cpu", "--guard", "off", "--seed", "0",
                                      "--torch-profile", profile, "--out", str(out)])
         assert result.exit_code == 0, result.output
         texts[name] = corrupted_texts(out)

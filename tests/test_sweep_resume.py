@@ -49,7 +49,8 @@ def test_a_cell_over_max_memory_is_not_run_and_reported_unmeasured(tmp_path):
     # profile.json derives nothing from them: the same as from the measured rows alone.
     profile = json.loads((out / "profile.json").read_text())
     alone = derive_profile([r for r in rows if is_measured(r)], device="cpu", emulated=True,
-                           emulated_release="2.13.0", torch_version=rows[0]["torch"], machine="m", index_bits=16)
+                           emulated_release="2.13.0", torch_version=rows[0]["torch"], machine="m",
+                           index_bits=16)
     assert profile["rules"] == alone["rules"] and profile["cells"]["not_run"] == len(over)
     assert profile["cells"]["measured"] == len(CELLS) - len(over)
 
@@ -95,7 +96,8 @@ def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeyp
     assert 3 <= len(finished) < len(CELLS) and not out.exists()
     ran = []
     real = sweep_module.observe
-    monkeypatch.setattr(sweep_module, "observe", lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
+    monkeypatch.setattr(sweep_module, "observe",
+                        lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
     result = runner.invoke(app, [*SMALL, "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert f"{len(finished)} done by an earlier run (resumed)" in " ".join(result.output.split())

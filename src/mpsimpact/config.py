@@ -85,7 +85,8 @@ def _parse_profile(value: str) -> None:
     try:
         resolve_profile(value)
     except ProfileFileError as error:  # its message names the file and the field: no release hint
-        raise UsageError(error.message, option="--torch-profile", path=error.path, field=error.field) from None
+        raise UsageError(error.message, option="--torch-profile", path=error.path,
+                         field=error.field) from None
 
 
 TORCH_PROFILE = Check(

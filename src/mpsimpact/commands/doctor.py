@@ -30,12 +30,13 @@ def profile_sentence(env: dict) -> str:
     if source != "study":
         unmeasured = env["fault_profile_unmeasured"]
         rest = f"; judged conservatively: {unmeasured}" if unmeasured else ""
-        return (f"Fault profile: torch {label}: a profile.json for this torch in the cache, used automatically; "
-                f"measured on {env['fault_profile_measured_on']}{rest}.")
+        return (f"Fault profile: torch {label}: a profile.json for this torch in the cache, used "
+                f"automatically; measured on {env['fault_profile_measured_on']}{rest}.")
     cache = env["fault_profile_cache_file"]
     if env["fault_profile_measured"] or env["fault_profile_group"] != "unmeasured":
         return (f"Fault profile: torch {label}, from the study's table (arXiv 2609.22991); a profile.json "
                 f"at {cache} would be used instead.")
     return (f"Fault profile: torch {label}: nobody measured this release, so every call any measured "
             f"release faults on is treated as faulting. Measure it on a Mac with `mpsimpact sweep --device "
-            f"mps --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a new release').")
+            f"mps --full --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a new "
+            "release').")

@@ -405,7 +405,8 @@ def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
     2.4.1 has no MPS SDPA op; with gradients SDPA takes the math path (inferred from upstream code).
     """
     prof = resolve_profile(profile)
-    return "fused" if prof.sdpa_fused and not needs_grad and not prof.judges_conservatively("sdpa") else "math"
+    fused = prof.sdpa_fused and not needs_grad and not prof.judges_conservatively("sdpa")
+    return "fused" if fused else "math"
 
 
 def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:

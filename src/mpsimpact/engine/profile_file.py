@@ -42,8 +42,9 @@ class _Reader:
         self.path, self.data = path, data
 
     def bad(self, field: str, expected: str, got: Any) -> ProfileFileError:
-        return ProfileFileError(f"Profile '{self.path}': '{field}' must be {expected}, got {json.dumps(got)}; "
-                                "derive it again with `mpsimpact sweep`, or correct that field.", self.path, field)
+        message = (f"Profile '{self.path}': '{field}' must be {expected}, got {json.dumps(got)}; derive it "
+                   "again with `mpsimpact sweep`, or correct that field.")
+        return ProfileFileError(message, self.path, field)
 
     def get(self, field: str, check: Callable[[Any], bool], expected: str) -> Any:
         """The value at a dotted path ("rules.bmm[0].view_rule" is read by its caller), checked."""
@@ -83,20 +84,23 @@ def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str,
     if version > PROFILE_SCHEMA:
         raise ProfileFileError(f"Profile '{path}' has schema_version {version}, newer than this mpsimpact "
                                f"reads ({PROFILE_SCHEMA}); upgrade mpsimpact to use it.", path)
-    release = read.get("release", lambda v: _is_str(v) and bool(_RELEASE.match(v)), "a release such as 2.15.0")
+    release = read.get("release", lambda v: _is_str(v) and bool(_RELEASE.match(v)),
+                       "a release such as 2.15.0")
     measured_on = read.get("measured_on", lambda v: isinstance(v, dict), "an object")
     emulated = read.get("measured_on.emulated", lambda v: isinstance(v, bool), "true or false")
     rules = read.get("rules", lambda v: isinstance(v, dict) and set(ASPECTS) <= set(v),
                      f"an object with the keys {', '.join(ASPECTS)}")
     fields = _bmm_fields(read) | _mm_fields(read) | _sdpa_fields(read) | _family_fields(read, families)
     unmeasured = tuple(a for a in ASPECTS if rules[a] is None or rules[a] == [])
-    read.get("unmeasured", lambda v: v == list(unmeasured), f"{json.dumps(list(unmeasured))} (its null rules)")
+    read.get("unmeasured", lambda v: v == list(unmeasured),
+             f"{json.dumps(list(unmeasured))} (its null rules)")
     notes = read.get("notes", lambda v: v is None or (isinstance(v, list) and all(map(_is_str, v))),
                      "a list of texts")
     on_mac = measured_on.get("device") == "mps" and not emulated
     return fields | {
         "release": release, "group": release, "measured": on_mac, "source": str(path),
-        "measured_on": describe_measurement(measured_on), "unmeasured": unmeasured, "notes": tuple(notes or ()),
+        "measured_on": describe_measurement(measured_on), "unmeasured": unmeasured,
+        "notes": tuple(notes or ()),
     }
 
 

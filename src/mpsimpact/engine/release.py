@@ -184,12 +184,12 @@ class FaultProfile:
         families: (family, code with a dimension past INT_MAX, code for a multi-dimensional tensor past
             INT_MAX elements) from ONE_DIMENSION_ROWS and MULTI_DIMENSION_ROWS, this release's column.
         notes: model-level observations that the op-level rules do not explain.
-        unmeasured: the profile_file.ASPECTS its measurement did not cover ("mm", "sdpa", "families"; "bmm" when no
-            setting of the bmm fields agrees with its cells): judged per call as the conservative
-            profile judges them (faults.conservative).
-        alternatives: when several settings of the profile_file.BMM_FIELDS agree with every measured cell, each one
-            as (field, value) pairs: a call is judged by the worst of them where they differ
-            (faults.undecided), exactly where they agree. Empty: the fields above are decided.
+        unmeasured: the profile_file.ASPECTS its measurement did not cover ("mm", "sdpa", "families";
+            "bmm" when no setting of the bmm fields agrees with its cells): judged per call as the
+            conservative profile judges them (faults.conservative).
+        alternatives: when several settings of the profile_file.BMM_FIELDS agree with every measured
+            cell, each one as (field, value) pairs: a call is judged by the worst of them where they
+            differ (faults.undecided), exactly where they agree. Empty: the fields above are decided.
         source: "study" (the tables here), or the absolute path of the profile.json it was read from.
         measured_on: for a file, what it was measured on ("torch 2.15.0, macOS 15.1 arm64 (Apple M2
             Ultra), mps, 2026-11-20"); "" for the study.
@@ -232,7 +232,8 @@ class FaultProfile:
         return self.release if self.source == STUDY else self.source
 
     def judges_conservatively(self, aspect: str) -> bool:
-        """Whether calls of this aspect ("bmm", "mm", "sdpa", "families") are judged as the conservative profile judges them."""
+        """Whether calls of this aspect ("bmm", "mm", "sdpa", "families") are judged as the conservative
+        profile judges them."""
         return self.conservative or aspect in self.unmeasured
 
     def settings(self) -> tuple[FaultProfile, ...]:

@@ -82,9 +82,9 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     console = Console(highlight=False)
     mode = (f"{EMULATED_LABEL} (torch {profile.label}) on {device}" if emulated
             else f"real {device} (predicted as torch {profile.label})")
-    identity = {"device": device, "emulated": emulated, "index_bits": config.index_bits, "quick": config.quick,
-                "dtypes": list(config.dtypes), "layouts": list(config.layouts), "profile": profile.ref,
-                "profile_digest": _digest(profile.to_json()), "cells": len(cells)}
+    identity = {"device": device, "emulated": emulated, "index_bits": config.index_bits,
+                "quick": config.quick, "dtypes": list(config.dtypes), "layouts": list(config.layouts),
+                "profile": profile.ref, "profile_digest": _digest(profile.to_json()), "cells": len(cells)}
     started = time.perf_counter()
     with resumable_folder(out, identity, "sweep.jsonl") as folder:
         done = {_cell_key(row["cell"]): row for row in folder.items if is_measured(row)}
@@ -119,7 +119,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _resume_hint(config: SweepConfig, out: Path) -> str:
-    return "run the same command again" + ("" if config.out else f" with --out {out}") + " to finish the sweep"
+    again = "run the same command again" + ("" if config.out else f" with --out {out}")
+    return f"{again} to finish the sweep"
 
 
 def print_plan(console, mode: str, config: SweepConfig, grid_and_todo, budget: int, device: str,
@@ -132,12 +133,12 @@ def print_plan(console, mode: str, config: SweepConfig, grid_and_todo, budget: i
     fits = [cell for cell in todo if cell.bytes_needed() <= budget]
     largest = max((cell.bytes_needed() for cell in fits), default=0)
     estimate = CellClock(fits, device).total_estimate
-    console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells"
-                  + (f", {len(cells) - len(todo)} done by an earlier run (resumed)" if len(todo) < len(cells) else ""))
+    resumed = f", {len(cells) - len(todo)} done by an earlier run (resumed)" if len(todo) < len(cells) else ""
+    console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells{resumed}")
     console.print(f"To run: {len(fits)} cells, the largest holding {largest / GIB:.3g} GiB, about "
                   f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
-                  f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.3g} GiB budget (--max-memory) "
-                  "and are not run (unmeasured).")
+                  f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.3g} GiB budget "
+                  "(--max-memory) and are not run (unmeasured).")
     console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
                   f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
 
@@ -155,7 +156,8 @@ def sweep_cells(console, todo, device: str, emulated: bool, config: SweepConfig,
         clock.finished(now - tick if is_measured(row) else 0.0)
         tick = now
         if now - last_line >= PROGRESS_EVERY_S or row["agree"] is not True or number == len(todo):
-            verdict = {True: "agrees", False: "DISAGREES", None: row.get("message") or "not run"}[row["agree"]]
+            verdicts = {True: "agrees", False: "DISAGREES", None: row.get("message") or "not run"}
+            verdict = verdicts[row["agree"]]
             console.print(f"[{number}/{len(todo)}] {cell_name(row['cell'])}: {row['observed']}, {verdict}; "
                           f"{_duration(now - started)} elapsed, about {_duration(clock.seconds_left())} left")
             last_line = now
@@ -186,10 +188,12 @@ def write_results(folder: Path, rows, config: SweepConfig, mode: str, profile, d
 
     atomic_write_text(folder / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     derived = derive_profile(rows, device=device, emulated=emulated, emulated_release=profile.release,
-                             torch_version=torch.__version__, machine=machine_name(), index_bits=config.index_bits,
-                             max_memory=budget, mpsimpact_version=version("mpsimpact"))
+                             torch_version=torch.__version__, machine=machine_name(),
+                             index_bits=config.index_bits, max_memory=budget,
+                             mpsimpact_version=version("mpsimpact"))
     _write_json(folder / "profile.json", derived)
-    atomic_write_bytes(folder / "outcome_map.png", outcome_map(rows, f"{mode}, index bits {config.index_bits}"))
+    title = f"{mode}, index bits {config.index_bits}"
+    atomic_write_bytes(folder / "outcome_map.png", outcome_map(rows, title))
     return summarize(rows) | {
         "mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config),
         "not_ok": sum(r["observed"] not in ("ok", NOT_RUN) for r in rows),
@@ -226,5 +230,5 @@ def print_profile(console, derived: dict[str, Any], out: Path) -> None:
         console.print(f"Use it with --torch-profile {out}/profile.json (emulated: it reproduces the rules it "
                       "emulated; it measured no Mac).")
         return
-    console.print(f"Use it with --torch-profile {out}/profile.json; for every command under torch {release} on "
-                  f"this machine, copy it to {cached_profile_path(release)}; to share it, send the file.")
+    console.print(f"Use it with --torch-profile {out}/profile.json; for every command under torch {release} "
+                  f"on this machine, copy it to {cached_profile_path(release)}; to share it, send the file.")

@@ -36,7 +36,8 @@ def collect_environment() -> dict[str, Any]:
         "fault_profile_source": profile.source,
         "fault_profile_measured_on": profile.measured_on or None,
         "fault_profile_unmeasured": ", ".join(profile.unmeasured) or None,
-        "fault_profile_cache_file": str(cached_profile_path(profile.release)) if profile.source == STUDY else None,
+        "fault_profile_cache_file": (str(cached_profile_path(profile.release)) if profile.source == STUDY
+                                     else None),
         "mps_fallback_env": os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK"),
     }
     if env["mps_available"]:

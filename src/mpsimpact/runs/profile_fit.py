@@ -1,7 +1,7 @@
-"""A release profile derived from a sweep's rows (profile.json, in engine.profile_file's format): every setting
-of the bmm rules that agrees with each measured cell by the sweep's own criteria (`agrees`), the first
-failures per series, dtype and layout as the study's table gives them, each failure's text, and what the
-sweep did not measure (judged conservatively, never guessed). Cells that were not run decide nothing."""
+"""A release profile derived from a sweep's rows (profile.json, in engine.profile_file's format): every
+setting of the bmm rules that agrees with each measured cell by the sweep's own criteria (`agrees`), the
+first failures per series, dtype and layout as the study's table gives them, each failure's text, and what
+the sweep did not measure (judged conservatively, never guessed). Cells that were not run decide nothing."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def candidate_settings(texts: Iterable[str]) -> list[dict[str, Any]]:
         base = {"output_rule": output_rule, "view_rule": view_rule, "input_wrap": input_wrap,
                 "view_message": INT_MAX_MESSAGE, "limit_message": "", "slice_extent": False}
         extents = (False, True) if view_rule in ("raise", "abort") else (False,)
-        messages = {"raise": [("view_message", t) for t in raise_texts],
-                    "abort": [("limit_message", t) for t in observed or [""]]}.get(view_rule, [("limit_message", "")])
-        for extent, (field, text) in itertools.product(extents, messages):
+        if view_rule == "raise":
+            texts = [("view_message", t) for t in raise_texts]
+        else:
+            texts = [("limit_message", t) for t in (observed or [""] if view_rule == "abort" else [""])]
+        for extent, (field, text) in itertools.product(extents, texts):
             settings.append(base | {"slice_extent": extent, field: text})
     return settings
 
@@ -142,15 +144,15 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
     skipped = [row for row in rows if not is_measured(row)]
     notes = [NOT_MEASURED_NOTE]
     if control:
-        notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is judged "
-                     "conservatively.")
+        notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
+                     "judged conservatively.")
     if skipped:
         notes.append(f"{len(skipped)} of {len(rows)} cells were not run (over the memory budget) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
     if not settings and not control:
-        notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): bmm "
-                     "is judged conservatively. Report the cells upstream and to mpsimpact.")
+        notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "
+                     "bmm is judged conservatively. Report the cells upstream and to mpsimpact.")
     rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | {"bmm": settings or None}
     return {
         "kind": PROFILE_KIND, "schema_version": PROFILE_SCHEMA, "release": release,

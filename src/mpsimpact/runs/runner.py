@@ -281,7 +281,8 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
     if geometry.emulated:
         release = resolve_profile(geometry.profile or None)
         origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
-        notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch {release.label}.")
+        notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
+                     f"{release.label}.")
     if geometry.replayed:
         reduced = token_stats["truncated_by_reduced_length"]
         notes.append(

@@ -148,8 +148,8 @@ def not_run(cell: Cell, budget: int) -> dict[str, Any] | None:
     needed = cell.bytes_needed()
     if needed <= budget:
         return None
-    message = (f"needs {needed / 2**30:.3g} GiB, more than the {budget / 2**30:.3g} GiB budget (--max-memory): "
-               "not run, unmeasured")
+    message = (f"needs {needed / 2**30:.3g} GiB, more than the {budget / 2**30:.3g} GiB budget "
+               "(--max-memory): not run, unmeasured")
     return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None, "message": message}
 
 

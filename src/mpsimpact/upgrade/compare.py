@@ -233,9 +233,9 @@ def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
     why = (f"the profile {release} leaves its calls unmeasured" if is_profile_path(release) else
            f"torch {release} is an unmeasured release, whose fault values nobody characterised")
     return Verdict(
-        f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why}); measure it on a Mac with "
-        "`mpsimpact sweep --device mps`, then compare with `--torch-profile` set to the sweep's profile.json",
-        False, True)
+        f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why}); measure it on a Mac "
+        "with `mpsimpact sweep --device mps`, then compare with `--torch-profile` set to the sweep's "
+        "profile.json", False, True)
 
 
 def _get_release(folder: RunFolder) -> str:

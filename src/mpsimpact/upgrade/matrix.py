@@ -102,7 +102,8 @@ def probe_job(config: MatrixConfig) -> dict[str, Any]:
     return {
         "model": config.model or str(embedded_model_path()),
         "task": "sequence-classification" if config.model else "base",
-        "batch_size": batch, "max_length": length, "profiles": [c["profile"] for c in profile_columns(config.torch_profile)],
+        "batch_size": batch, "max_length": length,
+        "profiles": [c["profile"] for c in profile_columns(config.torch_profile)],
         "emulated_profile": EMULATED_PROFILE,
     }
 
