@@ -230,6 +230,15 @@ def test_guard_emulate_and_trace_faults_take_a_profile_file(tmp_path):
     assert [c.fault.kind for c in plan.calls] == ["wrong_tail"]
 
 
+def test_matrix_adds_a_column_for_the_profile_asked_for(tmp_path):
+    from mpsimpact.upgrade.matrix import profile_columns
+
+    path = written(tmp_path, derived("2.5.1", bits=20))
+    columns = profile_columns(str(path))
+    assert columns[-1] == {"profile": str(path), "group": "2.5.1 (file)"}
+    assert profile_columns("2.13.0") == profile_columns() and len(columns) == len(profile_columns()) + 1
+
+
 def test_compare_says_how_the_profile_changed_in_plain_words(tmp_path):
     old, new = (load_profile(written(tmp_path, derived(r, bits=20), f"{r}.json"))
                 for r in ("2.8.0", "2.13.0"))

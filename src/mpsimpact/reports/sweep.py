@@ -145,7 +145,7 @@ def print_plan(console, mode: str, config: SweepConfig, grid_and_todo, budget: i
 
 def sweep_cells(console, todo, device: str, emulated: bool, config: SweepConfig, profile: str, budget: int):
     """Yields each cell's row as it finishes, printing a progress line with the time left every few
-    seconds (and for every cell that disagrees or is not run)."""
+    seconds, for every cell that disagrees, and for the last."""
     from mpsimpact.runs.sweep import CellClock, cell_name, run_cells
 
     clock = CellClock(todo, device)
@@ -155,7 +155,7 @@ def sweep_cells(console, todo, device: str, emulated: bool, config: SweepConfig,
         now = time.perf_counter()
         clock.finished(now - tick if is_measured(row) else 0.0)
         tick = now
-        if now - last_line >= PROGRESS_EVERY_S or row["agree"] is not True or number == len(todo):
+        if now - last_line >= PROGRESS_EVERY_S or row["agree"] is False or number == len(todo):
             verdicts = {True: "agrees", False: "DISAGREES", None: row.get("message") or "not run"}
             verdict = verdicts[row["agree"]]
             console.print(f"[{number}/{len(todo)}] {cell_name(row['cell'])}: {row['observed']}, {verdict}; "
