@@ -37,14 +37,18 @@ SHARED = {  # option -> (bad value, the message's start), and which commands tak
     "--device": [("tpu", "--device must be one of auto, mps, cuda, cpu; got 'tpu'.")],
     "--torch-profile": [("newest", "--torch-profile: 'newest' is not a torch release (expected e.g. 2.12.1); "
                                    "give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are "
-                                   "judged conservatively) or 'conservative'.")],
+                                   "judged conservatively), 'conservative', or a profile.json written by "
+                                   "`mpsimpact sweep`."),
+                        ("/no/such/profile.json",
+                         "Cannot read the profile '/no/such/profile.json': No such file or directory; pass a "
+                         "profile.json written by `mpsimpact sweep`.")],
 }
 TAKES = {
     "run": set(SHARED),
     "plan": {"--index-bits", "--batch-size", "--max-length", "--torch-profile"},
     "sweep": {"--index-bits", "--device", "--torch-profile"},
     "check": {"--index-bits", "--batch-size", "--torch-profile"},
-    "matrix": {"--batch-size", "--max-length"},
+    "matrix": {"--batch-size", "--max-length", "--torch-profile"},
 }
 CASES = [(command, flag, value, message) for command, flags in TAKES.items() for flag in sorted(flags)
          for value, message in SHARED[flag]]
@@ -192,7 +196,7 @@ def test_a_shared_option_has_one_help_text_everywhere():
                 seen.setdefault(param.opts[0], set()).add(param.help)
                 users.setdefault(param.opts[0], []).append(name)
     assert {flag: len(texts) for flag, texts in seen.items()} == dict.fromkeys(SHARED_FLAGS, 1)
-    assert sorted(users["--torch-profile"]) == ["check", "plan", "run", "sweep"]  # once, for four commands
+    assert sorted(users["--torch-profile"]) == ["check", "matrix", "plan", "run", "sweep"]  # once, for five
     outs = [p.help for c in cli_commands().values() for p in c.params if p.opts[0] == "--out"]
     assert len(outs) == 7 and all(" to this folder" in text for text in outs)
 

@@ -86,12 +86,19 @@ INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} 
 DEVICE = Check("--device", choices=DEVICES)
 
 
-def _parse_release(value: str) -> None:
-    from mpsimpact.engine.release import profile_for
+def _parse_profile(value: str) -> None:
+    from mpsimpact.engine.profile_file import ProfileFileError
+    from mpsimpact.engine.release import resolve_profile
 
-    profile_for(value)
+    try:
+        resolve_profile(value)
+    except ProfileFileError as error:  # its message names the file and the field: no release hint
+        raise UsageError(error.message, option="--torch-profile", path=error.path,
+                         field=error.field) from None
 
 
-TORCH_PROFILE = Check("--torch-profile", parse=_parse_release,
-                      hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged "
-                           "conservatively) or 'conservative'")
+TORCH_PROFILE = Check(
+    "--torch-profile", parse=_parse_profile,
+    hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively), "
+         "'conservative', or a profile.json written by `mpsimpact sweep`",
+)

@@ -21,6 +21,7 @@ def main(
     out: str | None = options.out("Write the reports", "outputs/matrix-<time>/"),
     offline: bool | None = option("--offline", "Use only cached environments and say which are missing "
                                                "(automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),
+    torch_profile: str | None = shared("--torch-profile"),
 ) -> None:
     """Per transformers release: its attention, what reaches MPS, whether the guard holds (exit 1 if not)."""
     from mpsimpact.output.files import claimed_out_dir
@@ -30,7 +31,7 @@ def main(
     releases = None if transformers is None else split_versions(transformers)
     matrix_config = options.config_from(
         config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
-        max_length=max_length, out=out, offline=offline,
+        max_length=max_length, out=out, offline=offline, torch_profile=torch_profile,
     )
     with claimed_out_dir(out, "matrix") as folder:
         with progress_bars() as progress:

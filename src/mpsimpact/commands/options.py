@@ -21,8 +21,9 @@ SHARED = {
     "--emulate/--no-emulate": ("Emulate MPS's faults.", "on unless the device is mps"),
     "--index-bits": ("Index width of the fault rules; 32 is MPS. Smaller widths show the fault on small "
                      "batches.", None),
-    "--torch-profile": ("The torch release whose MPS faults are emulated, guarded and planned, e.g. 2.12.1 "
-                        "(or 'conservative').", "the installed torch's"),
+    "--torch-profile": ("The torch release whose MPS faults are emulated, guarded and planned, e.g. 2.12.1, "
+                        "'conservative', or a profile.json written by `mpsimpact sweep`.",
+                        "the installed torch's: a profile.json for it in the cache, else the study's"),
 }
 
 

@@ -19,13 +19,18 @@ def main(
                                                   "full: every dtype everywhere."),
     dtypes: str | None = option("--dtypes", "Comma-separated: fp32, fp16, bf16."),
     layouts: str | None = option("--layouts", "Comma-separated layouts."),
-    out: str | None = options.out("Write sweep.jsonl, summary.json and outcome_map.png",
+    out: str | None = options.out("Write sweep.jsonl, summary.json, profile.json and outcome_map.png "
+                                  "(a sweep stopped early resumes when run again with the same --out)",
                                   "outputs/sweep-<time>/"),
     expect_fixed: bool | None = option("--expect-fixed", "Expect every cell ok (a release that claims a "
                                                          "fix)."),
     in_process: bool | None = option("--in-process", "Run real-device cells in this process (no crash "
                                                      "isolation)."),
     torch_profile: str | None = shared("--torch-profile"),
+    max_memory: str | None = option("--max-memory", "Memory one cell may hold: 20 (GiB), 20GiB or 512MiB; a "
+                                                    "cell that needs more is not run and stays unmeasured.",
+                                      "what the device lends this process: MPS's recommended maximum, "
+                                      "else the free memory"),
 ) -> None:
     """Re-measure the bmm fault map on a device and check it against the fault model."""
     from mpsimpact.reports.sweep import run_sweep
@@ -33,7 +38,7 @@ def main(
     summary = run_sweep(options.config_from(
         config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
-        in_process=in_process, torch_profile=torch_profile,
+        in_process=in_process, torch_profile=torch_profile, max_memory=max_memory,
     ))
     bad = summary["not_ok"] if expect_fixed else summary["disagree"]
     if bad:

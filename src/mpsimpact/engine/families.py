@@ -64,7 +64,7 @@ def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = MPS_I
 
 
 def _cat_of_counts(numels: list[int], index_bits: int, prof: FaultProfile) -> Fault:
-    if prof.conservative:
+    if prof.judges_conservatively("families"):
         return conservative(lambda p: _cat_of_counts(numels, index_bits, p), prof)
     total = sum(numels)
     if total <= dim_max(index_bits):
@@ -97,7 +97,7 @@ def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_b
     if family == "view":
         return OK  # no kernel runs
     prof = resolve_profile(profile)
-    if prof.conservative:
+    if prof.judges_conservatively("families"):
         return conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p), prof)
     specs, most = [spec_of(x) for x in (*tensors, *_tensors([out]))], dim_max(index_bits)
     numel = max((s.numel for s in specs), default=0)

@@ -37,7 +37,7 @@ class FaultPlan:
                 continue  # the fused op and its math path are two ways of one call: keep the one MPS runs
             fault = classify_call(call.family, call.a, call.b, index_bits, prof)
             kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
-        return cls(tuple(kept), index_bits, prof.release, tuple(trace))
+        return cls(tuple(kept), index_bits, prof.ref, tuple(trace))
 
     def under(self, profile: Profile) -> FaultPlan:
         """The same trace, decided for another torch release."""

@@ -48,6 +48,10 @@ __all__ = [
 # right whatever the layouts (not measured; bmm's view rule 2 is not applied to mm). Fused SDPA is
 # wrong above LIMIT score elements on 2.5.1 .. 2.12.1 (values not characterised); with gradients, and
 # on 2.4.1, SDPA is the math path (bmm rules).
+# A profile measured by `mpsimpact sweep` (engine.profile_file) sets these per-release fields from its
+# cells, and may find a rule gone (output_rule "correct", view_rule "none", input_wrap False); settings its
+# cells left open are judged by the worst of them (`undecided`), aspects it did not measure as the
+# conservative profile judges them (`conservative`).
 # Only element counts matter: the wrap is an element index, the same for every dtype.
 # Layouts the study did not measure (general strides, expanded batches) fault wherever a transposed
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
@@ -252,8 +256,10 @@ def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: P
     """
     prof = resolve_profile(profile)
     sa, sb = spec_of(a), spec_of(b)
-    if prof.conservative:
+    if prof.judges_conservatively("bmm"):
         return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
+    if prof.alternatives:
+        return undecided(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
     strided = "".join(name for name, s in (("a", sa), ("b", sb)) if s.layout == "strided")
     if not strided:
         return _classify_measured(sa, sb, index_bits, prof)
@@ -275,6 +281,8 @@ def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, prof: Fa
     limit, view_limit = limits(index_bits)
     named = (("a", sa), ("b", sb))
     if sa.shape[0] * sa.shape[1] * sb.shape[2] > limit:  # rule 1, terminal
+        if prof.output_rule == "correct":
+            return OK
         if prof.output_rule == "fp32-wrong":
             return OK if sa.dtype == "float16" else Fault("wrong_other", None, None, rule="output-fp32", release=prof.release)
         transposed = "".join(name for name, s in named if s.layout == "transposed")
@@ -282,6 +290,8 @@ def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, prof: Fa
     for name, s in named:
         if s.is_view and (fault := _view_fault(name, s, limit, view_limit, prof)) is not None:
             return fault
+    if not prof.input_wrap:
+        return OK
     wraps = prof.view_rule == "abort"  # 2.5.1 .. 2.8.0 wrap views above LIMIT too
     wrapped = [(name, s) for name, s in named if (wraps or not s.is_view) and s.numel > limit]
     firsts = {name: wrap_start_batch(s.per_batch, limit) for name, s in wrapped}
@@ -294,6 +304,8 @@ def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, prof: Fa
 def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, prof: FaultProfile) -> Fault | None:
     """Rule 2, per release: what a view operand of this size does, or None if nothing."""
     size = s.extent if prof.slice_extent and s.layout == "offset" else s.numel
+    if prof.view_rule == "none":
+        return None
     if prof.view_rule == "truncate":
         return Fault("truncated", name, 0, rule="view-truncated", release=prof.release) if s.numel >= limit else None
     if prof.view_rule == "abort":
@@ -320,6 +332,23 @@ def conservative(classify: Any, asked: FaultProfile) -> Fault:
                                release=f"{asked.release}, unmeasured: as on {worst.release}")
 
 
+# Where the settings a sweep left open disagree on a call, the worst decides: wrong values without an error
+# before a stop, a stop before nothing (the order of this tuple, worst last).
+_SEVERITY = ("ok", "error", "abort", "wrong_tail", "truncated", "wrong_all", "wrong_other")
+
+
+def undecided(classify: Any, prof: FaultProfile) -> Fault:
+    """A profile whose sweep left several settings of the bmm fields open (`FaultProfile.alternatives`):
+    where they agree on a call, that decision, exactly; where they differ, the cells did not decide it:
+    the worst of them, labelled as the conservative profile labels its faults."""
+    faults = [classify(p) for p in prof.settings()]
+    if all(f == faults[0] for f in faults):
+        return faults[0]
+    worst = max(faults, key=lambda f: _SEVERITY.index(f.kind))
+    return dataclasses.replace(worst, rule=f"conservative:{worst.rule}", inferred=True,
+                               release=f"{prof.release}, unmeasured: its sweep left this call open")
+
+
 def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> tuple[Fault, Fault]:
     """Decides the two gradient products of `a @ b`: (grad_a = G @ b^T, grad_b = a^T @ G).
 
@@ -340,7 +369,7 @@ def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX
     """Decides a 2-D `mm`/`addmm` on every operand and the output; for a Linear, `a` is its input rows,
     `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
     prof = resolve_profile(profile)
-    if prof.conservative:
+    if prof.judges_conservatively("mm"):
         return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p), prof)
     limit = limits(index_bits)[0]
     named = [("a", spec_of(a)), ("b", spec_of(b))] + ([("bias", spec_of(bias))] if bias is not None else [])
@@ -378,7 +407,8 @@ def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
     2.4.1 has no MPS SDPA op; with gradients SDPA takes the math path (inferred from upstream code).
     """
     prof = resolve_profile(profile)
-    return "fused" if prof.sdpa_fused and not needs_grad and not prof.conservative else "math"
+    fused = prof.sdpa_fused and not needs_grad and not prof.judges_conservatively("sdpa")
+    return "fused" if fused else "math"
 
 
 def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
@@ -386,7 +416,7 @@ def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, pro
     2.12.1, values not characterised (pytorch PR #179592); correct from 2.13.0. Only meaningful where
     `sdpa_path` is "fused"; on the math path the bmm rules decide."""
     prof = resolve_profile(profile)
-    if prof.conservative:
+    if prof.judges_conservatively("sdpa"):
         return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p), prof)
     limit, _ = limits(index_bits)
     sq, sk = spec_of(query), spec_of(key)

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
+
+from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
 
 # What every console line, report and figure says when no Apple GPU was used.
 MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.0")
 CONSERVATIVE = "conservative"
+STUDY = "study"  # the source of the profiles encoded here; a profile read from a file names that file
 
 INT_MAX_MESSAGE = "MPSGraph does not support tensor dims larger than INT_MAX"
 INT_MAX_MESSAGE_TYPO = "MPSGaph does not support tensor dims larger than INT_MAX"  # sic, 2.9.1 .. 2.12.1
@@ -155,17 +160,22 @@ class FaultProfile:
 
     Attributes:
         release: the release string ("2.12.1"), or the version asked for when unmeasured.
-        group: the release group of the study's table ("2.10.0-2.12.1"), or "unmeasured".
-        measured: whether this exact release was measured; an unmeasured release inside a group's
-            range is taken as its group; one outside every range is `conservative`.
+        group: the release group of the study's table ("2.10.0-2.12.1"), or "unmeasured"; a profile
+            read from a file is its own group (its release).
+        measured: whether this exact release was measured (on a Mac, for a file); an unmeasured release
+            inside a group's range is taken as its group; one outside every range is `conservative`.
         conservative: a call is unsafe if any measured release faults on it.
         output_rule: above 2**32 output elements: "strides-ignored" (a transposed operand is read as
-            packed, 2.5.1 on) or "fp32-wrong" (2.4.1: wrong in fp32, pattern not characterised; fp16 ok).
+            packed, 2.5.1 on), "fp32-wrong" (2.4.1: wrong in fp32, pattern not characterised; fp16 ok)
+            or "correct" (a release that fixed it; still terminal: rules 2 and 3 are skipped).
         view_rule: a view operand at 2**31 elements or more: "raise" (RuntimeError), "abort" (2.5.1 ..
-            2.8.0: abort below 2**32 of storage extent, RuntimeError at exactly 2**32, wrap above) or
-            "truncate" (2.4.1: from 2**32 elements the result is truncated, mostly zeros).
+            2.8.0: abort below 2**32 of storage extent, RuntimeError at exactly 2**32, wrap above),
+            "truncate" (2.4.1: from 2**32 elements the result is truncated, mostly zeros) or "none".
         slice_extent: the view limit counts a slice's storage offset too (2.5.1 .. 2.9.1).
+        input_wrap: a contiguous operand above 2**32 elements wraps (rule 3; every measured release).
         view_message: the text of the view RuntimeError.
+        limit_message: the RuntimeError of a view of exactly 2**32 elements under view_rule "abort";
+            "" for the study's text of this release (`view_equal_limit_message`).
         mm_aborts: a 2-D mm/addmm/Linear whose input has more than 2**32 elements aborts the process (2.8.0
             on, measured), and so does one whose output has 2**32 or more (measured on 2.14.0); before 2.8.0
             such an input is right and such an output unmeasured.
@@ -174,14 +184,23 @@ class FaultProfile:
         families: (family, code with a dimension past INT_MAX, code for a multi-dimensional tensor past
             INT_MAX elements) from ONE_DIMENSION_ROWS and MULTI_DIMENSION_ROWS, this release's column.
         notes: model-level observations that the op-level rules do not explain.
+        unmeasured: the profile_file.ASPECTS its measurement did not cover ("mm", "sdpa", "families";
+            "bmm" when no setting of the bmm fields agrees with its cells): judged per call as the
+            conservative profile judges them (faults.conservative).
+        alternatives: when several settings of the profile_file.BMM_FIELDS agree with every measured
+            cell, each one as (field, value) pairs: a call is judged by the worst of them where they
+            differ (faults.undecided), exactly where they agree. Empty: the fields above are decided.
+        source: "study" (the tables here), or the absolute path of the profile.json it was read from.
+        measured_on: for a file, what it was measured on ("torch 2.15.0, macOS 15.1 arm64 (Apple M2
+            Ultra), mps, 2026-11-20"); "" for the study.
     """
 
     release: str
     group: str
     measured: bool
     conservative: bool = False
-    output_rule: Literal["strides-ignored", "fp32-wrong"] = "strides-ignored"
-    view_rule: Literal["raise", "abort", "truncate"] = "raise"
+    output_rule: Literal["strides-ignored", "fp32-wrong", "correct"] = "strides-ignored"
+    view_rule: Literal["raise", "abort", "truncate", "none"] = "raise"
     slice_extent: bool = False
     view_message: str = INT_MAX_MESSAGE
     mm_aborts: bool = True
@@ -189,13 +208,39 @@ class FaultProfile:
     sdpa_fused_wrong: bool = False
     families: tuple[tuple[str, str, str], ...] = ()
     notes: tuple[str, ...] = ()
+    input_wrap: bool = True
+    limit_message: str = ""
+    unmeasured: tuple[str, ...] = ()
+    alternatives: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    source: str = STUDY
+    measured_on: str = ""
 
     @property
     def label(self) -> str:
-        """E.g. "2.12.1", "2.12.0 (taken as 2.10.0-2.12.1)" or "2.15.0 (unmeasured release: conservative)"."""
+        """E.g. "2.12.1", "2.12.0 (taken as 2.10.0-2.12.1)", "2.15.0 (unmeasured release: conservative)" or
+        "2.15.0 (from /path/profile.json)"."""
         if self.conservative:
             return f"{self.release} (unmeasured release: conservative)"
+        if self.source != STUDY:
+            return f"{self.release} (from {self.source})"
         return self.release if self.measured else f"{self.release} (taken as {self.group})"
+
+    @property
+    def ref(self) -> str:
+        """What `resolve_profile` takes back to this profile: the file's path, else the release (or
+        "conservative"). Plans and run geometries keep this string."""
+        return self.release if self.source == STUDY else self.source
+
+    def judges_conservatively(self, aspect: str) -> bool:
+        """Whether calls of this aspect ("bmm", "mm", "sdpa", "families") are judged as the conservative
+        profile judges them."""
+        return self.conservative or aspect in self.unmeasured
+
+    def settings(self) -> tuple[FaultProfile, ...]:
+        """One profile per setting of the bmm fields its measurement left open; itself when decided."""
+        if not self.alternatives:
+            return (self,)
+        return tuple(dataclasses.replace(self, alternatives=(), **dict(alt)) for alt in self.alternatives)
 
     def family_codes(self, family: str) -> tuple[str, str]:
         """(code with a dimension past INT_MAX, code multi-dimensional past INT_MAX elements) of a family."""
@@ -271,18 +316,81 @@ def _family_column(version: tuple[int, int, int]) -> tuple[tuple[str, str, str],
                  for f in sorted(one.keys() | multi.keys()))
 
 
+def cache_root() -> Path:
+    """The mpsimpact cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact, else
+    ~/.cache/mpsimpact. Profiles sit in its `profiles/`, references in its `reference/`."""
+    root = os.environ.get("MPSIMPACT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpsimpact"
+
+
+def cached_profile_path(release: str) -> Path:
+    """Where a profile.json of `release` ("2.15.0") is found for the installed torch of that release."""
+    return cache_root() / "profiles" / f"{release}.json"
+
+
 def installed_profile() -> FaultProfile:
-    """The profile of the torch installed here."""
+    """The profile of the torch installed here: the profile.json of its release in the cache
+    (`cached_profile_path`) where there is one, its label naming that file; else the study's."""
     import torch
 
+    parsed = parse_version(torch.__version__)
+    cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
+    if cached is not None and cached.is_file():
+        return load_profile(cached)
     return profile_for(torch.__version__)
 
 
+def load_profile(path: str | Path) -> FaultProfile:
+    """The profile in a profile.json (written by `mpsimpact sweep`; format: engine.profile_file), read
+    once per version of the file; its `source` is the file's absolute path.
+
+    Raises:
+        ProfileFileError: the file is missing, unreadable or malformed; one line naming the file and field.
+    """
+    path = Path(path).expanduser().absolute()
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ProfileFileError(f"Cannot read the profile '{path}': {error.strerror}; pass a profile.json "
+                               "written by `mpsimpact sweep`.", path) from None
+    return _load_profile(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_profile(path: Path, mtime_ns: int, size: int) -> FaultProfile:
+    return FaultProfile(**read_profile_fields(path, FAMILIES))
+
+
+def profile_from_json(data: Any, origin: str | Path) -> FaultProfile:
+    """The profile of profile.json's parsed content (e.g. derived from a sweep's rows in memory); `origin`
+    names it in errors and is its `source`.
+
+    Raises:
+        ProfileFileError: a field is wrong (the message names `origin` and the field).
+    """
+    return FaultProfile(**profile_fields(data, Path(origin), FAMILIES))
+
+
+def is_profile_path(text: str) -> bool:
+    """Whether a --torch-profile value names a profile file rather than a release."""
+    return text.endswith(".json") or "/" in text or os.sep in text or Path(text).is_file()
+
+
 def resolve_profile(profile: str | FaultProfile | None) -> FaultProfile:
-    """None: the installed torch's release; a string: that release; a profile: itself."""
+    """None: the installed torch's (see `installed_profile`); a release ("2.12.1") or "conservative":
+    that profile; a path to a profile.json (`is_profile_path`): that file's; a profile: itself.
+
+    Raises:
+        ValueError: a string that is neither a release nor a path; a ProfileFileError (one) when the
+            profile file is missing or malformed (the message names the file and field).
+    """
     if profile is None:
         return installed_profile()
-    return profile if isinstance(profile, FaultProfile) else profile_for(profile)
+    if isinstance(profile, FaultProfile):
+        return profile
+    return load_profile(profile) if is_profile_path(profile) else profile_for(profile)
 
 
 def measured_profiles() -> tuple[FaultProfile, ...]:
@@ -300,5 +408,13 @@ def group_representatives() -> tuple[FaultProfile, ...]:
 
 def view_equal_limit_message(profile: FaultProfile) -> str:
     """2.5.1 .. 2.8.0's RuntimeError for a view of exactly 2**32 elements of storage."""
+    if profile.limit_message:
+        return profile.limit_message
     line = _SRC_NDARRAY_LINE.get(profile.release, 480)
     return (f'srcNDArray INTERNAL ASSERT FAILED at ".../OperationUtils.mm":{line}, please report a bug to PyTorch.')
+
+
+def bmm_failure_texts() -> tuple[str, ...]:
+    """Every text the study recorded for a bmm that raises or aborts, in each release's spelling."""
+    at_limit = (view_equal_limit_message(profile_for(release)) for release in _SRC_NDARRAY_LINE)
+    return (INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, NDARRAY_ABORT_MESSAGE, *at_limit)

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.upgrade.compare import Comparison, Verdict, cell_name
+from mpsimpact.runs.sweep import cell_name
+from mpsimpact.upgrade.compare import Comparison, Verdict
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, rich_table
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION

@@ -1,17 +1,33 @@
-"""`mpsimpact sweep`: validates its config, runs the grid, prints the summary table and writes
-sweep.jsonl, summary.json and the outcome map (atomically, into a fresh folder)."""
+"""`mpsimpact sweep`: validates its config, runs the grid cell by cell into a resumable folder (a killed
+sweep picks up where it stopped), prints progress with the time left, the summary table and the derived
+profile, and writes sweep.jsonl, summary.json, profile.json and the outcome map."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 from mpsimpact.output.page import rich_table
 from mpsimpact.errors import UsageError
 from mpsimpact.config import DEVICE, INDEX_BITS, TORCH_PROFILE, Check, Validated, option
-from mpsimpact.runs.sweep import DTYPES, LAYOUTS
+from mpsimpact.runs.sweep import DTYPES, LAYOUTS, NOT_RUN, is_measured
+
+GIB = 1 << 30
+PROGRESS_EVERY_S = 5.0  # a progress line at least this far apart (and for every cell that disagrees)
+FILES = ("sweep.jsonl", "summary.json", "profile.json", "outcome_map.png")
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f"'{text}' is not a size above 0")
+    return int(float(match[1]) * (1 << 20 if (match[2] or "g").startswith("m") else GIB))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,61 +44,187 @@ class SweepConfig(Validated):
     expect_fixed: bool = False
     in_process: bool = False
     torch_profile: str | None = option(None, TORCH_PROFILE)
+    max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
+                                                hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))
+
+
+def _cell_key(cell: dict[str, Any]) -> tuple:
+    return tuple(cell[key] for key in ("m", "k", "n", "batch", "layout", "dtype"))
 
 
 def run_sweep(config: SweepConfig) -> dict[str, Any]:
-    """Runs every cell into a folder claimed first; returns the summary (with "disagree" and "not_ok")."""
-    from mpsimpact.output.files import claimed_out_dir
-
-    config.validate()
-    with claimed_out_dir(config.out, "sweep") as out:
-        return _run_sweep(config, out)
-
-
-def _run_sweep(config: SweepConfig, out: Path) -> dict[str, Any]:
+    """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
+    (with "disagree" and "not_ok" counts)."""
     from rich.console import Console
 
-    from mpsimpact.runs.device import resolve_device, resolve_emulation
     from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.output.files import fresh_out_dir, resumable_folder
     from mpsimpact.output.page import EMULATED_LABEL
-    from mpsimpact.runs.figures import outcome_map
-    from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-    from mpsimpact.runs.sweep import grid, run_cells, summarize
+    from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
+    from mpsimpact.runs.sweep import grid
 
+    config.validate()
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
+    out = fresh_out_dir(config.out, "sweep")  # claimed, and resumed, by resumable_folder below
     cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick)
     if not cells:
-        raise UsageError(f"At --index-bits {config.index_bits} no batch size of the sweep's shape families "
-                         "sits at a threshold (their matrices have 8192 elements or more); use a larger "
-                         "--index-bits, e.g. 20.")
-    console = Console()
+        raise UsageError(
+            f"At --index-bits {config.index_bits} no batch size of the sweep's shape families sits at a "
+            "threshold (their matrices have 8192 elements or more); use a larger --index-bits, e.g. 20."
+        )
     profile = resolve_profile(config.torch_profile)
+    budget = memory_bytes(config.max_memory) if config.max_memory else device_memory(device)
+    console = Console(highlight=False)
     mode = (f"{EMULATED_LABEL} (torch {profile.label}) on {device}" if emulated
             else f"real {device} (predicted as torch {profile.label})")
-    console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells")
-    rows = []
-    with console.status("sweeping") as status:
-        for row in run_cells(cells, device, emulated, config.index_bits, config.in_process, profile.release):
-            rows.append(row)
-            status.update(f"{len(rows)}/{len(cells)} cells")
-    summary = summarize(rows) | {
-        "mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config),
-        "not_ok": sum(r["observed"] != "ok" for r in rows)}
-    with folder_written_atomically(out) as partial:
-        atomic_write_text(partial / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        atomic_write_text(partial / "summary.json", json.dumps(summary, indent=2) + "\n")
-        atomic_write_bytes(partial / "outcome_map.png",
-                           outcome_map(rows, f"{mode}, index bits {config.index_bits}"))
+    identity = {"device": device, "emulated": emulated, "index_bits": config.index_bits,
+                "quick": config.quick, "dtypes": list(config.dtypes), "layouts": list(config.layouts),
+                "profile": profile.ref, "profile_digest": _digest(profile.to_json()), "cells": len(cells)}
+    started = time.perf_counter()
+    with resumable_folder(out, identity, "sweep.jsonl") as folder:
+        done = {_cell_key(row["cell"]): row for row in folder.items if is_measured(row)}
+        todo = [cell for cell in cells if _cell_key(dataclasses.asdict(cell)) not in done]
+        print_plan(console, mode, config, (cells, todo), budget, device, folder.path)
+        rows = dict(done)
+        try:
+            for row in sweep_cells(console, todo, device, emulated, config, profile.ref, budget):
+                folder.append(row)
+                rows[_cell_key(row["cell"])] = row
+        except KeyboardInterrupt:
+            if rows:
+                console.print(f"Interrupted: {len(rows)} of {len(cells)} cells are kept in {folder.path}/; "
+                              f"{_resume_hint(config, out)}.")
+            raise
+        ordered = [rows[_cell_key(dataclasses.asdict(cell))] for cell in cells]
+        summary = write_results(folder.path, ordered, config, mode, profile, device, emulated, budget)
+        summary["resumed_cells"], summary["wall_s"] = folder.resumed, round(time.perf_counter() - started, 1)
+        _write_json(folder.path / "summary.json", summary)
     print_summary(console, summary, out)
     return summary
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _write_json(path: Path, data: Any) -> None:
+    from mpsimpact.output.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def _resume_hint(config: SweepConfig, out: Path) -> str:
+    again = "run the same command again" + ("" if config.out else f" with --out {out}")
+    return f"{again} to finish the sweep"
+
+
+def print_plan(console, mode: str, config: SweepConfig, grid_and_todo, budget: int, device: str,
+               partial: Path) -> None:
+    """What the sweep will cost, before it starts: cells, memory, the time estimate, and how to resume."""
+    from mpsimpact.runs.sweep import CellClock
+
+    cells, todo = grid_and_todo
+
+    fits = [cell for cell in todo if cell.bytes_needed() <= budget]
+    largest = max((cell.bytes_needed() for cell in fits), default=0)
+    estimate = CellClock(fits, device).total_estimate
+    resumed = f", {len(cells) - len(todo)} done by an earlier run (resumed)" if len(todo) < len(cells) else ""
+    console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {len(cells)} cells{resumed}")
+    console.print(f"To run: {len(fits)} cells, the largest holding {largest / GIB:.3g} GiB, about "
+                  f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
+                  f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.3g} GiB budget "
+                  "(--max-memory) and are not run (unmeasured).")
+    console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
+                  f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
+
+
+def sweep_cells(console, todo, device: str, emulated: bool, config: SweepConfig, profile: str, budget: int):
+    """Yields each cell's row as it finishes, printing a progress line with the time left every few
+    seconds, for every cell that disagrees, and for the last."""
+    from mpsimpact.runs.sweep import CellClock, cell_name, run_cells
+
+    clock = CellClock(todo, device)
+    started = last_line = tick = time.perf_counter()
+    rows = run_cells(todo, device, emulated, config.index_bits, config.in_process, profile, budget)
+    for number, row in enumerate(rows, 1):
+        now = time.perf_counter()
+        clock.finished(now - tick if is_measured(row) else 0.0)
+        tick = now
+        if now - last_line >= PROGRESS_EVERY_S or row["agree"] is False or number == len(todo):
+            verdicts = {True: "agrees", False: "DISAGREES", None: row.get("message") or "not run"}
+            verdict = verdicts[row["agree"]]
+            console.print(f"[{number}/{len(todo)}] {cell_name(row['cell'])}: {row['observed']}, {verdict}; "
+                          f"{_duration(now - started)} elapsed, about {_duration(clock.seconds_left())} left")
+            last_line = now
+        yield row
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def write_results(folder: Path, rows, config: SweepConfig, mode: str, profile, device: str, emulated: bool,
+                  budget: int) -> dict[str, Any]:
+    """sweep.jsonl (in grid order), profile.json and outcome_map.png into the partial folder; returns the
+    summary (written by the caller)."""
+    import torch
+
+    from importlib.metadata import version
+    from mpsimpact.output.files import atomic_write_bytes, atomic_write_text
+    from mpsimpact.runs.device import machine_name
+    from mpsimpact.runs.figures import outcome_map
+    from mpsimpact.runs.profile_fit import derive_profile
+    from mpsimpact.runs.sweep import summarize
+
+    atomic_write_text(folder / "sweep.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    derived = derive_profile(rows, device=device, emulated=emulated, emulated_release=profile.release,
+                             torch_version=torch.__version__, machine=machine_name(),
+                             index_bits=config.index_bits, max_memory=budget,
+                             mpsimpact_version=version("mpsimpact"))
+    _write_json(folder / "profile.json", derived)
+    title = f"{mode}, index bits {config.index_bits}"
+    atomic_write_bytes(folder / "outcome_map.png", outcome_map(rows, title))
+    return summarize(rows) | {
+        "mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config),
+        "not_ok": sum(r["observed"] not in ("ok", NOT_RUN) for r in rows),
+        "not_run": sum(not is_measured(r) for r in rows), "max_memory_bytes": budget,
+        "derived_profile": {key: derived[key] for key in ("release", "measured_on", "unmeasured", "cells")},
+    }
 
 
 def print_summary(console, summary: dict[str, Any], out: Path) -> None:
     for key, by in (("by_class", "observed class"), ("by_layout", "layout")):
         rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
-        console.print(rich_table(f"agreement with the fault model, by {by}", (by, *summary["columns"]), rows))
-    verdict = ("[green]every cell agrees[/]" if not summary["disagree"]
-               else f"[red]{summary['disagree']} cells disagree[/]")
-    console.print(f"{summary['mode']}: {summary['cells']} cells, {verdict}. Written to {out}/ "
-                  "(sweep.jsonl, summary.json, outcome_map.png)")
+        columns = (by, "agree", "disagree", "skipped")
+        console.print(rich_table(f"agreement with the fault model, by {by}", columns, rows))
+    disagree = summary["disagree"]
+    verdict = "[green]every cell agrees[/]" if not disagree else f"[red]{disagree} cells disagree[/]"
+    not_run = f", {summary['not_run']} not run (over --max-memory: unmeasured)" if summary["not_run"] else ""
+    console.print(f"{summary['mode']}: {summary['cells']} cells, {verdict}{not_run}. Written to {out}/ "
+                  f"({', '.join(FILES)})")
+    print_profile(console, summary["derived_profile"], out)
+
+
+def print_profile(console, derived: dict[str, Any], out: Path) -> None:
+    """What profile.json says, and how to use and share it."""
+    from mpsimpact.engine.release import cached_profile_path
+
+    cells, release = derived["cells"], derived["release"]
+    settings = cells["settings_agreeing"]
+    decided = ("the bmm rules decided" if settings == 1 else
+               f"{settings} settings of the bmm rules agree (calls they differ on are judged by the worst)"
+               if settings else "no setting of the bmm rules agrees: bmm judged conservatively")
+    console.print(f"profile.json (torch {release}): {decided}, from {cells['measured']} measured cells; "
+                  f"judged conservatively: {', '.join(derived['unmeasured']) or 'nothing'}.")
+    if derived["measured_on"]["emulated"]:
+        console.print(f"Use it with --torch-profile {out}/profile.json (emulated: it reproduces the rules it "
+                      "emulated; it measured no Mac).")
+        return
+    console.print(f"Use it with --torch-profile {out}/profile.json; for every command under torch {release} "
+                  f"on this machine, copy it to {cached_profile_path(release)}; to share it, send the file.")

@@ -35,7 +35,7 @@ class Geometry:
     max_length: int
     run_length: int
     index_bits: int = MPS_INDEX_BITS
-    profile: str = ""  # the torch release whose faults are emulated (or guarded and planned); "" = installed
+    profile: str = ""  # the profile emulated (or guarded and planned), as FaultProfile.ref; "" = installed
     attention: str = "eager"  # the attention implementation of the pass
     dtype: str = "float32"  # the device passes' dtype
 

@@ -10,7 +10,7 @@ import torch
 
 from importlib.metadata import version as _package_version
 from mpsimpact.runs.device import host_memory, machine_name
-from mpsimpact.engine.release import profile_for
+from mpsimpact.engine.release import STUDY, cached_profile_path, installed_profile
 
 
 def collect_environment() -> dict[str, Any]:
@@ -18,7 +18,7 @@ def collect_environment() -> dict[str, Any]:
     import transformers
 
     total, available = host_memory()
-    profile = profile_for(torch.__version__)
+    profile = installed_profile()
     env: dict[str, Any] = {
         "mpsimpact": _package_version("mpsimpact"),
         "python": platform.python_version(),
@@ -33,6 +33,11 @@ def collect_environment() -> dict[str, Any]:
         "fault_profile": profile.label,
         "fault_profile_group": profile.group,
         "fault_profile_measured": profile.measured,
+        "fault_profile_source": profile.source,
+        "fault_profile_measured_on": profile.measured_on or None,
+        "fault_profile_unmeasured": ", ".join(profile.unmeasured) or None,
+        "fault_profile_cache_file": (str(cached_profile_path(profile.release)) if profile.source == STUDY
+                                     else None),
         "mps_fallback_env": os.environ.get("PYTORCH_ENABLE_MPS_FALLBACK"),
     }
     if env["mps_available"]:

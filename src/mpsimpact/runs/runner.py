@@ -18,7 +18,7 @@ from mpsimpact.config import (BATCH_SIZE, CORRUPTION_THRESHOLD, DEVICE, INDEX_BI
                               Check, Validated, option)
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import trace_classifier
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import STUDY, resolve_profile
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, condition
 
@@ -172,7 +172,7 @@ def run_scenario(config: RunConfig,
     scenario.load()
     model = scenario.model
     geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
-                                   profile=resolve_profile(config.torch_profile).release, dtype=config.dtype)
+                                   profile=resolve_profile(config.torch_profile).ref, dtype=config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length,
                                  index_bits=config.index_bits, backward=kind.backward,
                                  profile=geometry.profile) for a in config.attentions}
@@ -262,8 +262,10 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by "
                      f"2^{32 - geometry.index_bits}.")
     if geometry.emulated:
-        notes.append("No Apple GPU was used: MPS's faults were emulated from the published fault model for "
-                     f"torch {resolve_profile(geometry.profile or None).label}.")
+        release = resolve_profile(geometry.profile or None)
+        origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
+        notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
+                     f"{release.label}.")
     if geometry.replayed:
         reduced = token_stats["truncated_by_reduced_length"]
         notes.append(f"Texts run at {geometry.run_length} tokens with the fault plan traced at "

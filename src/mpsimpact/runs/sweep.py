@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +25,13 @@ LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
 FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1}
 SAMPLE = 24  # batches judged per cell beyond the boundaries, when not all are affordable
+CHUNK_ELEMENTS = 1 << 24  # operands are drawn this many fp32 elements at a time, then cast in place
+# A row of a cell that was not run (over the memory budget): it decides nothing and agrees with nothing.
+NOT_RUN = "skipped_memory"
 NO_VALUES = {"first_bad_batch": None, "max_rel_error": None}  # a cell that was not judged
+# Rough speeds before any cell has run, per device: (multiply-adds per second, elements drawn per second).
+# A sweep rescales its estimate by the cells it has finished (CellClock).
+SPEEDS = {"cpu": (2e10, 2e8), "cuda": (2e13, 2e10), "mps": (3e12, 3e9)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +60,18 @@ class Cell:
                 dataclasses.replace(sb, storage_offset=self.k * self.n))
 
     def bytes_needed(self) -> int:
+        """Bytes the cell holds at once: both operands' storage (a sliced one has a batch more), the
+        output, and one chunk of fp32 draws (see `make_operands`)."""
         a, b = self.specs()
-        out = self.batch * self.m * self.n
-        size = DTYPES[self.dtype].itemsize  # inputs are drawn in fp32, then cast
-        return (a.numel + b.numel + a.per_batch + b.per_batch) * (4 + size) + out * size
+        size = DTYPES[self.dtype].itemsize
+        draws = min(CHUNK_ELEMENTS, max(a.extent, b.extent))
+        return (a.extent + b.extent + self.batch * self.m * self.n) * size + draws * 4
+
+    def estimated_seconds(self, device: str) -> float:
+        """A rough time before anything ran: drawing the operands and the product (SPEEDS)."""
+        a, b = self.specs()
+        products, draws = SPEEDS.get(device, SPEEDS["cpu"])
+        return (self.batch * self.m * self.k * self.n) / products + (a.extent + b.extent) / draws
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,13 +101,29 @@ def grid(index_bits: int, dtypes: tuple[str, ...], layouts: tuple[str, ...], qui
     return cells
 
 
+def cell_name(cell: dict[str, Any]) -> str:
+    """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
+    return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"
+
+
+def is_measured(row: dict[str, Any]) -> bool:
+    """Whether a row's cell ran (a cell over the memory budget did not, and decides nothing)."""
+    return row["observed"] != NOT_RUN
+
+
 def make_operands(cell: Cell, device: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Operands in the cell's layout, different in every batch (identical batches hide a wrap)."""
     dtype = DTYPES[cell.dtype]
     extra = 1 if cell.layout == "both_sliced" else 0
 
     def rand(*shape):
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+        # Drawn in fp32 a chunk at a time, so that a half-precision operand never has a full fp32 twin.
+        out = torch.empty(shape, dtype=dtype, device=device)
+        step = max(1, CHUNK_ELEMENTS // max(out[0].numel(), 1))
+        for start in range(0, shape[0], step):
+            part = out[start:start + step]
+            part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=torch.float32))
+        return out
 
     if cell.layout == "a_transposed":
         return rand(cell.batch, cell.k, cell.m).transpose(1, 2), rand(cell.batch, cell.k, cell.n)
@@ -113,18 +145,31 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
     return sorted(p for p in picks if 0 <= p < cell.batch)
 
 
-def observe(cell: Cell, device: str, emulated: bool, index_bits: int,
-            profile: str | None = None) -> dict[str, Any]:
+def not_run(cell: Cell, budget: int) -> dict[str, Any] | None:
+    """The row of a cell over the memory budget (bytes), which is not run; None if it fits."""
+    needed = cell.bytes_needed()
+    if needed <= budget:
+        return None
+    message = (f"needs {needed / 2**30:.3g} GiB, more than the {budget / 2**30:.3g} GiB budget "
+               "(--max-memory): not run, unmeasured")
+    return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None, "message": message}
+
+
+def observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None = None,
+            budget: int | None = None) -> dict[str, Any]:
     """Runs one cell and classifies what came back: ok, error, abort (emulated), wrong_all, wrong_tail,
-    truncated (bad values mostly zero), or wrong_other (wrong otherwise, or not emulated)."""
+    truncated (bad values mostly zero), or wrong_other (wrong otherwise, or not emulated); a cell over
+    `budget` bytes (default: what the device offers) is not run."""
     from mpsimpact.runs.device import device_memory
 
-    if cell.bytes_needed() > device_memory(device):
-        return {"observed": "skipped_memory", **NO_VALUES, "message": None}
+    skipped = not_run(cell, device_memory(device) if budget is None else budget)
+    if skipped is not None:
+        return skipped
     try:
         return _observe(cell, device, emulated, index_bits, profile)
     except torch.OutOfMemoryError as error:
-        return {"observed": "skipped_memory", **NO_VALUES, "message": str(error).splitlines()[0]}
+        return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None,
+                "message": f"out of memory: {str(error).splitlines()[0]}; not run, unmeasured"}
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()  # cells differ in size: give cached blocks back
@@ -149,12 +194,12 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
         return {"observed": "wrong_other", "message": error.message, **NO_VALUES, "emulated_values": False}
     except RuntimeError as error:
         kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
-        return {"observed": kind, "message": str(error).splitlines()[0], **NO_VALUES}
-    affordable = cell.batch * cell.m * cell.n <= 1 << 26
-    batches = judged_batches(cell, predicted.first_bad_batch, affordable, index_bits)
-    index = torch.tensor(batches)
-    ref = torch.bmm(a[index].double().cpu(), b[index].double().cpu())  # (S, M, N) in float64
-    err = (out[index].double().cpu() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
+        return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
+    batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
+    index = torch.tensor(batches, device=out.device)
+    # To the CPU before float64: MPS has no float64.
+    ref = torch.bmm(a[index].cpu().double(), b[index].cpu().double())  # (S, M, N) in float64
+    err = (out[index].cpu().double() - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
     bad = [batch for batch, e in zip(batches, err.tolist()) if not e <= TOLERANCE[cell.dtype]]
     observed = _classify_bad(bad, batches)
     if bad and _zero_share(out, bad, ref, batches) >= 0.9:
@@ -165,7 +210,8 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
 
 def _zero_share(out: torch.Tensor, bad: list[int], ref: torch.Tensor, judged: list[int]) -> float:
     """Of the wrong elements of the bad batches, the share that is exactly zero."""
-    got, want = out[torch.tensor(bad)].double().cpu(), ref[torch.tensor([judged.index(b) for b in bad])]
+    rows = [judged.index(b) for b in bad]
+    got, want = out[torch.tensor(bad, device=out.device)].cpu().double(), ref[torch.tensor(rows)]
     wrong = (got - want).abs() > TOLERANCE["fp32"] * want.abs().amax()
     return float((got[wrong] == 0).double().mean()) if wrong.any() else 0.0
 
@@ -193,53 +239,82 @@ def agrees(row: dict[str, Any]) -> bool:
     if seen == "wrong_tail":
         return row["first_bad_batch"] == pred["first_bad_batch"]
     if seen == "error":
-        return pred["message"].split(" (")[0][:40] in (row["message"] or "")
+        return pred["message"].split(" (")[0][:40] in (row.get("message") or "")
     return True
 
 
 def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, in_process: bool,
-              profile: str | None = None) -> Iterator[dict[str, Any]]:
-    """Yields one result row per cell; real devices go through a crash-tolerant worker. `profile`:
-    the torch release whose rules predict (and, emulated, produce) each cell."""
+              profile: str | None = None, budget: int | None = None) -> Iterator[dict[str, Any]]:
+    """Yields one result row per cell, in order; real devices go through a crash-tolerant worker.
+    `profile`: the profile (a FaultProfile.ref) whose rules predict (and, emulated, produce) each cell;
+    `budget`: the bytes a cell may hold (default: what the device offers); a cell over it is not run."""
+    from mpsimpact.runs.device import device_memory
+
     control = not emulated and device != "mps"
+    budget = device_memory(device) if budget is None else budget
     if in_process or emulated:
         for cell in cells:
-            seen = observe(cell, device, emulated, index_bits, profile)
+            seen = observe(cell, device, emulated, index_bits, profile, budget)
             yield _row(cell, seen, device, index_bits, control, profile)
         return
-    yield from _worker_rows(cells, device, index_bits, control, profile)
+    start = 0
+    while start < len(cells):  # cells over the budget are answered here; the others in runs of the worker
+        fitting = list(itertools.takewhile(lambda c: not_run(c, budget) is None, cells[start:]))
+        for row in _worker_rows(fitting, device, index_bits, control, profile, budget):
+            yield row
+        start += len(fitting)
+        if start < len(cells):
+            yield _row(cells[start], not_run(cells[start], budget), device, index_bits, control, profile)
+            start += 1
+
+
+def predicted_rows(cells: list[Cell], index_bits: int, profile: str | None = None) -> list[dict[str, Any]]:
+    """The rows an emulated sweep of `cells` writes when every cell comes out as `profile`'s rules say,
+    without running a tensor (for sizing a sweep, and for deriving profiles in tests)."""
+    rows = []
+    for cell in cells:
+        fault = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
+        seen = {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch,
+                "message": fault.message or None, "max_rel_error": None}
+        rows.append(_row(cell, seen, "cpu", index_bits, False, profile))
+    return rows
 
 
 def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
          profile: str | None = None) -> dict[str, Any]:
     a, b = cell.specs()
     prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
-    row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device,
-           "index_bits": index_bits, "torch": torch.__version__, "prediction": prediction,
-           "expected": {"kind": "ok", "first_bad_batch": None} if control else prediction, **seen}
-    row["agree"] = None if seen["observed"] == "skipped_memory" else agrees(row)
+    expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
+    row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device, "index_bits": index_bits,
+           "torch": torch.__version__, "prediction": prediction, "expected": expected, **seen}
+    row["agree"] = agrees(row) if is_measured(row) else None
     return row
 
 
-def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
-                 profile: str | None) -> Iterator[dict[str, Any]]:
-    """Runs cells in a subprocess; a cell whose process dies is recorded as a crash."""
+def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool, profile: str | None,
+                 budget: int) -> Iterator[dict[str, Any]]:
+    """Runs cells in a subprocess; a cell whose process dies is recorded as a crash, with the last line
+    the process printed (an abort's assertion text)."""
     start = 0
     while start < len(cells):
         payload = json.dumps({"cells": [c.to_json() for c in cells[start:]], "device": device,
-                              "index_bits": index_bits})
-        proc = subprocess.Popen([sys.executable, "-m", "mpsimpact.runs.sweep"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=os.environ.copy())
-        proc.stdin.write(payload)
-        proc.stdin.close()
-        done = 0
-        for line in proc.stdout:
-            yield _row(cells[start + done], json.loads(line), device, index_bits, control, profile)
-            done += 1
-        code = proc.wait()
+                              "index_bits": index_bits, "budget": budget})
+        with tempfile.TemporaryFile("w+") as errors:
+            proc = subprocess.Popen([sys.executable, "-m", "mpsimpact.runs.sweep"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy())
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            done = 0
+            for line in proc.stdout:
+                yield _row(cells[start + done], json.loads(line), device, index_bits, control, profile)
+                done += 1
+            code = proc.wait()
+            errors.seek(0)
+            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
         start += done
         if code != 0 and start < len(cells):
-            crash = {"observed": "crash", "message": f"exit code {code}", **NO_VALUES}
+            text = f"exit code {code}" + (f": {said[-1][:300]}" if said else "")
+            crash = {"observed": "crash", "message": text, "first_bad_batch": None, "max_rel_error": None}
             yield _row(cells[start], crash, device, index_bits, control, profile)
             start += 1
 
@@ -247,7 +322,30 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
 def _worker_main() -> None:
     job = json.loads(sys.stdin.read())
     for spec in job["cells"]:
-        print(json.dumps(observe(Cell(**spec), job["device"], False, job["index_bits"])), flush=True)
+        seen = observe(Cell(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"))
+        print(json.dumps(seen), flush=True)
+
+
+class CellClock:
+    """The time a sweep has left: each cell's estimate (Cell.estimated_seconds), scaled by how long the
+    finished cells took against their own estimates."""
+
+    def __init__(self, cells: list[Cell], device: str) -> None:
+        self.estimates = [cell.estimated_seconds(device) for cell in cells]
+        self.spent, self.estimated_done, self.done = 0.0, 0.0, 0
+
+    @property
+    def total_estimate(self) -> float:
+        return sum(self.estimates)
+
+    def finished(self, seconds: float) -> None:
+        self.spent += seconds
+        self.estimated_done += self.estimates[self.done]
+        self.done += 1
+
+    def seconds_left(self) -> float:
+        scale = self.spent / self.estimated_done if self.estimated_done > 0 and self.spent > 0 else 1.0
+        return scale * sum(self.estimates[self.done:])
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from typing import Any
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns
+from mpsimpact.runs.sweep import cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
+from mpsimpact.upgrade.profile_change import describe_change
 
 VERSIONS = ("torch", "transformers")
 PROFILES = ("fault profile", "profile (geometry)", "torch profile (config)")
@@ -101,6 +103,8 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
     differing = _differing_geometry(before, after)
     if differing:
         part["verdicts"] = [Verdict(f"different geometry: not comparable ({'; '.join(differing)})", True)]
+    if isinstance(before, SweepFolder):  # a profile is the same at any index width: always comparable
+        part["verdicts"] = _profile_verdicts(before, after) + part["verdicts"]
     part["verdicts"] += _context_verdicts(environment, before, after)
     return Comparison(kind=before.kind, old=str(old), new=str(new), modes=(before.mode, after.mode),
                       emulated=(before.emulated, after.emulated), environment=environment, **part)
@@ -217,11 +221,15 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
 
 def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
     """A condition one side could not run: no verdict on it, why, and what to do about that."""
-    from mpsimpact.engine.release import profile_for
+    from mpsimpact.engine.release import is_profile_path, profile_for
 
     release = str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
     why = folder.conditions()[key].get("message") or "not emulated"
     text = f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why})"
+    if is_profile_path(release):
+        text += f"; the profile {release} leaves these calls unmeasured: measure them on a Mac with `mpsimpact sweep"
+        text += " --device mps`"
+        return Verdict(text, False, True)
     try:
         unmeasured = profile_for(release).conservative
     except ValueError:
@@ -316,11 +324,6 @@ def _observed(row: dict[str, Any]) -> str:
     return str(row.get("observed")) + (f" from batch {first}" if first is not None else "")
 
 
-def cell_name(cell: dict[str, Any]) -> str:
-    """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
-    return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"
-
-
 def _compare_sweeps(old: SweepFolder, new: SweepFolder) -> dict[str, Any]:
     """The changed cells, the agreement counts, and their verdicts."""
     old_cells, new_cells = old.cells(), new.cells()
@@ -335,6 +338,16 @@ def _compare_sweeps(old: SweepFolder, new: SweepFolder) -> dict[str, Any]:
         if alone:
             verdicts.append(Verdict(f"{len(alone)} cells only in the {side} sweep: not compared", False))
     return {"cells": changed, "agreement": agreement, "verdicts": verdicts}
+
+
+def _profile_verdicts(old: SweepFolder, new: SweepFolder) -> list[Verdict]:
+    """How the release profile each sweep measured changed, in plain words (upgrade.profile_change); a
+    change matters."""
+    before, after = old.profile(), new.profile()
+    if before is None or after is None:
+        return []
+    text, changed = describe_change(before, after)
+    return [Verdict(text, changed)]
 
 
 def _faulted(sweep: SweepFolder) -> int:

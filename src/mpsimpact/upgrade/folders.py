@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.config import CORRUPTION_THRESHOLD
+from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
 from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
 from mpsimpact.runs.kind import SCHEMA_VERSION
@@ -216,6 +217,28 @@ class SweepFolder:
         """Each row by its cell: (m, k, n, batch, layout, dtype)."""
         order = ("m", "k", "n", "batch", "layout", "dtype")
         return {tuple(row["cell"].get(key) for key in order): row for row in self.rows or []}
+
+    def profile(self) -> FaultProfile | None:
+        """The release profile the sweep measured: its profile.json, or for a sweep written before there
+        was one, derived from its rows now (None without rows)."""
+        from mpsimpact.engine.profile_file import ProfileFileError
+        from mpsimpact.engine.release import load_profile, profile_from_json
+        from mpsimpact.runs.profile_fit import derive_profile
+
+        path = self.path / "profile.json"
+        try:
+            if path.is_file():
+                return load_profile(path)
+            if not self.rows:
+                return None
+            first = self.rows[0]
+            predicted = str(_get(self.summary, ("profile", "release")) or first.get("torch"))
+            derived = derive_profile(self.rows, device=first.get("device"), emulated=self.emulated,
+                                     emulated_release=predicted, torch_version=str(first.get("torch")),
+                                     machine="", index_bits=int(first.get("index_bits", 32)))
+            return profile_from_json(derived, self.path / "sweep.jsonl")
+        except ProfileFileError as error:
+            raise UsageError(error.message) from None
 
     def agreement(self) -> dict[str, int]:
         counts = [sum(values) for values in zip(*(self.summary.get("by_class") or {}).values())] or [0, 0, 0]

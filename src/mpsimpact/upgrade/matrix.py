@@ -14,7 +14,7 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
-from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, Check, option, validate
+from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
 from mpsimpact.upgrade.overlay import (
     OverlayCache,
     OverlayError,
@@ -61,6 +61,7 @@ class MatrixConfig:
     max_length: int | None = option(None, MAX_LENGTH)
     out: str | None = None
     offline: bool = False
+    torch_profile: str | None = option(None, TORCH_PROFILE)
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is built."""
@@ -72,12 +73,19 @@ def split_versions(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
-def profile_columns() -> list[dict[str, str]]:
-    """One torch profile per release group, oldest first, and the conservative one for newer releases."""
-    from mpsimpact.engine.release import CONSERVATIVE, group_representatives
+def profile_columns(torch_profile: str | None = None) -> list[dict[str, str]]:
+    """One torch profile per release group, oldest first, the conservative one for newer releases, and
+    the --torch-profile asked for (a release or a profile.json: its FaultProfile.ref) unless one of those."""
+    from mpsimpact.engine.release import CONSERVATIVE, STUDY, group_representatives, resolve_profile
 
-    measured = [{"profile": p.release, "group": p.group} for p in group_representatives()]
-    return [*measured, {"profile": CONSERVATIVE, "group": NEWER}]
+    columns = [{"profile": p.release, "group": p.group} for p in group_representatives()]
+    columns.append({"profile": CONSERVATIVE, "group": NEWER})
+    if torch_profile is not None:
+        asked = resolve_profile(torch_profile)
+        group = asked.group if asked.source == STUDY else f"{asked.release} (file)"
+        if asked.ref not in {c["profile"] for c in columns}:
+            columns.append({"profile": asked.ref, "group": group})
+    return columns
 
 
 def probe_job(config: MatrixConfig) -> dict[str, Any]:
@@ -94,7 +102,8 @@ def probe_job(config: MatrixConfig) -> dict[str, Any]:
     return {
         "model": config.model or str(embedded_model_path()),
         "task": "sequence-classification" if config.model else "base",
-        "batch_size": batch, "max_length": length, "profiles": [c["profile"] for c in profile_columns()],
+        "batch_size": batch, "max_length": length,
+        "profiles": [c["profile"] for c in profile_columns(config.torch_profile)],
         "emulated_profile": EMULATED_PROFILE,
     }
 
@@ -119,7 +128,7 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
         "config": dataclasses.asdict(config) | {"batch_size": job["batch_size"], "max_length": job["max_length"]},
         "model": config.model or EMBEDDED, "job": job, "offline": offline, "cache": str(cache.root),
         "emulated": {"profile": EMULATED_PROFILE, **TINY_RUN},
-        "environment": collect_environment(), "columns": profile_columns(), "rows": rows,
+        "environment": collect_environment(), "columns": profile_columns(config.torch_profile), "rows": rows,
         "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
         "wall_s": round(time.perf_counter() - started, 1),
     }

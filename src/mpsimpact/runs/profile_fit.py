@@ -1,0 +1,181 @@
+"""A release profile derived from a sweep's rows (profile.json, in engine.profile_file's format): every
+setting of the bmm rules that agrees with each measured cell by the sweep's own criteria (`agrees`), the
+first failures per series, dtype and layout as the study's table gives them, each failure's text, and what
+the sweep did not measure (judged conservatively, never guessed). Cells that were not run decide nothing."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from mpsimpact.engine.faults import TensorSpec, classify_bmm
+from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
+from mpsimpact.engine.release import (
+    INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, FaultProfile, bmm_failure_texts, parse_version,
+)
+from mpsimpact.runs.sweep import Cell, agrees, cell_name, is_measured
+
+# What the sweep measures: bmm alone. The other aspects stay null (conservative) until a sweep measures them.
+MEASURED_ASPECTS = ("bmm",)
+NOT_MEASURED_NOTE = ("The sweep measures bmm only: 2-D mm/addmm/Linear, torch.cat, fused SDPA and the op "
+                     "families past INT_MAX are judged as the conservative profile judges them.")
+_UNEXPLAINED_SHOWN = 20
+
+
+def failure_text(row: dict[str, Any]) -> str | None:
+    """The text MPS printed for a cell that raised or aborted: a text the study knows when the observed
+    message holds one (an emulated message wraps it), else the message itself; None if none."""
+    message = row.get("message")
+    if row["observed"] not in ("error", "abort", "crash") or not message:
+        return None
+    return next((text for text in bmm_failure_texts() if text in message), message)
+
+
+def candidate_settings(texts: Iterable[str]) -> list[dict[str, Any]]:
+    """Every setting of the bmm fields worth trying; the messages are the observed error texts (or, when no
+    cell raised, the study's spellings). Fields a view rule ignores keep one value, so that two settings
+    always differ in something a call can show."""
+    observed = sorted(set(texts))
+    raise_texts = observed or [INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO]
+    settings = []
+    for output_rule, view_rule, input_wrap in itertools.product(
+            BMM_CHOICES["output_rule"], BMM_CHOICES["view_rule"], (True, False)):
+        base = {"output_rule": output_rule, "view_rule": view_rule, "input_wrap": input_wrap,
+                "view_message": INT_MAX_MESSAGE, "limit_message": "", "slice_extent": False}
+        extents = (False, True) if view_rule in ("raise", "abort") else (False,)
+        if view_rule == "raise":
+            texts = [("view_message", t) for t in raise_texts]
+        else:
+            texts = [("limit_message", t) for t in (observed or [""] if view_rule == "abort" else [""])]
+        for extent, (field, text) in itertools.product(extents, texts):
+            settings.append(base | {"slice_extent": extent, field: text})
+    return settings
+
+
+def _specs(row: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
+    """A row's operand specs: as recorded, or rebuilt from its cell (rows written before they were kept)."""
+    if "a" not in row:
+        return Cell(**row["cell"]).specs()
+    return tuple(TensorSpec(tuple(s["shape"]), tuple(s["stride"]), s["storage_offset"], s["dtype"])  # type: ignore
+                 for s in (row["a"], row["b"]))
+
+
+def disagreeing(rows: list[dict[str, Any]], setting: dict[str, Any], release: str) -> list[dict[str, Any]]:
+    """The measured rows a setting's predictions disagree with."""
+    profile = FaultProfile(release, release, True, **setting)
+    bad = []
+    for row in rows:
+        a, b = _specs(row)
+        expected = classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()
+        if not agrees(row | {"expected": expected}):
+            bad.append(row)
+    return bad
+
+
+def fit_bmm(rows: list[dict[str, Any]], release: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(every setting that agrees with every measured row, in BMM_FIELDS order; the rows the closest
+    setting disagrees with when none agrees)."""
+    measured = [row for row in rows if is_measured(row)]
+    if not measured:
+        return [], []
+    texts = (text for row in measured if row["observed"] == "error" and (text := failure_text(row)))
+    scored = [(setting, disagreeing(measured, setting, release)) for setting in candidate_settings(texts)]
+    fitting = [{name: setting[name] for name in BMM_FIELDS} for setting, bad in scored if not bad]
+    closest = min(scored, key=lambda pair: len(pair[1]))[1] if not fitting else []
+    return fitting, closest
+
+
+def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per series (M x K x N), dtype and layout, as the study's table: the batch from which each observed
+    kind holds (ok before the first), over the measured batches; the batches not measured, apart."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        cell = row["cell"]
+        key = (f"{cell['m']}x{cell['k']}x{cell['n']}", cell["dtype"], cell["layout"])
+        groups.setdefault(key, []).append(row)
+    table = []
+    for (series, dtype, layout), found in sorted(groups.items()):
+        found.sort(key=lambda r: r["cell"]["batch"])
+        transitions, previous = [], ("ok", None)
+        for row in filter(is_measured, found):
+            kind = "abort" if row["observed"] == "crash" else row["observed"]
+            now = (kind, row.get("first_bad_batch") if kind == "wrong_tail" else None)
+            if now != previous:
+                step = {"batch": row["cell"]["batch"], "kind": kind}
+                transitions.append(step | ({"first_bad_batch": now[1]} if now[1] is not None else {}))
+            previous = now
+        unmeasured = [r["cell"]["batch"] for r in found if not is_measured(r)]
+        table.append({"series": series, "dtype": dtype, "layout": layout, "transitions": transitions,
+                      "batches": [r["cell"]["batch"] for r in found], "unmeasured_batches": unmeasured})
+    return table
+
+
+def failure_texts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each distinct text MPS printed, with its kind and how many cells printed it."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in rows:
+        text = failure_text(row)
+        if text is not None:
+            kind = "abort" if row["observed"] == "crash" else row["observed"]
+            counts[(kind, text)] = counts.get((kind, text), 0) + 1
+    return [{"kind": kind, "text": text, "cells": n} for (kind, text), n in sorted(counts.items())]
+
+
+def profile_release(emulated: bool, emulated_release: str, torch_version: str) -> str:
+    """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0")."""
+    for candidate in ((emulated_release, torch_version) if emulated else (torch_version,)):
+        parsed = parse_version(candidate)
+        if parsed is not None:
+            return ".".join(map(str, parsed))
+    return "0.0.0"
+
+
+def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, emulated_release: str,
+                   torch_version: str, machine: str, index_bits: int, max_memory: int | None = None,
+                   mpsimpact_version: str = "") -> dict[str, Any]:
+    """profile.json's content from a sweep's rows (see the module docstring).
+
+    Args:
+        rows: the sweep's rows, measured or not (a row not measured decides nothing).
+        device, emulated, emulated_release: where the cells ran, and the release whose rules an
+            emulated sweep applied (its FaultProfile.release).
+        torch_version, machine: what it was measured on (runs.device.machine_name: macOS and chip).
+        index_bits, max_memory: the sweep's index width and memory budget in bytes (None: not limited).
+    """
+    release = profile_release(emulated, emulated_release, torch_version)
+    control = not emulated and device != "mps"
+    # A control device computes every cell right, which would read as a release that fixed everything.
+    settings, unexplained = ([], []) if control else fit_bmm(rows, release)
+    skipped = [row for row in rows if not is_measured(row)]
+    notes = [NOT_MEASURED_NOTE]
+    if control:
+        notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
+                     "judged conservatively.")
+    if skipped:
+        notes.append(f"{len(skipped)} of {len(rows)} cells were not run (over the memory budget) and decide "
+                     "nothing: where the settings they would have chosen between differ, calls are judged by "
+                     "the worst of them.")
+    if not settings and not control:
+        notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "
+                     "bmm is judged conservatively. Report the cells upstream and to mpsimpact.")
+    rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | {"bmm": settings or None}
+    return {
+        "kind": PROFILE_KIND, "schema_version": PROFILE_SCHEMA, "release": release,
+        "measured_on": {
+            "torch": torch_version, "machine": machine, "device": device, "emulated": emulated,
+            "emulated_release": emulated_release if emulated else None, "index_bits": index_bits,
+            "date": time.strftime("%Y-%m-%d"), "max_memory_bytes": max_memory, "mpsimpact": mpsimpact_version,
+        },
+        "rules": rules,
+        "unmeasured": [aspect for aspect in ASPECTS if not rules[aspect]],
+        "cells": {"total": len(rows), "measured": len(rows) - len(skipped), "not_run": len(skipped),
+                  "settings_agreeing": len(settings),
+                  "unexplained": [f"{cell_name(row['cell'])}: observed {row['observed']}"
+                                  for row in unexplained[:_UNEXPLAINED_SHOWN]]},
+        "table": first_failures(rows),
+        "failure_texts": failure_texts(rows),
+        "notes": notes,
+    }
+
