@@ -10,12 +10,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from mpsimpact.engine.faults import TensorSpec, classify_bmm
+from mpsimpact.engine.faults import classify_bmm
 from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
 from mpsimpact.engine.release import (
     INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, FaultProfile, bmm_failure_texts, parse_version,
 )
-from mpsimpact.runs.sweep import agrees, cell_name, is_measured
+from mpsimpact.runs.sweep import Cell, agrees, cell_name, is_measured
 
 # What the sweep measures: bmm alone. The other aspects stay null (conservative) until a sweep measures them.
 MEASURED_ASPECTS = ("bmm",)
@@ -59,8 +59,7 @@ def disagreeing(rows: list[dict[str, Any]], setting: dict[str, Any], release: st
     profile = FaultProfile(release, release, True, **setting)
     bad = []
     for row in rows:
-        a, b = (TensorSpec(tuple(s["shape"]), tuple(s["stride"]), s["storage_offset"], s["dtype"])
-                for s in (row["a"], row["b"]))
+        a, b = Cell(**row["cell"]).specs()
         expected = classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()
         if not agrees(row | {"expected": expected}):
             bad.append(row)

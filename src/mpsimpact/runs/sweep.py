@@ -237,7 +237,7 @@ def agrees(row: dict[str, Any]) -> bool:
     if seen == "wrong_tail":
         return row["first_bad_batch"] == pred["first_bad_batch"]
     if seen == "error":
-        return pred["message"].split(" (")[0][:40] in (row["message"] or "")
+        return pred["message"].split(" (")[0][:40] in (row.get("message") or "")
     return True
 
 
