@@ -15,6 +15,12 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory):
+    # Hermetic: a profile.json or reference in the user's cache (~/.cache/mpsimpact) changes no result.
+    os.environ["MPSIMPACT_CACHE"] = str(tmp_path_factory.mktemp("mpsimpact-cache"))
+
+
 def pytest_collection_modifyitems(config, items):
     has_mps = torch.backends.mps.is_available()
     has_cuda = torch.cuda.is_available()

@@ -98,7 +98,7 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
             raise
         ordered = [rows[_cell_key(dataclasses.asdict(cell))] for cell in cells]
         summary = write_results(folder.path, ordered, config, mode, profile, device, emulated, budget)
-        summary["resumed_cells"], summary["wall_s"] = folder.resumed, round(time.perf_counter() - started, 1)
+        summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
         _write_json(folder.path / "summary.json", summary)
     print_summary(console, summary, out)
     return summary

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from mpsimpact.engine.faults import TensorSpec, classify_bmm
+from mpsimpact.engine.faults import classify_bmm
 from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
 from mpsimpact.engine.release import (
     INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, FaultProfile, bmm_failure_texts, parse_version,
@@ -54,20 +54,12 @@ def candidate_settings(texts: Iterable[str]) -> list[dict[str, Any]]:
     return settings
 
 
-def _specs(row: dict[str, Any]) -> tuple[TensorSpec, TensorSpec]:
-    """A row's operand specs: as recorded, or rebuilt from its cell (rows written before they were kept)."""
-    if "a" not in row:
-        return Cell(**row["cell"]).specs()
-    return tuple(TensorSpec(tuple(s["shape"]), tuple(s["stride"]), s["storage_offset"], s["dtype"])  # type: ignore
-                 for s in (row["a"], row["b"]))
-
-
 def disagreeing(rows: list[dict[str, Any]], setting: dict[str, Any], release: str) -> list[dict[str, Any]]:
     """The measured rows a setting's predictions disagree with."""
     profile = FaultProfile(release, release, True, **setting)
     bad = []
     for row in rows:
-        a, b = _specs(row)
+        a, b = Cell(**row["cell"]).specs()
         expected = classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()
         if not agrees(row | {"expected": expected}):
             bad.append(row)

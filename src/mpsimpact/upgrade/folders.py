@@ -220,7 +220,7 @@ class SweepFolder:
 
     def profile(self) -> FaultProfile | None:
         """The release profile the sweep measured: its profile.json, or for a sweep written before there
-        was one, derived from its rows now (None without rows)."""
+        was one, derived from its rows now (None without rows, or rows it cannot be derived from)."""
         from mpsimpact.engine.profile_file import ProfileFileError
         from mpsimpact.engine.release import load_profile, profile_from_json
         from mpsimpact.runs.profile_fit import derive_profile
@@ -236,9 +236,11 @@ class SweepFolder:
             derived = derive_profile(self.rows, device=first.get("device"), emulated=self.emulated,
                                      emulated_release=predicted, torch_version=str(first.get("torch")),
                                      machine="", index_bits=int(first.get("index_bits", 32)))
-            return profile_from_json(derived, self.path / "sweep.jsonl")
         except ProfileFileError as error:
             raise UsageError(error.message) from None
+        except (KeyError, TypeError, ValueError):
+            return None  # rows of an older or foreign format: no profile to compare
+        return profile_from_json(derived, self.path / "sweep.jsonl")
 
     def agreement(self) -> dict[str, int]:
         counts = [sum(values) for values in zip(*(self.summary.get("by_class") or {}).values())] or [0, 0, 0]
