@@ -29,7 +29,7 @@ from mpsimpact.modes.chunking import (
     split_sdpa,
 )
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
-from mpsimpact.modes.op_size import SizedCall, outputs_of, size_call
+from mpsimpact.modes.op_size import SizedCall, op_family, outputs_of, size_call, tensors_of
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
@@ -168,32 +168,47 @@ class GuardMode(MatmulMode):
 
     def on_other(self, func, args, kwargs):
         """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
-        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once)."""
+        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
+        a replayed plan, the plan's full-scale decision)."""
         if self._passing:
             return func(*args, **kwargs)
         active = active_emulator()
+        if active is not None and active.plan is not None:
+            return self._replayed_other(func, args, kwargs, active)
         bits = self._bits(active)
         sized = size_call(func, args, kwargs, dim_max(bits))
         if sized is None or not (self.everywhere or sized.family == "cat") or not self._applies_call(sized, kwargs):
             return func(*args, **kwargs)
         if sized.after:
             return self._judge_after(func, args, kwargs, sized, bits, active)
-        planned = active.peek_op(func) if active is not None and active.plan is not None else None
-        if planned is not None:
-            fault, record_of = planned.fault, (lambda: planned)
-        else:
-            profile = active.profile if active else self.profile
-            fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
-            made = [sized.out] if sized.out is not None else sized.inputs  # same size, or a reduction's
-            record_of = (lambda: CallRecord.of_op(0, op_name(func), sized.inputs, made, fault, current_phase()))
+        profile = active.profile if active else self.profile
+        fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
         if fault.is_ok:
             return func(*args, **kwargs)
-        record = dataclasses.replace(record_of(), index=len(self.stopped) + len(self.chunked), fault=fault)
-        if sized.family == "cat":
-            return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs, most=dim_max(bits)),
+        made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
+        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, made, fault,
+                                  current_phase())
+        return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
+
+    def _replayed_other(self, func, args, kwargs, active) -> Any:
+        """A call of the other families under a replayed plan: the full-scale decision, and pieces scaled
+        from the full-scale call's (as `_split_here` does for mm rows)."""
+        planned = active.peek_op(func)
+        if planned is None or planned.fault.is_ok:
+            return func(*args, **kwargs)
+        here = max((t.numel() for t in tensors_of(args, kwargs)), default=1)
+        full = max(planned.a.numel, planned.b.numel, 1)
+        most = max(1, dim_max(active.plan.index_bits) * here // full)
+        record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
+        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
+
+    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None, most: int,
+                     active) -> Any:
+        if family == "cat":
+            return self._act(record, record.fault, 1, lambda: cat_in_place(*args, **kwargs, most=most),
                              lambda: func(*args, **kwargs), active, op_name(func))
-        pieces = split_call(func, args, kwargs, sized.out, bits)
-        return self._act(record, fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
+        pieces = split_call(func, args, kwargs, out, most)
+        return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
                          lambda: func(*args, **kwargs), active, op_name(func))
 
     def _applies_call(self, sized: SizedCall, kwargs: dict) -> bool:

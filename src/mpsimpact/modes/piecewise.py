@@ -71,10 +71,11 @@ def _reduced_dims(bound: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
     return tuple(sorted(d % max(ndim, 1) for d in dims))
 
 
-def split_call(func: Any, args: tuple, kwargs: dict, out: TensorSpec | None, index_bits: int) -> Pieces | None:
-    """The pieces of this call (every tensor of each at most DIM_MAX elements), or None where no split is
-    known (lookups, random, 'other' ops, a softmax or kept dimension past the limit)."""
-    most, family = dim_max(index_bits), op_family(func)
+def split_call(func: Any, args: tuple, kwargs: dict, out: TensorSpec | None, most: int) -> Pieces | None:
+    """The pieces of this call (every tensor of each at most `most` elements: DIM_MAX, or its share under
+    a replayed plan), or None where no split is known (lookups, random, 'other' ops, a softmax or kept
+    dimension past the limit)."""
+    family = op_family(func)
     name = func.__name__.split(".")[0]
     base = name.rstrip("_")
     bound = bound_arguments(func, args, kwargs)
