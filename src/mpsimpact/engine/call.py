@@ -40,10 +40,13 @@ class CallRecord:
     """One op call as a dispatch mode saw it, with the fault decided for it.
 
     For bmm/mm, `a` and `b` are the two operands; for sdpa the query and the key. For every other family
-    (cat, elementwise, reduction, ...), `a` is the largest input and `b` the largest output (each stands
-    for the other where the op has none: a creation op has no input): the two tensors the family rules
-    read (Note [Op families past INT_MAX]), so a record can be re-decided for another release or
-    rescaled to another batch from them alone.
+    (cat, elementwise, reduction, ...), `a` is its first input (`self`; cat's first tensor) and `b` its
+    largest output (each stands for the other where the op has none: a creation op has no input): what
+    the family rules read (Note [Op families past INT_MAX]: the largest tensor and any dimension past
+    the limit, which the output carries wherever a broadcast or lookup makes it bigger), so a record can
+    be re-decided for another release, or rescaled to another batch, from them alone. (The first input,
+    not the largest: which input is largest can change with the batch, and rescaling pairs the calls of
+    two traces tensor by tensor.)
     """
 
     index: int
@@ -60,8 +63,8 @@ class CallRecord:
     @classmethod
     def of_op(cls, index: int, op: str, inputs: Iterable[Any], outputs: Iterable[Any], fault: Fault,
               phase: str = "forward", **fields: Any) -> CallRecord:
-        """The record of a call of any family but the products: its largest input and output."""
-        a, b = largest_spec(inputs), largest_spec(outputs)
+        """The record of a call of any family but the products: its first input and largest output."""
+        a, b = next((spec_of(t) for t in inputs), None), largest_spec(outputs)
         if a is None and b is None:
             a = b = TensorSpec.contiguous(())
         return cls(index, op, a or b, b or a, fault, phase, **fields)  # type: ignore[arg-type]
@@ -114,7 +117,7 @@ def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile
 
 def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) -> Fault:
     """The fault of a recorded call under a release: the products' rules on `a` and `b`; any other
-    family's rule on its largest input and output (Note [Op families past INT_MAX])."""
+    family's rule on its first input and largest output (Note [Op families past INT_MAX])."""
     if call.is_product:
         return classify_call(call.family, call.a, call.b, index_bits, profile)
     return classify_op(call.op, [call.a], call.b, index_bits=index_bits, profile=profile)

@@ -76,7 +76,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
         "profile": profile.to_json(),
         "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads, "layers": model_config.num_hidden_layers,
-        "calls_traced": len(plan.calls),
+        "calls_traced": len(plan.products), "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
         "prediction": summarise(plan, batch, heads, "forward"),
         "largest_safe_batch": safe[length],
