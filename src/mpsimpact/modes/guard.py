@@ -302,7 +302,7 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None) 
     why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "")
     why += f"; {fault.message}" if fault.kind in ("wrong_other", "wrong_all") and fault.message else ""
     if not record.is_product:
-        sizes = f"largest input {record.a.numel} elements, output {record.b.numel}"
+        sizes = f"input {record.a.numel} elements, output {record.b.numel}"
         return (f"mpsimpact guard: {record.describe()} in {record.phase} ({sizes}) would {what} on {release} "
                 f"({why}). {_family_advice(record, chunk)}")
     unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")

@@ -7,7 +7,8 @@ from typing import Any
 from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
 
-COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "error": "#984ea3", "abort": "#222222"}
+COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "unmeasured": "#999999",
+          "error": "#984ea3", "abort": "#222222"}
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
@@ -25,7 +26,9 @@ def _short(row: dict[str, Any]) -> str:
     first = row["first_corrupted_text"]
     if row["outcome"] in STOP_KINDS and first is not None:
         return f"wrong from {first},\nthen {row['outcome']} in bwd"
-    return {"wrong": f"wrong from {first}" if first is not None else "wrong", "wrong_other": "wrong\n(not characterised)"}.get(row["outcome"], row["outcome"])
+    labels = {"wrong": f"wrong from {first}" if first is not None else "wrong",
+              "wrong_other": "wrong\n(not characterised)", "unmeasured": "unmeasured\n(conservative)"}
+    return labels.get(row["outcome"], row["outcome"])
 
 
 def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
