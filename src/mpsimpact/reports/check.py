@@ -81,6 +81,7 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
                         f"({report['estimated_peak_basis']})"),
     ]
     lines += [("guard", advice) for advice in report["guard_advice"]]
+    lines += [("generation", report["generation"])] if report.get("generation") else []
     lines += [("note", note) for note in p["notes"]]
     return lines
 
