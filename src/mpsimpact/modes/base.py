@@ -149,7 +149,7 @@ class MatmulMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS or is_composite(func):
+        if func in DECOMPOSED_OPS or (is_composite(func) and self.decomposes(func, args, kwargs)):
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -158,6 +158,11 @@ class MatmulMode(TorchDispatchMode):
             family, a, b = operands(func, args)
             return self.on_matmul(func, family, a, b, args, kwargs)
         return self.on_other(func, args, kwargs)
+
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """Whether to decompose this CompositeImplicitAutograd op (one that reached the mode whole, under
+        inference_mode) into the kernels it runs: always, unless a mode says it can judge it whole."""
+        return True
 
     def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):
         return func(*args, **kwargs)

@@ -148,6 +148,15 @@ class GuardMode(MatmulMode):
         finally:
             self._passing = passing
 
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """A composite op is judged whole (softmax.int as softmax, an 'other' op on what it makes) unless
+        one of its tensors passes DIM_MAX, or an emulator runs below (which sees the kernels it runs, and
+        names them as a traced plan does): decomposing every one would double strict mode's cost."""
+        if active_emulator() is not None:
+            return True
+        most = dim_max(self.index_bits)
+        return any(t.numel() > most for t in tensors_of(args, kwargs))
+
     # Dispatch level: one bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
         if self._passing or not self._applies(a):

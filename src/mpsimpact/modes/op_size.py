@@ -85,6 +85,8 @@ def size_call(func: Any, args: tuple, kwargs: dict, most: int) -> SizedCall | No
             big = True
             break
     if family == "elementwise" and len(inputs) > 1:
+        if not big and math.prod(t.numel() for t in inputs) <= most:
+            return None  # a broadcast output has at most the product of its inputs' elements
         out = _broadcast(inputs)
         return SizedCall(family, inputs, out) if big or (out is not None and out.numel > most) else None
     if family in GROWING:
