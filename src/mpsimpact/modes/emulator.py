@@ -18,10 +18,11 @@ from mpsimpact.modes.base import (
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.modes.op_size import SKIPPED, op_family, outputs_of, size_call
+from mpsimpact.modes.op_size import SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
-    MPS_INDEX_BITS, contiguous_strides, dim_max, Fault, limits, Profile, sdpa_path, TensorSpec, wrap_start_batch,
+    MPS_INDEX_BITS, contiguous_strides, Fault, limits, Profile, sdpa_path, TensorSpec,
+    wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.release import resolve_profile
@@ -99,7 +100,8 @@ class EmulateMode(MatmulMode):
         self._passing = False  # inside a fused SDPA call: MPS runs it as one op, decided at its entry
         # Plan replay of the other families: each planned call by (sdpa scope, op name, occurrence), and
         # the calls of each (scope, name) made so far (see `peek_op`).
-        self._planned = {(c.within, c.op, c.occurrence): c for c in (plan.calls if plan else ()) if not c.is_product}
+        others = (c for c in (plan.calls if plan else ()) if not c.is_product)
+        self._planned = {(c.within, c.op, c.occurrence): c for c in others}
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
 
@@ -175,12 +177,13 @@ class EmulateMode(MatmulMode):
             return func(*args, **kwargs)
         if self.plan is not None:
             return self._replay_other(func, args, kwargs)
-        sized = size_call(func, args, kwargs, dim_max(self.index_bits))
+        sized = size_call(func, args, kwargs, *judged_at(self.index_bits))
         if sized is None:
             return func(*args, **kwargs)
         if sized.after:  # judged on what it made ('other' families: never a stop)
             out = func(*args, **kwargs)
-            self._decide_other(func, sized.inputs, outputs_of(out))
+            made = judged_outputs(func, outputs_of(out), judged_at(self.index_bits)[1])
+            self._decide_other(func, sized.inputs, made)
             return out
         fault = self._decide_other(func, sized.inputs, [sized.out] if sized.out is not None else sized.inputs)
         if fault.rule == "reduction-wrap":
@@ -196,8 +199,10 @@ class EmulateMode(MatmulMode):
         self.records.append(record)
         if fault.rule != "reduction-wrap" or not _wraps_whole(func, inputs):
             self._refuse(record)
-            raise NotEmulatedError(f"{record.describe()}: {fault.kind} on MPS {self.profile.release} (rule {fault.rule}); "
-                                   "not emulated", op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase)
+            raise NotEmulatedError(
+                f"{record.describe()}: {fault.kind} on MPS {self.profile.release} (rule {fault.rule}); "
+                "not emulated",
+                op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase)
         return fault
 
     def _replay_other(self, func, args, kwargs):
@@ -208,8 +213,9 @@ class EmulateMode(MatmulMode):
         self.records.append(planned)
         self._refuse(planned)
         raise NotEmulatedError(
-            f"{planned.describe()}: {planned.fault.kind} on MPS {self.profile.release} (rule {planned.fault.rule}) at "
-            "full scale; not replayed at a reduced length. Run at full scale, or guard it.",
+            f"{planned.describe()}: {planned.fault.kind} on MPS {self.profile.release} (rule "
+            f"{planned.fault.rule}) at full scale; not replayed at a reduced length. Run at full scale, or "
+            "guard it.",
             op=planned.op, fault=planned.fault,
         )
 
@@ -219,7 +225,8 @@ class EmulateMode(MatmulMode):
         return self._planned.get((self._scope, name, occurrence))
 
     def peek_op(self, func: Any) -> CallRecord | None:
-        """Under a plan: the planned record of this op's next call (any other family), or None; not consumed."""
+        """Under a plan: the planned record of this op's next call (any other family), or None; the call is
+        not consumed."""
         if self.plan is None or self._passing:
             return None
         name = op_name(func)
@@ -293,7 +300,9 @@ def _wraps_whole(func: Any, inputs: list) -> bool:
     return len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING
 
 
-_WRAPPING = frozenset({"sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "count_nonzero"})
+_WRAPPING = frozenset({
+    "sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "count_nonzero",
+})
 
 
 def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.Tensor:
@@ -303,7 +312,8 @@ def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.
     first = x.reshape(-1)[: x.numel() % wrap]
     dims = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else None)
     if dims is not None and len(dims) not in (0, x.dim()):
-        raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not characterised")
+        raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not "
+                               "characterised")
     rest = [[0] if isinstance(a, (list, tuple)) and a else a for a in args[1:]]
     return func(first, *rest, **({k: ([0] if k == "dim" and v else v) for k, v in kwargs.items()}))
 

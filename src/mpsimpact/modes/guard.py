@@ -29,7 +29,9 @@ from mpsimpact.modes.chunking import (
     split_sdpa,
 )
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
-from mpsimpact.modes.op_size import SizedCall, op_family, outputs_of, size_call, tensors_of
+from mpsimpact.modes.op_size import (
+    SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+)
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
@@ -135,8 +137,9 @@ class GuardMode(MatmulMode):
         causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
         split = split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active), causal)
         record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
+        copies = self._copies(active)
         return self._act(record, fault, split and split.rows,
-                         lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, self._copies(active)),
+                         lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, copies),
                          lambda: self._as_one_op(proceed, *args, **kwargs), active)
 
     def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -185,8 +188,10 @@ class GuardMode(MatmulMode):
         if active is not None and active.plan is not None:
             return self._replayed_other(func, args, kwargs, active)
         bits = self._bits(active)
-        sized = size_call(func, args, kwargs, dim_max(bits))
-        if sized is None or not (self.everywhere or sized.family == "cat") or not self._applies_call(sized, kwargs):
+        sized = size_call(func, args, kwargs, *judged_at(bits))
+        if sized is None or not (self.everywhere or sized.family == "cat"):
+            return func(*args, **kwargs)
+        if not self._applies_call(sized, kwargs):
             return func(*args, **kwargs)
         if sized.after:
             return self._judge_after(func, args, kwargs, sized, bits, active)
@@ -195,8 +200,8 @@ class GuardMode(MatmulMode):
         if fault.is_ok:
             return func(*args, **kwargs)
         made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
-        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, made, fault,
-                                  current_phase())
+        index = len(self.stopped) + len(self.chunked)
+        record = CallRecord.of_op(index, op_name(func), sized.inputs, made, fault, current_phase())
         return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
 
     def _replayed_other(self, func, args, kwargs, active) -> Any:
@@ -211,8 +216,8 @@ class GuardMode(MatmulMode):
         record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
         return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
 
-    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None, most: int,
-                     active) -> Any:
+    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
+                     most: int, active) -> Any:
         if family == "cat":
             return self._act(record, record.fault, 1, lambda: cat_in_place(*args, **kwargs, most=most),
                              lambda: func(*args, **kwargs), active, op_name(func))
@@ -232,7 +237,7 @@ class GuardMode(MatmulMode):
         made. Nobody measured these families past a limit, so they fault silently or not at all: the
         wrong values are dropped before anyone reads them."""
         out = func(*args, **kwargs)
-        outputs = outputs_of(out)
+        outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
         if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
             return out
         profile = active.profile if active else self.profile
@@ -329,8 +334,8 @@ def _family_advice(record: CallRecord, chunk: int | Pieces | None) -> str:
         return "Guard mode 'chunk' builds it by copying each input into place, in pieces below the limits."
     if isinstance(chunk, Pieces):
         return f"Guard mode 'chunk' splits it into {chunk.describe()}; or lower the batch size."
-    return (f"No split is known for {record.op} ({record.family}): lower the batch size until no tensor of it "
-            "passes the limit; on attention scores, attn_implementation='mps_safe_eager' (name = "
+    return (f"No split is known for {record.op} ({record.family}): lower the batch size until no tensor of "
+            "it passes the limit; on attention scores, attn_implementation='mps_safe_eager' (name = "
             "mpsimpact.attention.register()) never makes the whole score tensor.")
 
 

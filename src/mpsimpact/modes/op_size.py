@@ -2,7 +2,13 @@
 outgrow every input (creation ops, arange, cat, broadcasts, lookups), by arithmetic on its arguments (no
 meta kernel: most are Python and cost more than the op itself). Also the prefilter the tracer, the
 emulator and the guard share: a call whose every tensor has at most DIM_MAX elements meets no family rule
-(Note [Op families past INT_MAX] in engine/families.py)."""
+(Note [Op families past INT_MAX] in engine/families.py).
+
+At a reduced index width the limits scale so that a small batch meets the faults a big one meets on MPS:
+the activations scale, the weights do not. So a parameter (nn.Parameter: an embedding table, a LayerNorm
+weight), and the gradient an op makes for one (embedding_dense_backward's), is judged against MPS's own
+limit (`full_most`), not the scaled one: a 30522 x 384 vocabulary table is far below 2**31 on MPS,
+whatever the width an emulation runs at."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.faults import TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, dim_max
 from mpsimpact.engine.release import family_of
 
 # Families decided elsewhere (the products: on_matmul and the SDPA entry) or with no kernel (views).
@@ -22,6 +28,8 @@ GROWING = frozenset({"creation", "random", "indexing", "cat"})
 # Ops whose output size depends on values (or on arithmetic not written here): known only once run.
 _KNOWN_AFTER = frozenset({"nonzero", "masked_select", "unique", "repeat_interleave"})
 
+# Ops whose output is the gradient of a parameter (a weight's size, whatever the batch).
+_WEIGHT_GRADIENTS = frozenset({"embedding_dense_backward"})
 _FAMILY: dict[Any, str] = {}
 _ARGUMENT_NAMES: dict[Any, tuple[str, ...]] = {}
 
@@ -53,9 +61,28 @@ def tensors_of(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
     return found
 
 
+def judged_at(index_bits: int) -> tuple[int, int]:
+    """(most, full_most): DIM_MAX at this width, for activations, and at MPS's, for parameters."""
+    return dim_max(index_bits), dim_max(max(index_bits, MPS_INDEX_BITS))
+
+
+def judged(tensors: list[torch.Tensor], full_most: int) -> list[torch.Tensor]:
+    """The tensors the rules judge: parameters within MPS's own limit left out (the module's docstring)."""
+    return [t for t in tensors if not (isinstance(t, torch.nn.Parameter) and t.numel() <= full_most)]
+
+
+def judged_outputs(func: Any, outputs: list[torch.Tensor], full_most: int) -> list[torch.Tensor]:
+    """The outputs the rules judge: a parameter's gradient within MPS's own limit left out."""
+    if func.__name__.split(".")[0] not in _WEIGHT_GRADIENTS:
+        return outputs
+    return [t for t in outputs if t.numel() > full_most]
+
+
 def outputs_of(out: Any) -> list[torch.Tensor]:
     """The tensors an op returned."""
-    return [out] if isinstance(out, torch.Tensor) else tensors_of(out) if isinstance(out, (list, tuple)) else []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return tensors_of(out) if isinstance(out, (list, tuple)) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +99,16 @@ class SizedCall:
     after: bool = False
 
 
-def size_call(func: Any, args: tuple, kwargs: dict, most: int) -> SizedCall | None:
+def size_call(func: Any, args: tuple, kwargs: dict, most: int,
+              full_most: int | None = None) -> SizedCall | None:
     """The call to judge, or None when it has no kernel, is a product, or no tensor it reads or makes has
-    more than `most` (DIM_MAX) elements."""
+    more than `most` (DIM_MAX) elements (a parameter: `full_most`, MPS's DIM_MAX)."""
     family = op_family(func)
     if family in SKIPPED:
         return None
     inputs = tensors_of(args, kwargs)
+    if full_most is not None and full_most != most:
+        inputs = judged(inputs, full_most)
     big = False
     for tensor in inputs:
         if tensor.numel() > most:
@@ -124,7 +154,8 @@ def _grown(func: Any, family: str, args: tuple, kwargs: dict, inputs: list[torch
         return None, False
     bound = bound_arguments(func, args, kwargs)
     dtype = _dtype(bound.get("dtype") or (inputs[0].dtype if inputs else torch.get_default_dtype()))
-    if name == "index" and any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in bound["indices"]):
+    masks = (torch.bool, torch.uint8)
+    if name == "index" and any(t is not None and t.dtype in masks for t in bound["indices"]):
         return None, False  # a mask picks as many elements as it holds True values
     shape = _shape_of(name, family, bound, inputs)
     if shape is None:

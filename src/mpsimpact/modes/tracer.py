@@ -13,11 +13,13 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.fault_plan import FaultPlan
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec, dim_max
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
 from mpsimpact.engine.release import resolve_profile
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.modes.op_size import SKIPPED, op_family, outputs_of, tensors_of
+from mpsimpact.modes.op_size import (
+    SKIPPED, judged, judged_at, judged_outputs, op_family, outputs_of, tensors_of,
+)
 
 
 class TraceMode(MatmulMode):
@@ -35,7 +37,8 @@ class TraceMode(MatmulMode):
         self._names: list[str] = []
         self._module = module
         self._within: int | None = None
-        self._most = -1 if every_op else dim_max(index_bits)
+        most, self._full_most = judged_at(index_bits)
+        self._most = -1 if every_op else most
         self._seen: dict[tuple[int | None, str], int] = {}  # calls per (sdpa scope, op name): plan replay
 
     def on_matmul(self, func, family, a, b, args, kwargs):
@@ -56,13 +59,15 @@ class TraceMode(MatmulMode):
         name = op_name(func)
         key = (self._within, name)
         occurrence = self._seen[key] = self._seen.get(key, -1) + 1
-        inputs, outputs = tensors_of(args, kwargs), outputs_of(out)
+        inputs = judged(tensors_of(args, kwargs), self._full_most)
+        outputs = judged_outputs(func, outputs_of(out), self._full_most)
         if max((t.numel() for t in (*inputs, *outputs)), default=0) <= self._most:
             return out  # the prefilter: past no limit
         phase = current_phase()
         fault = classify_op(func, inputs, outputs, index_bits=self.index_bits, profile=self.profile)
-        self.calls.append(CallRecord.of_op(len(self.calls), name, inputs, outputs, fault, phase,
-                                           module=self._where(phase), within=self._within, occurrence=occurrence))
+        record = CallRecord.of_op(len(self.calls), name, inputs, outputs, fault, phase,
+                                  module=self._where(phase), within=self._within, occurrence=occurrence)
+        self.calls.append(record)
         return out
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
