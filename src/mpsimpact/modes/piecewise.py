@@ -3,7 +3,9 @@ into pieces that pass no limit, each tensor of a piece at most DIM_MAX elements:
 masked_fill, copies and fills block by block over their output; softmax over blocks that keep its
 dimension whole; reductions over some dimensions over blocks that keep those whole; full reductions by
 combining the pieces' results (sum: add; amax/amin: max/min; mean: weighted; argmax/argmin: with
-offsets). Any other call has no split: the guard stops it. The result equals the unsplit correct one."""
+offsets); an embedding lookup over blocks of its indices; layer norm over blocks of rows (its normalized
+dimensions whole). Any other call has no split: the guard stops it. The result equals the unsplit
+correct one."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from mpsimpact.modes.op_size import bound_arguments, op_family
 # Full reductions whose pieces combine exactly, and how.
 _COMBINE = {
     "sum": "add", "nansum": "add", "count_nonzero": "add", "mean": "mean", "prod": "mul", "amax": "max",
-    "max": "max", "amin": "min", "min": "min", "any": "or", "all": "and", "argmax": "argmax", "argmin": "argmin",
+    "max": "max", "amin": "min", "min": "min", "any": "or", "all": "and", "argmax": "argmax",
+    "argmin": "argmin",
 }
 _FILLS = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1, "new_zeros": 0}
 _POINTWISE = frozenset({"elementwise", "masked_fill", "copy"})
@@ -90,6 +93,11 @@ def split_call(func: Any, args: tuple, kwargs: dict, out: TensorSpec | None, mos
         return _pieces("pointwise", tuple(first.shape), (dim % max(first.dim(), 1),), most)
     if family == "creation" and (base in _FILLS or base in ("full", "full_like", "new_full")):
         return _pieces("fill", shape, (), most)
+    if base == "embedding" and out is not None:  # (*indices, D): blocks of indices, each row whole
+        return _pieces("lookup", tuple(out.shape), (len(out.shape) - 1,), most)
+    if base == "native_layer_norm" and first is not None:  # rows, the normalized dims whole
+        normalized = len(bound["normalized_shape"])
+        return _pieces("rows", tuple(first.shape), tuple(range(first.dim() - normalized, first.dim())), most)
     if family == "reduction" and first is not None and base in _COMBINE:
         reduced = _reduced_dims(bound, first.dim())
         if reduced is None:
@@ -109,6 +117,8 @@ def has_split(op: str, family: str, a: TensorSpec, b: TensorSpec, index_bits: in
         return cut(a.shape, (len(a.shape) - 1,), most) is not None
     if family == "creation":
         return base in _FILLS or base in ("full", "full_like", "new_full")
+    if base in ("embedding", "native_layer_norm"):
+        return cut(b.shape, (len(b.shape) - 1,), most) is not None
     return family == "reduction" and base in _COMBINE
 
 
@@ -148,6 +158,10 @@ def run_pieces(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> Any:
         return _fill(func, args, kwargs, pieces)
     if pieces.how == "reduce":
         return _reduce_whole(func, args, kwargs, pieces)
+    if pieces.how == "lookup":
+        return _lookup(func, args, kwargs, pieces)
+    if pieces.how == "rows":
+        return _rows(func, args, kwargs, pieces)
     mutates = bool(func._schema.arguments) and func._schema.arguments[0].alias_info is not None \
         and func._schema.arguments[0].alias_info.is_write
     out = None
@@ -165,14 +179,17 @@ def run_pieces(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> Any:
     return args[0] if mutates else out
 
 
-def _full_shape(pieces: Pieces, piece: torch.Tensor, reduce: bool, func: Any, args: tuple, kwargs: dict) -> tuple:
+def _full_shape(pieces: Pieces, piece: torch.Tensor, reduce: bool, func: Any, args: tuple,
+                kwargs: dict) -> tuple:
     if not reduce:
         return pieces.shape
     keepdim = bound_arguments(func, args, kwargs).get("keepdim", False)
-    return tuple(1 if j in pieces.kept else n for j, n in enumerate(pieces.shape) if keepdim or j not in pieces.kept)
+    kept = pieces.kept
+    return tuple(1 if j in kept else n for j, n in enumerate(pieces.shape) if keepdim or j not in kept)
 
 
-def _reduced_index(index: tuple[slice, ...], kept: tuple[int, ...], bound: dict[str, Any]) -> tuple[slice, ...]:
+def _reduced_index(index: tuple[slice, ...], kept: tuple[int, ...],
+                   bound: dict[str, Any]) -> tuple[slice, ...]:
     """A block's place in a reduction's output: the reduced dims dropped (or whole, with keepdim)."""
     keepdim = bound.get("keepdim", False)
     full = (*index, *[slice(None)] * 64)
@@ -192,6 +209,30 @@ def _fill(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch.Tensor:
     for index in blocks(pieces):
         out[index].fill_(value)
     return out
+
+
+def _lookup(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch.Tensor:
+    """embedding(weight, indices): each block of indices looked up into its rows of one output."""
+    weight, indices, rest = args[0], args[1], args[2:]
+    out = weight.new_empty(pieces.shape)  # no kernel runs
+    for index in blocks(pieces):
+        out[index].copy_(func(weight, indices[index[:indices.dim()]], *rest, **kwargs))
+    return out
+
+
+def _rows(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> tuple[torch.Tensor, ...]:
+    """native_layer_norm(x, shape, weight, bias, eps) -> (out, mean, rstd), block of rows by block of rows:
+    each output is the input's shape, its normalized dims of the piece's size (D, or 1 for the stats)."""
+    x, rest = args[0], args[1:]
+    outs: list[torch.Tensor] = []
+    for index in blocks(pieces):
+        parts = func(x[index], *rest, **kwargs)
+        if not outs:  # empty outputs: no kernel runs
+            outs = [p.new_empty(tuple(p.shape[j] if j in pieces.kept else n for j, n in enumerate(pieces.shape)))
+                    for p in parts]
+        for out, part in zip(outs, parts):
+            out[index].copy_(part)
+    return tuple(outs)
 
 
 def _reduce_whole(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch.Tensor:
