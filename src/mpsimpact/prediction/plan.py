@@ -70,7 +70,6 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     traced = {L: per_text_calls(meta, L, backward=config.backward) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     calls = traced[length]
     plan = plan_at(calls, batch, config.index_bits, profile)
-    forward = predict(plan, batch, heads, "forward")
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
@@ -87,7 +86,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.memory:
-        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, forward)
+        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, profile)
     if config.versions:
         from mpsimpact.prediction.version_table import version_table
 
@@ -97,12 +96,13 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     return report
 
 
-def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int, safe: dict, forward) -> dict[str, Any]:
+def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int, safe: dict,
+                   profile: Any) -> dict[str, Any]:
     """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
     from mpsimpact.prediction.demo_size import demo_options, mac_table, recommend, usable_bytes
 
     budget, basis = usable_bytes(config.memory)
-    options = demo_options(traced, model_config, heads, safe, config.index_bits)
+    options = demo_options(traced, model_config, heads, safe, config.index_bits, profile)
     first = safe.get(512, 0) + 1
     return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
             "recommendation": recommend(options, budget, scenario), "mac_table": mac_table(model_config, first)}
