@@ -120,23 +120,24 @@ def test_the_default_forward_passes_k_through_the_cache():
 def test_causal_lms_name_the_lm_head_difference_between_generation_and_full_logits(tmp_path):
     fields = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
                   intermediate_size=32, vocab_size=1100, max_position_embeddings=64)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                      **fields}))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     # At 16 bits the full logits (64, 1100) = 70,400 >= 2**16: the lm_head's mm output aborts (the embedding
     # table, 1100 * 16 = 17,600, stays below 2**15). generate() keeps one logit row per sample: (1, 1100).
     report = check_json(tmp_path, "--seq-len", 64, "--index-bits", 16)
-    assert [pick(r, "module", "kind", "rule") for r in report["faulting_calls"]] == [("lm_head", "abort", "mm-encode")]
+    rows = report["faulting_calls"]
+    assert [pick(r, "module", "kind", "rule") for r in rows] == [("lm_head", "abort", "mm-encode")]
     assert "logits_to_keep=1" in report["generation"]
-    assert "happens in full-logit forwards, not in generation: generate() at this geometry makes no faulting call" \
-        in report["generation"]
+    assert ("happens in full-logit forwards, not in generation: generate() at this geometry makes no "
+            "faulting call") in report["generation"]
     assert check_json(BERT, "--batch-size", 2, "--seq-len", 64)["generation"] == ""  # not a causal LM
 
 
 def test_on_2_13_0_eager_attention_past_2_to_the_32_scores_crashes_at_the_scale():
     # 2048 * 12 * 512 * 512 = 6,442,450,944 scores: the study saw eager attention die (SIGSEGV) on 2.13.0;
     # the rules put it at the first op on the scores, inferred.
-    report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager", "--torch-profile",
-                        "2.13.0")
+    report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager",
+                        "--torch-profile", "2.13.0")
     stop = report["prediction"]["stops"][0]
     assert pick(stop, "op", "kind", "rule", "inferred") == ("mul", "abort", "int32-kernel", True)
     assert report["prediction"]["outcome"] == "abort" and "SIGSEGV" in stop["message"]
@@ -208,9 +209,11 @@ def test_fused_sdpa_is_wrong_up_to_2_12_1_and_clean_on_2_13_0():
     # Which samples are wrong was never characterised.
     assert old["prediction"]["wrong_fraction"] is None and "any may be" in old["prediction"]["describe"]
     # 2.13.0: the GELU input passes INT_MAX from (2**31 - 1) // (512 * 3072) + 1 = 1366 samples.
-    assert old["largest_safe_batch"] == 1365 and new["largest_safe_batch"] == (2**31 - 1) // (512 * 3072) == 1365
+    assert old["largest_safe_batch"] == 1365
+    assert new["largest_safe_batch"] == (2**31 - 1) // (512 * 3072) == 1365
     on_2_14 = check_json(BERT, "--batch-size", 2048, "--attention", "sdpa", "--torch-profile", "2.14.0")
-    assert on_2_14["faulting_calls"] == [] and on_2_14["largest_safe_batch"] == 2730  # then the FFN addmm aborts
+    assert on_2_14["faulting_calls"] == []
+    assert on_2_14["largest_safe_batch"] == 2730  # then the FFN addmm aborts
 
 
 def test_training_takes_sdpas_math_path_under_both_releases():
@@ -225,11 +228,12 @@ def test_training_takes_sdpas_math_path_under_both_releases():
             ("wrong_tail", "input-wrap", 16384)}
     assert traced.first_stop.phase == "backward" and traced.first_stop.fault.kind == "error"
     # The bias gradients sum (2048 * 512, 3072) in backward: a reduction past INT_MAX nobody measured.
-    assert {(c.op, c.fault.rule) for c in traced.faults if not c.is_product} == {("sum", "unmeasured:reduction")}
+    others = {(c.op, c.fault.rule) for c in traced.faults if not c.is_product}
+    assert others == {("sum", "unmeasured:reduction")}
     # On 2.13.0 the math path's softmax on the 6.4e9 scores aborts first (inferred, as eager attention did).
     stop = traced.under("2.13.0").first_stop
-    assert (stop.phase, stop.op, stop.fault.rule, stop.fault.inferred) == ("forward", "_safe_softmax", "int32-kernel",
-                                                                           True)
+    assert (stop.phase, stop.op, stop.fault.rule, stop.fault.inferred) == (
+        "forward", "_safe_softmax", "int32-kernel", True)
 
 
 def test_default_attention_is_what_transformers_picks():
@@ -244,8 +248,8 @@ def test_default_attention_is_what_transformers_picks():
 
 def test_out_writes_json_and_markdown(tmp_path):
     out = tmp_path / "check"
-    result = runner.invoke(app, ["check", str(BERT), "--batch-size", "2048", "--attention", "eager", "--out", str(out),
-                                 "--torch-profile", PROFILE])
+    result = runner.invoke(app, ["check", str(BERT), "--batch-size", "2048", "--attention", "eager",
+                                 "--out", str(out), "--torch-profile", PROFILE])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["check.json", "check.md"]
     written = json.loads((out / "check.json").read_text())

@@ -145,8 +145,8 @@ def test_tiny_bert_chunk_matches_plain_and_raise_stops_first():
 
 def test_chunk_under_plan_replay_consumes_the_plan_and_is_correct():
     ids = token_batch(10, 64)
-    plan = trace_module(tiny_bert("meta"), {"input_ids": torch.zeros(10, 64, dtype=torch.long, device="meta")},
-                        index_bits=16, profile="2.14.0")
+    ids_meta = torch.zeros(10, 64, dtype=torch.long, device="meta")
+    plan = trace_module(tiny_bert("meta"), {"input_ids": ids_meta}, index_bits=16, profile="2.14.0")
     model, short = tiny_bert(), ids[:, :16]
     with torch.inference_mode():
         plain = model(input_ids=short).last_hidden_state

@@ -174,7 +174,8 @@ def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
 torch.set_num_threads(1)
 config = transformers.LlamaConfig(**json.loads(sys.argv[1]))
-model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=config.dtype).eval()
+model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=config.dtype)
+model.eval()
 with torch.no_grad():
     model(torch.zeros(1, 8, dtype=torch.long))
     before = status("VmRSS")
@@ -194,18 +195,20 @@ def test_the_peak_estimate_knows_the_dtype_and_the_fp32_softmax_against_a_measur
     from mpsimpact.prediction.memory import peak_bytes, traced_peak_bytes
 
     # One layer, 8 heads, 2048 tokens: scores 8 * 2048**2 = 33,554,432 elements (64 MiB in bf16) dominate.
-    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
-                  num_key_value_heads=8, max_position_embeddings=2048, dtype=dtype)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                      **fields}))
-    run = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(fields), "2048"], capture_output=True, text=True)
+    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048, dtype=dtype)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    command = [sys.executable, "-c", MEASURE, json.dumps(fields), "2048"]
+    run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0 and "clear_refs" in run.stderr:
         pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
     assert run.returncode == 0, run.stderr
     measured = int(run.stdout)
     model, info = prepare(CheckConfig(str(tmp_path), seq_len=2048, attention="eager"))
     dtype_ = model.module.dtype
-    estimate, basis = traced_peak_bytes(model.trace(1, 2048), info["parameters"], 1, 2048, 64, 8, dtype_, False)
+    plan = model.trace(1, 2048)
+    estimate, basis = traced_peak_bytes(plan, info["parameters"], 1, 2048, 64, 8, dtype_, False)
     # bf16: Llama's eager softmax(..., dtype=torch.float32) casts the scores to fp32 first, so the scores (2
     # bytes), their fp32 copy and P in fp32 (4 + 4) are live at once: 10 bytes a score, not 2 x 2. Measured
     # 331 MiB on a 2-core CPU, estimated 329 MiB; fp32: 279 against 274 (the rest: RoPE tables, the

@@ -57,9 +57,12 @@ def masked_fill_1d():
 # What each first-pass test runs, as a function on meta tensors at its real size (the same tests as
 # tests/test_op_families.py's cell builders, which hand the rules specs; here the modes see the ops).
 RUNS = {
-    "bmm, contiguous, output (68544, 256, 256) fp32": lambda: torch.bmm(meta(68544, 256, 64), meta(68544, 64, 256)),
-    "bmm, q @ k.transpose(1, 2)": lambda: torch.bmm(meta(65552, 256, 64), meta(65552, 256, 64).transpose(1, 2)),
-    "bmm, transposed first operand": lambda: torch.bmm(meta(65552, 64, 256).transpose(1, 2), meta(65552, 64, 256)),
+    "bmm, contiguous, output (68544, 256, 256) fp32": lambda: torch.bmm(meta(68544, 256, 64),
+                                                                        meta(68544, 64, 256)),
+    "bmm, q @ k.transpose(1, 2)": lambda: torch.bmm(meta(65552, 256, 64),
+                                                    meta(65552, 256, 64).transpose(1, 2)),
+    "bmm, transposed first operand": lambda: torch.bmm(meta(65552, 64, 256).transpose(1, 2),
+                                                       meta(65552, 64, 256)),
     "eager attention": eager_attention,
     "fused SDPA": fused_sdpa,
     "bmm, input (65552, 256, 256)": lambda: torch.bmm(meta(65552, 256, 256), meta(65552, 256, 64)),
@@ -121,7 +124,8 @@ def test_the_table_counts_and_the_check_can_fail():
 def test_the_2_13_0_eager_attention_crash_is_the_scale_on_the_scores_inferred():
     plan = mpsimpact.trace_faults(eager_attention, profile="2.13.0")
     stop = plan.first_stop
-    assert (stop.op, stop.fault.kind, stop.fault.rule, stop.fault.inferred) == ("div", "abort", "int32-kernel", True)
+    assert (stop.op, stop.fault.kind, stop.fault.rule, stop.fault.inferred) == (
+        "div", "abort", "int32-kernel", True)
     assert "SIGSEGV" in stop.fault.message
     assert mpsimpact.trace_faults(eager_attention, profile="2.14.0").first_stop is None  # wrong, not a crash
 
@@ -136,8 +140,9 @@ def test_linear_whose_input_passes_the_limit_at_width_20():
     x = torch.randn(2**20 // 64 + 17, 64)  # 16401 rows: 1,049,664 > 2**20 input elements; output 131,208
     with torch.no_grad():
         plain = linear(x)
-        with mpsimpact.emulate(index_bits=BITS, profile="2.14.0"), pytest.raises(EmulatedMpsError, match="aborts"):
-            linear(x)
+        with pytest.raises(EmulatedMpsError, match="aborts"):
+            with mpsimpact.emulate(index_bits=BITS, profile="2.14.0"):
+                linear(x)
         with mpsimpact.emulate(index_bits=BITS, profile="2.7.1") as emu:
             old = linear(x)
         with mpsimpact.emulate(index_bits=BITS, profile="2.14.0"), mpsimpact.guard("chunk") as guard:
@@ -175,7 +180,8 @@ def test_fp16_elementwise_past_the_per_dimension_limit_at_width_20():
         got = x * 2 + 1
     assert torch.equal(got, plain) and [r.op for r in guard.chunked] == ["mul", "add"]
     # Before 2.12.1 nobody saw the values of ones(N) on MPS: the emulator does not invent them.
-    with mpsimpact.emulate(index_bits=BITS, profile="2.11.0"), pytest.raises(NotEmulatedError, match="unmeasured"):
+    with pytest.raises(NotEmulatedError, match="unmeasured"), mpsimpact.emulate(index_bits=BITS,
+                                                                               profile="2.11.0"):
         torch.ones(2**20 + 2**8, dtype=torch.float16)
 
 
@@ -193,8 +199,9 @@ def test_full_reductions_are_split_and_combined(op):
 def test_softmax_over_scores_past_the_limit_keeps_its_dimension_whole():
     scores = torch.randn(20, 4, 128, 128)  # 1,310,720 > 2**20 elements, every dimension small
     plain = torch.softmax(scores, dim=-1)
-    with mpsimpact.emulate(index_bits=BITS, profile="2.13.0"), pytest.raises(EmulatedMpsError, match="SIGSEGV"):
-        torch.softmax(scores, dim=-1)
+    with pytest.raises(EmulatedMpsError, match="SIGSEGV"):
+        with mpsimpact.emulate(index_bits=BITS, profile="2.13.0"):
+            torch.softmax(scores, dim=-1)
     with mpsimpact.emulate(index_bits=BITS, profile="2.13.0"), mpsimpact.guard("chunk") as guard:
         got = torch.softmax(scores, dim=-1)
     torch.testing.assert_close(got, plain)

@@ -63,9 +63,10 @@ def test_replayed_plan_reproduces_the_full_scale_corrupted_set():
         # 10240 < 32767: nobody measured a lookup that big, so it is not emulated), and the FFN output
         # (10*16, 32) = 5120 the scaled 2-D limit 4096 (20480 < 65536 at full scale). See
         # docs/fault-model.md, "Geometry scaling".
-        with emulate(index_bits=BITS - 4, profile=PROFILE), pytest.raises(RuntimeError, match="unmeasured:indexing"):
+        narrow = dict(index_bits=BITS - 4, profile=PROFILE)
+        with emulate(**narrow), pytest.raises(RuntimeError, match="unmeasured:indexing"):
             model(input_ids=short)
-        with emulate(index_bits=BITS - 4, profile=PROFILE), pytest.raises(RuntimeError, match="Encode failed"):
+        with emulate(**narrow), pytest.raises(RuntimeError, match="Encode failed"):
             F.linear(torch.randn(10 * 16, 16), torch.randn(32, 16))
     assert corrupted_texts(replayed, ref_short) == corrupted_texts(full, ref_full) == set(range(4, 10))
     assert [r.fault.first_bad_batch for r in mode.records] == [16, 16]

@@ -27,8 +27,8 @@ def test_version_table_at_the_demo_geometry(tmp_path):
     # Eager inference: P V wraps from batch-head 16384, divmod(16384, 12) = (1365, 4): 683 texts; on 2.13.0
     # the scale on the 2048 * 12 * 512 * 512 = 6,442,450,944 > 2**32 scores aborts first.
     eager = cells(rows, "eager", "inference")
-    wrong = {r for r, c in eager.items() if (c["outcome"], c["first_corrupted_text"], c["corrupted_count"]) == (
-        "wrong", 1365, 683)}
+    wrong = {r for r, c in eager.items()
+             if (c["outcome"], c["first_corrupted_text"], c["corrupted_count"]) == ("wrong", 1365, 683)}
     assert wrong == {"2.4.1", "2.5.1-2.8.0", "2.9.1-2.12.1", "2.14.0"}
     crash = eager["2.13.0"]
     assert crash["outcome"] == "abort" and crash["first_corrupted_text"] is None
@@ -38,7 +38,8 @@ def test_version_table_at_the_demo_geometry(tmp_path):
     # SDPA inference: the fused op is wrong above 2**32 score elements up to 2.12.1, texts unknown; correct
     # from 2.13.0; an unmeasured release takes the math path, whose softmax aborts on 2.13.0.
     sdpa = cells(rows, "sdpa", "inference")
-    assert [sdpa[r]["outcome"] for r in releases] == ["wrong", "wrong_other", "wrong_other", "clean", "clean", "abort"]
+    assert [sdpa[r]["outcome"] for r in releases] == [
+        "wrong", "wrong_other", "wrong_other", "clean", "clean", "abort"]
     assert sdpa["2.9.1-2.12.1"]["first_corrupted_text"] is None and "not characterised" in sdpa["2.9.1-2.12.1"]["message"]
     # One training step: logits wrong, then grad P^T @ dO reads P through a transposed view of
     # 2048 * 12 * 512**2 > 2**31 elements: the INT_MAX error (misspelt on 2.9.1 .. 2.12.1); on

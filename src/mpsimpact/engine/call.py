@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, spec_of
+from mpsimpact.engine.faults import (
+    Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, spec_of,
+)
 from mpsimpact.engine.release import family_of
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}

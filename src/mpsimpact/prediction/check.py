@@ -85,8 +85,8 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     profile = resolve_profile(cfg.torch_profile)
-    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile, cfg.target_len,
-                      cfg.cache)
+    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile,
+                      cfg.target_len, cfg.cache)
     info = {
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
         "task": task, "task_basis": task_basis, "attention": module.config._attn_implementation,
@@ -166,9 +166,9 @@ def generation_note(plan: FaultPlan, task: str, batch: int, length: int) -> str:
         return ""
     head = [c for c in plan.faults if c.module.split(".")[-1] == "lm_head"]
     rest = [c for c in plan.faults if c not in head]
-    note = (f"generate() keeps one logit row per sample (logits_to_keep=1): its lm_head makes {batch} x 1 x vocab "
-            f"logits, not the {batch} x {length} x vocab of this full-logit forward (scoring, perplexity, "
-            "training).")
+    note = (f"generate() keeps one logit row per sample (logits_to_keep=1): its lm_head makes {batch} x 1 x "
+            f"vocab logits, not the {batch} x {length} x vocab of this full-logit forward (scoring, "
+            "perplexity, training).")
     if head:
         fault = f"the lm_head's {head[0].fault.kind} (call {head[0].index}, rule {head[0].fault.rule})"
         note += (f" So {fault} happens in full-logit forwards, not in generation" + (

@@ -24,8 +24,8 @@ def parameter_count(config: Any, length: int) -> int:
 UPCAST_BYTES = 4
 
 
-def peak_bytes(parameters: int, states: int, attention: int, heads: int, feed_forward: int, dtype_bytes: int = 4,
-               upcast: bool = False) -> int:
+def peak_bytes(parameters: int, states: int, attention: int, heads: int, feed_forward: int,
+               dtype_bytes: int = 4, upcast: bool = False) -> int:
     """The one estimate of an eager forward pass's peak, in bytes: the parameters, 4 hidden-state copies
     (`states` = B*L*D), and the larger of the attention peak (two of its largest tensor live at once,
     e.g. scores and P (B*H, L, L), plus the (B, 1, L, L) mask; with `upcast`, a 16-bit model whose eager
@@ -43,8 +43,8 @@ def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int =
     hidden, heads = config.hidden_size, config.num_attention_heads
     inter = getattr(config, "intermediate_size", 4 * hidden)
     attention, feed_forward = batch * heads * length * length, batch * length * inter
-    return peak_bytes(parameter_count(config, length), batch * length * hidden, attention, heads, feed_forward,
-                      dtype_bytes)
+    states = batch * length * hidden
+    return peak_bytes(parameter_count(config, length), states, attention, heads, feed_forward, dtype_bytes)
 
 
 def softmax_upcast(plan: Any, dtype: Any) -> bool:

@@ -33,7 +33,8 @@ class Prediction:
 
     @property
     def uncharacterised(self) -> tuple[CallRecord, ...]:
-        """Silent faults whose wrong values (and so which texts) nobody characterised (unmeasured ones too)."""
+        """Silent faults whose wrong values (and so which texts) nobody characterised (unmeasured ones
+        too)."""
         return tuple(c for c in self.silent if c.fault.kind == "wrong_other")
 
     @property
@@ -67,7 +68,8 @@ class Prediction:
         if self.first_corrupted_text is not None:
             return f"{self.corrupted_count} texts wrong from text {self.first_corrupted_text}"
         if self.outcome == "unmeasured":
-            return f"unmeasured ({unmeasured_calls(self.unmeasured)}: nobody measured them on MPS; judged conservatively)"
+            calls = unmeasured_calls(self.unmeasured)
+            return f"unmeasured ({calls}: nobody measured them on MPS; judged conservatively)"
         if self.uncharacterised:
             return "wrong (values and texts not characterised)"
         return "clean"
@@ -193,16 +195,17 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     elif strict:
         lines = [f"guard 'chunk' with strict=True (`with mpsimpact.guard('chunk', strict=True):`) makes all "
                  f"{len(faults)} faulting calls safe: {len(strict)} of them are other op families "
-                 f"({', '.join(dict.fromkeys(c.op for c in strict))}), which the guard's fast path leaves to strict "
-                 "mode; it splits each into pieces below the limits; the result equals the correct one."]
+                 f"({', '.join(dict.fromkeys(c.op for c in strict))}), which the guard's fast path leaves to "
+                 "strict mode; it splits each into pieces below the limits; the result equals the correct "
+                 "one."]
     else:
         lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
                  "safe: it splits each along its batch rows (down to blocks of one batch's rows) into pieces "
                  "below the limits; the result equals the correct one."]
     first, stop = faults[0], plan.first_stop
     how = " (with strict=True)" if needs_strict(first) else ""
-    lines.append(f"guard 'raise'{how} stops before call {first.index} ({first.op} in {first.module or first.phase}) "
-                 "with OversizedOpError instead of "
+    lines.append(f"guard 'raise'{how} stops before call {first.index} ({first.op} in "
+                 f"{first.module or first.phase}) with OversizedOpError instead of "
                  + ("an MPS error or a crash." if stop is first else "wrong values."))
     lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     if any(c.fault.rule == "sdpa-fused" for c in faults):
@@ -257,8 +260,8 @@ def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, 
 
 def _note(prediction: Prediction) -> str:
     if prediction.outcome == "unmeasured":
-        return (f"{unmeasured_calls(prediction.unmeasured)} past the limits in a case nobody measured on MPS: "
-                "judged conservatively (rule unmeasured:<family>); the guard stops them")
+        return (f"{unmeasured_calls(prediction.unmeasured)} past the limits in a case nobody measured on "
+                "MPS: judged conservatively (rule unmeasured:<family>); the guard stops them")
     return "some calls are wrong in a pattern nobody characterised (kind wrong_other)"
 
 
@@ -271,7 +274,8 @@ def _describe(prediction: Any, batch: int) -> str:
         return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
     if prediction.outcome == "unmeasured":
-        return f"unmeasured: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
+        calls = unmeasured_calls(prediction.unmeasured)
+        return f"unmeasured: {calls} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
         which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
         return f"silently wrong ({which})"

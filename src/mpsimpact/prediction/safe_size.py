@@ -207,8 +207,8 @@ def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, b
                      profile: Profile = None, every_op: bool = False) -> FaultPlan:
     """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
     ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits, profile=profile,
-                        every_op=every_op)
+    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits,
+                        profile=profile, every_op=every_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +248,8 @@ def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool 
 
 def per_text(two: FaultPlan, four: FaultPlan) -> list[PerTextCall]:
     """The calls of traces at 2 and 4 texts, each with which of its tensors grow with the batch."""
-    return [PerTextCall(c2, doubles(c2.a, c4.a), doubles(c2.b, c4.b)) for c2, c4 in zip(two.trace, four.trace)]
+    pairs = zip(two.trace, four.trace)
+    return [PerTextCall(c2, doubles(c2.a, c4.a), doubles(c2.b, c4.b)) for c2, c4 in pairs]
 
 
 def doubles(two: TensorSpec, four: TensorSpec) -> bool:
