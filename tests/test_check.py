@@ -21,9 +21,13 @@ DATA = Path(__file__).parent / "data"
 LLAMA = DATA / "llama-style-32k"  # 32 heads of dim 128, 32 layers, 32768 positions
 BERT = DATA / "bert-base"  # 12 heads, 12 layers, 512 positions
 T5 = DATA / "t5-base"
+# The arithmetic below is the matrix-product rules'; 2.14.0 keeps them alone. On 2.13.0 (the installed
+# torch) the scale and softmax on scores past 2**32 abort first (inferred; see the 2.13.0 test below).
+PROFILE = "2.14.0"
 
 
 def check_json(*args):
+    args = args if "--torch-profile" in args else (*args, "--torch-profile", PROFILE)
     result = runner.invoke(app, ["check", *map(str, args), "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -44,7 +48,9 @@ def pick(row, *keys):
 
 @pytest.fixture(scope="module")
 def llama_16k():
-    return build_check_report(CheckConfig(str(LLAMA), seq_len=16384, attention="eager"))
+    # use_cache=False (scoring, training): K^T reaches bmm as a strided view (the inferred rule)
+    return build_check_report(CheckConfig(str(LLAMA), seq_len=16384, attention="eager", torch_profile=PROFILE,
+                                          cache=False))
 
 
 def test_llama_at_16k_flags_the_attention_products_of_every_layer(llama_16k):
@@ -82,7 +88,7 @@ def test_longest_safe_length_at_batch_1_is_the_hand_arithmetic(llama_16k):
     search = llama_16k["longest_safe_length_search"]
     assert llama_16k["longest_safe_length"] == 11585 and "checked by tracing at 11585 and 11586" in search["basis"]
     # Independently: direct traces on each side of the boundary.
-    model, _ = prepare(CheckConfig(str(LLAMA), attention="eager"))
+    model, _ = prepare(CheckConfig(str(LLAMA), attention="eager", torch_profile=PROFILE, cache=False))
     assert is_clean(model.trace(1, 11585))
     first_bad = model.trace(1, 11586).faults
     assert len(first_bad) == 32 and {c.fault.rule for c in first_bad} == {"unmeasured-layout"}
@@ -92,9 +98,56 @@ def test_longest_safe_length_at_batch_1_is_the_hand_arithmetic(llama_16k):
     assert pick(summary, *keys) == ("wrong_other", 0, None, 1.0)
 
 
+def test_the_default_forward_passes_k_through_the_cache():
+    # model(ids) and generate() run with use_cache=True: K goes through the cache and comes back contiguous,
+    # so K^T reaches bmm as a transposed view of it, the measured layout. Q K^T: 3 * 32 * 8192**2 =
+    # 6,442,450,944 > 2**32 outputs: every batch-head wrong (strides ignored), from (0, 0); the longest
+    # safe length at 3 samples is floor(sqrt(2**32 / 96)) = 6688.
+    cached = check_json(LLAMA, "--seq-len", 8192, "--batch-size", 3, "--attention", "eager")
+    scores = cached["faulting_calls"][0]
+    assert pick(scores, "op", "b_layout", "kind", "rule", "inferred") == (
+        "bmm", "transposed", "wrong_all", "output-transposed", False)
+    assert pick(cached["prediction"], "first_wrong_sample", "first_wrong_head", "wrong_samples") == (0, 0, 3)
+    assert cached["longest_safe_length"] == math.isqrt(2**32 // 96) == 6688
+    assert cached["model"]["inputs"].endswith("use_cache=True") and cached["config"]["cache"] is True
+    # --no-cache (scoring, training): K^T a strided view (unmeasured layout), wrong in P V from sample 2.
+    uncached = check_json(LLAMA, "--seq-len", 8192, "--batch-size", 3, "--attention", "eager", "--no-cache")
+    assert {r["rule"] for r in uncached["faulting_calls"]} == {"input-wrap"}
+    assert pick(uncached["prediction"], "first_wrong_sample", "wrong_samples") == (2, 1)
+    assert uncached["longest_safe_length"] == 6723 and uncached["config"]["cache"] is False
+
+
+def test_causal_lms_name_the_lm_head_difference_between_generation_and_full_logits(tmp_path):
+    fields = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+                  intermediate_size=32, vocab_size=1100, max_position_embeddings=64)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # At 16 bits the full logits (64, 1100) = 70,400 >= 2**16: the lm_head's mm output aborts (the embedding
+    # table, 1100 * 16 = 17,600, stays below 2**15). generate() keeps one logit row per sample: (1, 1100).
+    report = check_json(tmp_path, "--seq-len", 64, "--index-bits", 16)
+    rows = report["faulting_calls"]
+    assert [pick(r, "module", "kind", "rule") for r in rows] == [("lm_head", "abort", "mm-encode")]
+    assert "logits_to_keep=1" in report["generation"]
+    assert ("happens in full-logit forwards, not in generation: generate() at this geometry makes no "
+            "faulting call") in report["generation"]
+    assert check_json(BERT, "--batch-size", 2, "--seq-len", 64)["generation"] == ""  # not a causal LM
+
+
+def test_on_2_13_0_eager_attention_past_2_to_the_32_scores_crashes_at_the_scale():
+    # 2048 * 12 * 512 * 512 = 6,442,450,944 scores: the study saw eager attention die (SIGSEGV) on 2.13.0;
+    # the rules put it at the first op on the scores, inferred.
+    report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager",
+                        "--torch-profile", "2.13.0")
+    stop = report["prediction"]["stops"][0]
+    assert pick(stop, "op", "kind", "rule", "inferred") == ("mul", "abort", "int32-kernel", True)
+    assert report["prediction"]["outcome"] == "abort" and "SIGSEGV" in stop["message"]
+    assert "strict=True" in report["guard_advice"][0]  # the scale and softmax: left to strict mode
+
+
 def test_bert_base_largest_safe_batch_equals_the_plan_command():
     report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager")
-    plan = runner.invoke(app, ["plan", "sentiment", "--batch-size", "4096", "--max-length", "512", "--json"])
+    plan = runner.invoke(app, ["plan", "sentiment", "--batch-size", "4096", "--max-length", "512", "--json",
+                               "--torch-profile", PROFILE])
     assert plan.exit_code == 0, plan.output
     # floor(2**32 / (12 * 512**2)) = 1365, for both 12-head models.
     assert report["largest_safe_batch"] == json.loads(plan.stdout)["largest_safe_batch"] == 2**32 // (12 * 512**2)
@@ -148,22 +201,39 @@ def test_fused_sdpa_is_wrong_up_to_2_12_1_and_clean_on_2_13_0():
     # 2048 * 12 * 512 * 512 = 6,442,450,944 score elements > 2**32.
     assert [pick(r, "op", "kind", "rule") for r in old["faulting_calls"]] == [("sdpa", "wrong_other", "sdpa-fused")] * 12
     assert old["torch_profile"]["measured"] and old["torch_profile"]["source"] == "--torch-profile"
-    assert new["faulting_calls"] == [] and new["prediction"]["outcome"] == "clean"
+    # On 2.13.0 the fused op is right; what is left is the FFN's GELU on 2048 * 512 * 3072 = 3,221,225,472
+    # elements, between 2**31 and 2**32, where nobody measured 2.13.0's elementwise kernels: unmeasured.
+    assert {pick(r, "op", "kind", "rule") for r in new["faulting_calls"]} == {
+        ("gelu", "wrong_other", "unmeasured:elementwise")}
+    assert new["prediction"]["outcome"] == "unmeasured" and "nobody measured" in new["prediction"]["describe"]
     # Which samples are wrong was never characterised.
     assert old["prediction"]["wrong_fraction"] is None and "any may be" in old["prediction"]["describe"]
-    assert old["largest_safe_batch"] == 1365 and new["largest_safe_batch"] == 2730  # then the FFN addmm aborts
+    # 2.13.0: the GELU input passes INT_MAX from (2**31 - 1) // (512 * 3072) + 1 = 1366 samples.
+    assert old["largest_safe_batch"] == 1365
+    assert new["largest_safe_batch"] == (2**31 - 1) // (512 * 3072) == 1365
+    on_2_14 = check_json(BERT, "--batch-size", 2048, "--attention", "sdpa", "--torch-profile", "2.14.0")
+    assert on_2_14["faulting_calls"] == []
+    assert on_2_14["largest_safe_batch"] == 2730  # then the FFN addmm aborts
 
 
 def test_training_takes_sdpas_math_path_under_both_releases():
     model, _ = prepare(CheckConfig(str(BERT), attention="sdpa", phase="training", torch_profile="2.12.1"))
     traced = model.trace(2048, 512)
     for plan in (traced, traced.under("2.13.0")):
-        assert plan.faults and all(c.family == "bmm" for c in plan.faults), plan.profile
-        forward = [c for c in plan.faults if c.phase == "forward"]
+        products = [c for c in plan.faults if c.is_product]
+        assert products and all(c.family == "bmm" for c in products), plan.profile
+        forward = [c for c in products if c.phase == "forward"]
         # The math path's P V wraps from row 2**32 // 512**2 = 16384 = (sample 1365, head 4).
         assert {(c.fault.kind, c.fault.rule, c.fault.first_bad_batch) for c in forward} == {
             ("wrong_tail", "input-wrap", 16384)}
-        assert plan.first_stop.phase == "backward" and plan.first_stop.fault.kind == "error"
+    assert traced.first_stop.phase == "backward" and traced.first_stop.fault.kind == "error"
+    # The bias gradients sum (2048 * 512, 3072) in backward: a reduction past INT_MAX nobody measured.
+    others = {(c.op, c.fault.rule) for c in traced.faults if not c.is_product}
+    assert others == {("sum", "unmeasured:reduction")}
+    # On 2.13.0 the math path's softmax on the 6.4e9 scores aborts first (inferred, as eager attention did).
+    stop = traced.under("2.13.0").first_stop
+    assert (stop.phase, stop.op, stop.fault.rule, stop.fault.inferred) == (
+        "forward", "_safe_softmax", "int32-kernel", True)
 
 
 def test_default_attention_is_what_transformers_picks():
@@ -178,13 +248,15 @@ def test_default_attention_is_what_transformers_picks():
 
 def test_out_writes_json_and_markdown(tmp_path):
     out = tmp_path / "check"
-    result = runner.invoke(app, ["check", str(BERT), "--batch-size", "2048", "--attention", "eager", "--out", str(out)])
+    result = runner.invoke(app, ["check", str(BERT), "--batch-size", "2048", "--attention", "eager",
+                                 "--out", str(out), "--torch-profile", PROFILE])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["check.json", "check.md"]
     written = json.loads((out / "check.json").read_text())
     assert written["largest_safe_batch"] == 1365 and written["config"]["out"] == str(out)
     markdown = (out / "check.md").read_text()
-    assert "| 12 calls (4 .. 92) | bert.encoder.layer.*.attention.self |" in markdown
+    # Call indices count every op the trace holds (check traces every op, so traces rescale call by call).
+    assert "| 12 calls (16 .. 225) | bert.encoder.layer.*.attention.self |" in markdown
     assert "**largest safe batch**: 1365" in markdown
 
 
@@ -199,18 +271,18 @@ def test_length_search_equals_brute_force_on_a_tiny_model():
     def trace_at(batch, step=1):
         def trace(n):
             ids = torch.zeros(batch, math.ceil(n / step) * step, dtype=torch.long, device="meta")
-            return trace_module(meta, {"input_ids": ids}, index_bits=16)
+            return trace_module(meta, {"input_ids": ids}, index_bits=16, profile=PROFILE, every_op=True)
         return trace
 
     for batch, step in ((8, 1), (8, 16)):
         brute = next((n - 1 for n in range(1, 65) if not is_clean(trace_at(batch, step)(n))), 64)
-        search = longest_safe_length(trace_at(batch, step), 64, index_bits=16)
+        search = longest_safe_length(trace_at(batch, step), 64, index_bits=16, profile=PROFILE)
         assert search.largest_safe == brute, (batch, step)
         assert ("bisection" in search.basis) == (step > 1)  # lengths padded to 16 do not fit a quadratic
     # 8 samples: P V wraps once its first wrapped row ceil(2**16 / L^2) is inside the 32 rows: L >= 46;
     # padded to multiples of 16, 33 already becomes 48.
-    assert longest_safe_length(trace_at(8), 64, index_bits=16).largest_safe == 45
-    assert longest_safe_length(trace_at(8, 16), 64, index_bits=16).largest_safe == 32
+    assert longest_safe_length(trace_at(8), 64, index_bits=16, profile=PROFILE).largest_safe == 45
+    assert longest_safe_length(trace_at(8, 16), 64, index_bits=16, profile=PROFILE).largest_safe == 32
 
 
 @pytest.mark.parametrize("args, message", [
@@ -269,7 +341,7 @@ def test_guard_advice_agrees_with_the_guard_at_a_narrow_index(tmp_path):
         ids = torch.randint(0, 100, (1, length))
         with torch.no_grad():
             reference = model(input_ids=ids, use_cache=False).logits
-            with mpsimpact.emulate(index_bits=16), mpsimpact.guard("chunk", index_bits=16):
+            with mpsimpact.emulate(index_bits=16, profile=PROFILE), mpsimpact.guard("chunk", index_bits=16):
                 guarded = model(input_ids=ids, use_cache=False).logits
         torch.testing.assert_close(guarded, reference, atol=1e-5, rtol=1e-5)
     # One row of P alone past the view limit (L = 40000 > 2**15 keys): no split makes P V safe.
@@ -282,7 +354,7 @@ def test_plan_and_check_answer_with_one_pipeline_on_the_same_model_and_geometry(
     from mpsimpact.models.classifier import embedded_model_path
 
     plan = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "4096", "--max-length", "512",
-                                          "--json"]).stdout)
+                                          "--json", "--torch-profile", PROFILE]).stdout)
     check = check_json(embedded_model_path(), "--batch-size", 4096, "--seq-len", 512, "--attention", "eager")
     words = ("first_wrong_sample", "first_wrong_head", "wrong_samples", "outcome")
     assert [plan["prediction"][w] for w in words] == [check["prediction"][w] for w in words] == [1365, 4, 2731, "wrong"]

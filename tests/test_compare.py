@@ -365,7 +365,8 @@ def test_interrupted_write_leaves_no_folder(tmp_path, monkeypatch):
 
 def test_two_real_small_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
-    small = ["run", "sentiment", "--max-length", "256", "--index-bits", "23", "--guard", "all"]
+    small = ["run", "sentiment", "--max-length", "256", "--index-bits", "23", "--guard", "all",
+             "--torch-profile", "2.14.0"]
     for batch in ("16", "10"):
         result = runner.invoke(app, [*small, "--batch-size", batch, "--out", str(tmp_path / f"b{batch}")])
         assert result.exit_code == 0, result.output

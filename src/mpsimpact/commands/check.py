@@ -26,6 +26,9 @@ def main(
                                           "backward)."),
     torch_profile: str | None = shared("--torch-profile"),
     index_bits: int | None = shared("--index-bits"),
+    cache: bool | None = option("--cache/--no-cache", "Trace with the KV cache on (use_cache=True), as the "
+                                "default forward model(ids) and generate() run; --no-cache as scoring and "
+                                "training with use_cache=False do."),
     as_json: bool = options.as_json(),
     out: str | None = options.out("Also write check.json and check.md"),
 ) -> None:
@@ -36,7 +39,8 @@ def main(
 
     check_config = options.config_from(
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
-        attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, out=out,
+        attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
+        out=out,
     )
     with claimed_out_dir(out, "check", default=False) as folder:
         report = build_check_report(check_config)

@@ -1,30 +1,55 @@
-"""One bmm/mm/SDPA/cat call as the modes saw it (`CallRecord`), and the one decision function every
-mode, plan and check uses: `classify_call`, a family -> rule table. Pure: shapes in, a Fault out."""
+"""One op call as the modes saw it (`CallRecord`: a matrix product, SDPA, or any other aten op past a
+limit), and the one decision function every mode, plan and check uses: `classify_call` (a family -> rule
+table for the products) and `classify_record` (any recorded call, through engine.families for the rest).
+Pure: shapes in, a Fault out."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
-from mpsimpact.engine.faults import Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa
+from mpsimpact.engine.families import classify_op
+from mpsimpact.engine.faults import (
+    Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, spec_of,
+)
+from mpsimpact.engine.release import family_of
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}
+PRODUCTS = frozenset(RULES)
 
 
 def out_elements(family: str, a: Any, b: Any) -> int:
     """A call's output elements (shapes of `a` and `b`); for sdpa (a = query, b = key), its score
-    elements B*H*Lq*Lk, the tensor whose size decides the fused op's fault."""
+    elements B*H*Lq*Lk, the tensor whose size decides the fused op's fault; for any other family (a =
+    its largest input, b = its largest output), the output's."""
     if family == "sdpa":
         return math.prod(a.shape[:-1]) * b.shape[-2]
-    if family == "cat":
-        return math.prod(a.shape)  # a: the output
-    return a.shape[-2] * b.shape[-1] * (a.shape[0] if family == "bmm" else 1)
+    if family in ("bmm", "mm"):
+        return a.shape[-2] * b.shape[-1] * (a.shape[0] if family == "bmm" else 1)
+    return math.prod(b.shape)
+
+
+def largest_spec(tensors: Iterable[Any]) -> TensorSpec | None:
+    """The spec of the tensor (or spec) with the most elements; None if there is none."""
+    specs = [spec_of(t) for t in tensors]
+    return max(specs, key=lambda s: s.numel, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
-    """One bmm/mm call as a dispatch mode saw it, with the fault decided for it."""
+    """One op call as a dispatch mode saw it, with the fault decided for it.
+
+    For bmm/mm, `a` and `b` are the two operands; for sdpa the query and the key. For every other family
+    (cat, elementwise, reduction, ...), `a` is its first input (`self`; cat's first tensor) and `b` its
+    largest output (each stands for the other where the op has none: a creation op has no input): what
+    the family rules read (Note [Op families past INT_MAX]: the largest tensor and any dimension past
+    the limit, which the output carries wherever a broadcast or lookup makes it bigger), so a record can
+    be re-decided for another release, or rescaled to another batch, from them alone. (The first input,
+    not the largest: which input is largest can change with the batch, and rescaling pairs the calls of
+    two traces tensor by tensor.)
+    """
 
     index: int
     op: str
@@ -35,10 +60,25 @@ class CallRecord:
     module: str = ""
     needs_grad: bool = False  # sdpa: whether it needed gradients (which decides its path)
     within: int | None = None  # a call of an sdpa's math path: the index of that sdpa call
+    occurrence: int | None = None  # other families: this op's how-manieth call of its name (plan replay)
+
+    @classmethod
+    def of_op(cls, index: int, op: str, inputs: Iterable[Any], outputs: Iterable[Any], fault: Fault,
+              phase: str = "forward", **fields: Any) -> CallRecord:
+        """The record of a call of any family but the products: its first input and largest output."""
+        a, b = next((spec_of(t) for t in inputs), None), largest_spec(outputs)
+        if a is None and b is None:
+            a = b = TensorSpec.contiguous(())
+        return cls(index, op, a or b, b or a, fault, phase, **fields)  # type: ignore[arg-type]
 
     @property
     def family(self) -> str:
-        return {"mm": "mm", "addmm": "mm", "sdpa": "sdpa", "cat": "cat"}.get(self.op, "bmm")
+        return family_of(self.op)
+
+    @property
+    def is_product(self) -> bool:
+        """A matrix product or SDPA: `a` and `b` are its operands."""
+        return self.family in PRODUCTS
 
     @property
     def out_numel(self) -> int:
@@ -49,7 +89,10 @@ class CallRecord:
         if self.family == "sdpa":
             return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
         if self.family == "cat":
-            return f"cat to {self.a.numel} elements ({self.a.dtype})"
+            return f"cat to {list(self.b.shape)}, {self.b.numel} elements ({self.b.dtype})"
+        if not self.is_product:
+            into = f" -> {list(self.b.shape)}" if self.b != self.a else ""
+            return f"{self.op}({list(self.a.shape)}{into}) ({self.a.dtype}, {self.family})"
         return f"{self.op}{list(self.a.shape)} @ {list(self.b.shape)} ({self.a.dtype})"
 
     def to_json(self) -> dict[str, Any]:
@@ -64,12 +107,19 @@ class CallRecord:
             "fault": self.fault.to_json(),
             **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
             **({"within_sdpa": self.within} if self.within is not None else {}),
+            **({"family": self.family} if not self.is_product else {}),
         }
 
 
 def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
-    """The fault of one call, by family ("bmm", "mm", or "sdpa" with a = query, b = key; fused path).
-    See Note [MPS 32-bit index faults]."""
+    """The fault of one matrix-product call, by family ("bmm", "mm", or "sdpa" with a = query, b = key;
+    fused path). See Note [MPS 32-bit index faults]."""
     return RULES[family](a, b, index_bits=index_bits, profile=profile)
 
 
+def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) -> Fault:
+    """The fault of a recorded call under a release: the products' rules on `a` and `b`; any other
+    family's rule on its first input and largest output (Note [Op families past INT_MAX])."""
+    if call.is_product:
+        return classify_call(call.family, call.a, call.b, index_bits, profile)
+    return classify_op(call.op, [call.a], call.b, index_bits=index_bits, profile=profile)

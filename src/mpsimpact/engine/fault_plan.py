@@ -1,23 +1,26 @@
-"""A fault plan: every call one run makes on MPS under a torch release, in order, each with its fault;
-built by the tracer, replayed by the emulator, read by plan, check and run."""
+"""A fault plan: every call one run makes on MPS under a torch release, in order, each with its fault
+(matrix products, SDPA, and the other ops whose tensors pass the per-dimension limit); built by the
+tracer, replayed by the emulator, read by plan, check and run."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from mpsimpact.engine.call import CallRecord, classify_call
+from mpsimpact.engine.call import CallRecord, classify_record
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, sdpa_path
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultPlan:
-    """Every bmm/mm/SDPA call one run makes on MPS under a torch release, in order, with its fault.
+    """Every bmm/mm/SDPA call one run makes on MPS under a torch release, in order, with its fault, and
+    every other op whose largest tensor has more than DIM_MAX elements (the tracer's prefilter: below
+    it no family rule applies), decided by its family (Note [Op families past INT_MAX]).
 
     `trace` keeps every call the tracer saw, SDPA's math-path calls included, so the same trace
     can be re-decided for another release (`under`): whether an SDPA call is one fused op or its
-    math path's bmm calls depends on the release.
+    math path's calls (bmm, the scale, softmax) depends on the release.
     """
 
     calls: tuple[CallRecord, ...]
@@ -35,7 +38,7 @@ class FaultPlan:
             sdpa = parents.get(call.within) if call.within is not None else call if call.family == "sdpa" else None
             if sdpa is not None and (sdpa_path(sdpa.needs_grad, prof) == "math") != (call.family != "sdpa"):
                 continue  # the fused op and its math path are two ways of one call: keep the one MPS runs
-            fault = classify_call(call.family, call.a, call.b, index_bits, prof)
+            fault = classify_record(call, index_bits, prof)
             kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
         return cls(tuple(kept), index_bits, prof.ref, tuple(trace))
 
@@ -51,6 +54,11 @@ class FaultPlan:
     def faults(self) -> list[CallRecord]:
         """The calls that do not simply compute correctly."""
         return [call for call in self.calls if not call.fault.is_ok]
+
+    @property
+    def products(self) -> list[CallRecord]:
+        """The bmm/mm/SDPA calls, in order: what the emulator's plan replay counts."""
+        return [call for call in self.calls if call.is_product]
 
     @property
     def first_stop(self) -> CallRecord | None:

@@ -188,8 +188,9 @@ class Fault:
 
     @property
     def is_unmeasured(self) -> bool:
-        """Nobody measured this call's case: judged conservatively (a plan says "unmeasured")."""
-        return self.rule.removeprefix("conservative:").startswith("unmeasured")
+        """Nobody measured this call's case (rule unmeasured:<family>): judged conservatively (a plan says
+        "unmeasured"). An unmeasured layout is not this: its value is inferred from a measured rule."""
+        return self.rule.removeprefix("conservative:").startswith("unmeasured:")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

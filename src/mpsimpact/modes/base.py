@@ -23,11 +23,23 @@ MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
 }
 
 # CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
-# torch.inference_mode(); decomposing them exposes the real bmm/mm operands.
+# torch.inference_mode(); decomposing them exposes the real bmm/mm operands. Every other such op
+# (softmax.int, layer_norm, dropout, ...) is decomposed too (`is_composite`), so that a mode sees the
+# kernels MPS runs, named as a trace under no_grad names them (a replayed plan counts them by name).
 DECOMPOSED_OPS = frozenset({
     aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default,
     aten.bilinear.default, aten._scaled_dot_product_attention_math.default,
 })
+_COMPOSITE: dict[Any, bool] = {}
+_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def is_composite(func: Any) -> bool:
+    """Whether `func` has a CompositeImplicitAutograd kernel (cached: asked for every op)."""
+    found = _COMPOSITE.get(func)
+    if found is None:
+        found = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _IMPLICIT)
+    return found
 
 
 def op_name(func: Any) -> str:
@@ -80,16 +92,20 @@ def current_phase() -> str:
 
 
 class ActiveEmulator(Protocol):
-    """What the guard needs from an active emulator: its width, its plan, and its decisions."""
+    """What the guard needs from an active emulator: its width, release, plan, and its decisions."""
 
     index_bits: int
+    profile: Any
     plan: Any
 
     def peek(self, family: str, func: Any, a: Any, b: Any) -> tuple[Fault, Any, Any]:
         """The decision the next call would get, and the operands it was decided on."""
 
-    def as_one_call(self) -> contextlib.AbstractContextManager[None]:
-        """Counts the calls made inside as the one call they split."""
+    def peek_op(self, func: Any) -> Any:
+        """Under a plan: the planned record of the next call of this op (any other family), or None."""
+
+    def as_one_call(self, op: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Counts the calls made inside as the one call they split (a product, or a call of `op`)."""
 
 
 # The active modes of this thread, by role ("emulator", "guard"), innermost last. One registry, so
@@ -139,7 +155,7 @@ class MatmulMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS:
+        if func in DECOMPOSED_OPS or (is_composite(func) and self.decomposes(func, args, kwargs)):
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -148,6 +164,11 @@ class MatmulMode(TorchDispatchMode):
             family, a, b = operands(func, args)
             return self.on_matmul(func, family, a, b, args, kwargs)
         return self.on_other(func, args, kwargs)
+
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """Whether to decompose this CompositeImplicitAutograd op (one that reached the mode whole, under
+        inference_mode) into the kernels it runs: always, unless a mode says it can judge it whole."""
+        return True
 
     def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):
         return func(*args, **kwargs)

@@ -116,10 +116,11 @@ class SdpaSplit:
 
 
 def split_sdpa(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
-               index_bits: int) -> SdpaSplit | None:
+               index_bits: int, causal: bool = False) -> SdpaSplit | None:
     """Pieces whose scores stay at or below LIMIT and whose operands (slices, so views) stay below
     VIEW_LIMIT on every release: whole batch-head rows where one row fits, else one row over blocks of
-    query rows. None when one key or value head alone crosses the view limit."""
+    query rows (`causal`: each block's mask, made for it, also at most DIM_MAX elements, which no op
+    family faults on). None when one key or value head alone crosses the view limit."""
     limit, view_limit = limits(index_bits)
     lq, d = query_shape[-2], query_shape[-1]
     lk = key_shape[-2]
@@ -128,8 +129,9 @@ def split_sdpa(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_d
     per_row_view = max(lq * d, lk * d, lk * value_dim, lq * value_dim)
     rows = min(limit // (lq * lk), (view_limit - 1) // per_row_view)
     if rows >= 1:
-        return SdpaSplit(rows, lq)
-    return SdpaSplit(1, min(limit // lk, (view_limit - 1) // max(d, value_dim)))
+        return SdpaSplit(rows, lq if not causal or lq * lk < view_limit else (view_limit - 1) // lk)
+    block = min(limit // lk, (view_limit - 1) // max(d, value_dim))
+    return SdpaSplit(1, min(block, (view_limit - 1) // lk) if causal else block)
 
 
 def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
@@ -190,8 +192,10 @@ def _kv_heads(head: slice, groups: int, heads: int) -> slice:
     return slice(start // groups, (stop - 1) // groups + 1)
 
 
-def cat_in_place(tensors: Any, dim: int = 0) -> torch.Tensor:
-    """torch.cat computed by copying each piece into a preallocated output (no cat kernel)."""
+def cat_in_place(tensors: Any, dim: int = 0, most: int | None = None) -> torch.Tensor:
+    """torch.cat computed by copying each piece into a preallocated output (no cat kernel); with `most`,
+    each copy in blocks of at most `most` elements along `dim` (a 1-D input past the per-dimension limit
+    is copied in pieces too)."""
     tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]  # cat's legacy empty rule
     first = tensors[0]
     dim = dim % first.dim()
@@ -200,7 +204,11 @@ def cat_in_place(tensors: Any, dim: int = 0) -> torch.Tensor:
     out = first.new_empty(shape, dtype=torch.result_type(*tensors) if len(tensors) > 1 else first.dtype)
     offset = 0
     for t in tensors:
-        out.narrow(dim, offset, t.shape[dim]).copy_(t)
+        per = max(1, t.numel() // max(t.shape[dim], 1))  # elements of one index along dim
+        step = t.shape[dim] if most is None else max(1, most // per)
+        for start in range(0, t.shape[dim], step):
+            size = min(step, t.shape[dim] - start)
+            out.narrow(dim, offset + start, size).copy_(t.narrow(dim, start, size))
         offset += t.shape[dim]
     return out
 

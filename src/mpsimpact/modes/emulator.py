@@ -1,6 +1,8 @@
-"""The MPS emulator: a dispatch mode that makes CPU or CUDA tensors fault the way MPS does.
+"""The MPS emulator: a dispatch mode that makes CPU or CUDA tensors fault the way MPS does: the matrix
+products, SDPA, and every other op past the per-dimension limit by its family.
 
-See Note [MPS 32-bit index faults] in engine/faults.py for the rules it applies.
+See Note [MPS 32-bit index faults] in engine/faults.py and Note [Op families past INT_MAX] in
+engine/families.py for the rules it applies.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    cat_dim, check_index_bits,
+    check_index_bits,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
+from mpsimpact.modes.op_size import SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, contiguous_strides, Fault, Profile, sdpa_path, TensorSpec, wrap_start_batch
-from mpsimpact.engine.families import classify_cat
+from mpsimpact.engine.faults import (
+    MPS_INDEX_BITS, contiguous_strides, Fault, Profile, sdpa_path, TensorSpec,
+    wrap_start_batch,
+)
+from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.release import resolve_profile
 
 if TYPE_CHECKING:
@@ -76,8 +82,8 @@ def wrong_bmm(a: torch.Tensor, b: torch.Tensor, fault: Fault, wraps: dict[str, i
 
 
 class EmulateMode(MatmulMode):
-    """Applies the MPS fault rules of one torch release to every bmm/mm/SDPA/cat call; records the
-    calls it altered.
+    """Applies the MPS fault rules of one torch release to every bmm/mm/SDPA call and every other op
+    past the per-dimension limit; records the calls it altered.
 
     With a `plan` (from `trace_faults` at full scale), each call takes the plan's decision
     instead of classifying its own, smaller shapes. See `emulate()`.
@@ -92,9 +98,16 @@ class EmulateMode(MatmulMode):
         self.calls = 0
         self.records: list[CallRecord] = []
         self._grouped = False
+        self._passing = False  # inside a fused SDPA call: MPS runs it as one op, decided at its entry
+        # Plan replay of the other families: each planned call by (sdpa scope, op name, occurrence), and
+        # the calls of each (scope, name) made so far (see `peek_op`).
+        others = (c for c in (plan.calls if plan else ()) if not c.is_product)
+        self._planned = {(c.within, c.op, c.occurrence): c for c in others}
+        self._seen: dict[tuple[int | None, str], int] = {}
+        self._scope: int | None = None
 
     def on_matmul(self, func, family, a, b, args, kwargs):
-        if self._grouped and self.plan is not None:
+        if self._passing or (self._grouped and self.plan is not None):
             return func(*args, **kwargs)  # a guard's safe chunk of one planned call
         index = self.calls
         self.calls += 1
@@ -117,7 +130,7 @@ class EmulateMode(MatmulMode):
 
     def _record(self, index: int, op: str, a, b, fault: Fault) -> CallRecord:
         # Under a plan the record (and any error text) shows the full-scale call MPS would see.
-        planned = self.plan.calls[index] if self.plan is not None else None
+        planned = self.plan.products[index] if self.plan is not None else None
         spec_a, spec_b = (planned.a, planned.b) if planned else (TensorSpec.of(a), TensorSpec.of(b))
         record = CallRecord(index, op, spec_a, spec_b, fault, current_phase())
         self.records.append(record)
@@ -159,17 +172,66 @@ class EmulateMode(MatmulMode):
         return replay_decision(self.plan, index, family, op_name(func) if func is not None else family, a, b)
 
     def on_other(self, func, args, kwargs):
-        if func is torch.ops.aten.cat.default and args[0]:
-            fault = classify_cat(args[0], dim=cat_dim(args, kwargs), index_bits=self._cat_bits(), profile=self.profile)
-            if not fault.is_ok:
-                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
-                record = CallRecord(self.calls, "cat", spec, spec, fault, current_phase())
-                self.records.append(record)
-                self._refuse(record)
+        """Every other op past the per-dimension limit, by its family (prefiltered: a call whose tensors all
+        have at most DIM_MAX elements runs at once). Under a plan, its full-scale decision."""
+        if self._passing:
+            return func(*args, **kwargs)
+        if self.plan is not None:
+            return self._replay_other(func, args, kwargs)
+        sized = size_call(func, args, kwargs, *judged_at(self.index_bits))
+        if sized is None:
+            return func(*args, **kwargs)
+        if sized.after:  # judged on what it made ('other' families: never a stop)
+            out = func(*args, **kwargs)
+            made = judged_outputs(func, outputs_of(out), judged_at(self.index_bits)[1])
+            self._decide_other(func, sized.inputs, made)
+            return out
+        fault = self._decide_other(func, sized.inputs, [sized.out] if sized.out is not None else sized.inputs)
+        if fault.rule == "reduction-wrap":
+            return wrapped_reduction(func, args, kwargs, fault.wrap_elements)
         return func(*args, **kwargs)
 
-    def _cat_bits(self) -> int:
-        return self.plan.index_bits if self.plan is not None else self.index_bits
+    def _decide_other(self, func, inputs: list, outputs: list) -> Fault:
+        """Classifies the call; raises for a stop or values nobody characterised (see `_refuse`)."""
+        fault = classify_op(func, inputs, outputs, index_bits=self.index_bits, profile=self.profile)
+        if fault.is_ok:
+            return fault
+        record = CallRecord.of_op(self.calls, op_name(func), inputs, outputs, fault, current_phase())
+        self.records.append(record)
+        if fault.rule != "reduction-wrap" or not _wraps_whole(func, inputs):
+            self._refuse(record)
+            raise NotEmulatedError(
+                f"{record.describe()}: {fault.kind} on MPS {self.profile.release} (rule {fault.rule}); "
+                "not emulated",
+                op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase)
+        return fault
+
+    def _replay_other(self, func, args, kwargs):
+        """A planned call of the other families: the full-scale decision of its occurrence."""
+        planned = None if self._grouped or op_family(func) in SKIPPED else self._take(op_name(func))
+        if planned is None or planned.fault.is_ok:
+            return func(*args, **kwargs)
+        self.records.append(planned)
+        self._refuse(planned)
+        raise NotEmulatedError(
+            f"{planned.describe()}: {planned.fault.kind} on MPS {self.profile.release} (rule "
+            f"{planned.fault.rule}) at full scale; not replayed at a reduced length. Run at full scale, or "
+            "guard it.",
+            op=planned.op, fault=planned.fault,
+        )
+
+    def _take(self, name: str) -> CallRecord | None:
+        key = (self._scope, name)
+        occurrence = self._seen[key] = self._seen.get(key, -1) + 1
+        return self._planned.get((self._scope, name, occurrence))
+
+    def peek_op(self, func: Any) -> CallRecord | None:
+        """Under a plan: the planned record of this op's next call (any other family), or None; the call is
+        not consumed."""
+        if self.plan is None or self._passing:
+            return None
+        name = op_name(func)
+        return self._planned.get((self._scope, name, self._seen.get((self._scope, name), -1) + 1))
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]."""
@@ -177,14 +239,29 @@ class EmulateMode(MatmulMode):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
-            return sdpa_math(*args, **kwargs)  # its bmm calls come through on_matmul
+            return self._math_path(*args, **kwargs)  # its calls come through on_matmul and on_other
         index = self.calls
         self.calls += 1
         fault, _ = self._decide(index, "sdpa", None, query, key)
-        if fault.is_ok:
+        if not fault.is_ok:
+            self._refuse(self._record(index, "sdpa", query, key, fault))
+        passing, self._passing = self._passing, True  # what runs it here is not what MPS runs
+        try:
             return proceed(*args, **kwargs)
-        self._refuse(self._record(index, "sdpa", query, key, fault))
-        return proceed(*args, **kwargs)
+        finally:
+            self._passing = passing
+
+    def _math_path(self, *args: Any, **kwargs: Any) -> Any:
+        """SDPA's math path; under a plan, its other calls are looked up in the scope of that SDPA call
+        (the trace index its planned calls carry)."""
+        if self.plan is None:
+            return sdpa_math(*args, **kwargs)
+        products = self.plan.products
+        scope, self._scope = self._scope, products[self.calls].within if self.calls < len(products) else -1
+        try:
+            return sdpa_math(*args, **kwargs)
+        finally:
+            self._scope = scope
 
     def peek(self, family: str, func: Any, a: torch.Tensor, b: torch.Tensor) -> tuple[Fault, Any, Any]:
         """The decision the next call would get, and the operands it was decided on (the
@@ -192,28 +269,54 @@ class EmulateMode(MatmulMode):
         if self.plan is None:
             return classify_call(family, a, b, self.index_bits, self.profile), a, b
         fault, _ = self._decide(self.calls, family, func, a, b)
-        planned = self.plan.calls[self.calls]
+        planned = self.plan.products[self.calls]
         return fault, planned.a, planned.b
 
     @contextlib.contextmanager
-    def as_one_call(self) -> Iterator[None]:
-        """Counts the calls made inside as the one planned call they split (guard chunking)."""
-        self._grouped = True
+    def as_one_call(self, op: str | None = None) -> Iterator[None]:
+        """Counts the calls made inside as the one planned call they split (guard chunking): a product,
+        or a call of `op` (the other families)."""
+        grouped, self._grouped = self._grouped, True
         try:
             yield
         finally:
-            self._grouped = False
-        if self.plan is not None:
+            self._grouped = grouped
+        if self.plan is not None and op is None:
             self.calls += 1
+        elif self.plan is not None:
+            self._take(op)
 
     def check_plan_consumed(self) -> None:
         """Raises if a replayed plan had calls this run never made."""
-        if self.plan is not None and self.calls != len(self.plan.calls):
+        if self.plan is not None and self.calls != len(self.plan.products):
             raise PlanMismatchError(
                 f"The run made {self.calls} bmm/mm calls but the fault plan has "
-                f"{len(self.plan.calls)}; the plan was traced for another model or phase. "
+                f"{len(self.plan.products)}; the plan was traced for another model or phase. "
                 "Re-trace the plan with the same model and inputs."
             )
+
+
+def _wraps_whole(func: Any, inputs: list) -> bool:
+    """A characterised reduction wrap: a reduction over every element of its one input."""
+    return len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING
+
+
+_WRAPPING = frozenset({
+    "sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "count_nonzero",
+})
+
+
+def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.Tensor:
+    """What 2.13.0 returns for a full reduction past INT_MAX: the reduction of its first numel mod `wrap`
+    elements (ones(N).sum() returns N mod 2**32). See Note [Op families past INT_MAX]."""
+    x = args[0]
+    first = x.reshape(-1)[: x.numel() % wrap]
+    dims = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else None)
+    if dims is not None and len(dims) not in (0, x.dim()):
+        raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not "
+                               "characterised")
+    rest = [[0] if isinstance(a, (list, tuple)) and a else a for a in args[1:]]
+    return func(first, *rest, **({k: ([0] if k == "dim" and v else v) for k, v in kwargs.items()}))
 
 
 def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:
@@ -223,12 +326,13 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
     operand's per-batch elements, e.g. L*L with L a power of two): then batch i reads batch
     i mod period at both scales. Otherwise refuses, rather than replay inexactly.
     """
-    if index >= len(plan.calls):
+    products = plan.products
+    if index >= len(products):
         raise PlanMismatchError(
-            f"Call {index} ({op}) is past the end of the fault plan ({len(plan.calls)} calls); "
+            f"Call {index} ({op}) is past the end of the fault plan ({len(products)} calls); "
             "the plan was traced for another model or phase."
         )
-    planned = plan.calls[index]
+    planned = products[index]
     if planned.family != family or (family == "bmm" and planned.a.shape[0] != a.shape[0]):
         raise PlanMismatchError(
             f"Call {index} is {op}{list(a.shape)} @ {list(b.shape)} but the plan expected "
@@ -254,7 +358,9 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
 
 @contextlib.contextmanager
 def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> Iterator[EmulateMode]:
-    """Makes bmm/mm/SDPA/cat on CPU or CUDA tensors behave like MPS's, faults included.
+    """Makes bmm/mm/SDPA and every other op on CPU or CUDA tensors behave like MPS's, faults included:
+    crashes and errors raise `EmulatedMpsError`, 2.13.0's sum past INT_MAX returns the wrapped result,
+    and values nobody characterised or measured (wrong_other, unmeasured:*) raise `NotEmulatedError`.
 
     Args:
         index_bits: index width of the rules (32 is MPS; smaller widths show the same faults on

@@ -1,6 +1,7 @@
 """The guard: stops (raise), flags (warn) or safely splits (chunk) every matrix-multiply, SDPA and cat
 call that would fault on MPS under a torch release's profile, deciding through the same fault rules
-as the emulator, at near-zero cost for every other op.
+as the emulator, at near-zero cost for every other op; with `strict` (and under the emulator) every
+other op too: the families past the per-dimension limit (elementwise, softmax, reductions, ...).
 
 See Note [MPS 32-bit index faults] in engine/faults.py and Note [Entry points and the dispatch
 mode] in modes/entrypoint.py.
@@ -9,6 +10,7 @@ mode] in modes/entrypoint.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import traceback
@@ -20,7 +22,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    cat_dim, check_index_bits,
+    check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
@@ -29,9 +31,13 @@ from mpsimpact.modes.chunking import (
     split_sdpa,
 )
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
+from mpsimpact.modes.op_size import (
+    SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+)
+from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, limits, Profile, sdpa_path, TensorSpec
-from mpsimpact.engine.families import classify_cat
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -54,7 +60,7 @@ class MpsImpactWarning(UserWarning):
 class GuardMode(MatmulMode):
     """What `guard()` activates: an entry-point handler that answers small calls at once, and the
     dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
-    `everywhere`: under an emulator, or strict)."""
+    `everywhere`: under an emulator, or strict; then every other op too, by its family)."""
 
     def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
                  profile: Profile = None, strict: bool = False):
@@ -73,6 +79,7 @@ class GuardMode(MatmulMode):
         self.chunked: list[CallRecord] = []
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self._warned: set[tuple[str, int]] = set()
+        self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
 
     def _applies(self, tensor: torch.Tensor) -> bool:
         if self.devices is not None:
@@ -122,8 +129,8 @@ class GuardMode(MatmulMode):
             return proceed(*args, **kwargs)
         active = active_emulator()
         if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
-            if self.everywhere:
-                return proceed(*args, **kwargs)  # the emulator runs the math path; our dispatch mode sees it
+            if self.everywhere:  # the emulator runs the math path, or we do: our dispatch mode sees it
+                return proceed(*args, **kwargs) if active else sdpa_math(*args, **kwargs)
             if max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) < self._view_limit:
                 return proceed(*args, **kwargs)
             return self._through_dispatch(sdpa_math, args, kwargs)
@@ -131,17 +138,37 @@ class GuardMode(MatmulMode):
             active.peek("sdpa", None, query, key) if active else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
         )
         if fault.is_ok:
-            return proceed(*args, **kwargs)
+            return self._as_one_op(proceed, *args, **kwargs)
         spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
-        split = split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active))
+        causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        split = split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active), causal)
         record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
+        copies = self._copies(active)
         return self._act(record, fault, split and split.rows,
-                         lambda: run_sdpa_chunked(proceed, args, kwargs, split, self._copies(active)),
-                         lambda: proceed(*args, **kwargs), active)
+                         lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, copies),
+                         lambda: self._as_one_op(proceed, *args, **kwargs), active)
+
+    def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs a fused SDPA call decided at its entry: what runs it here (a CPU kernel, or on meta its
+        math decomposition) is not what MPS runs, so our dispatch mode lets it through."""
+        passing, self._passing = self._passing, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._passing = passing
+
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """A composite op is judged whole (softmax.int as softmax, an 'other' op on what it makes) unless
+        one of its tensors passes DIM_MAX, or an emulator runs below (which sees the kernels it runs, and
+        names them as a traced plan does): decomposing every one would double strict mode's cost."""
+        if active_emulator() is not None:
+            return True
+        most = dim_max(self.index_bits)
+        return any(t.numel() > most for t in tensors_of(args, kwargs))
 
     # Dispatch level: one bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
-        if not self._applies(a):
+        if self._passing or not self._applies(a):
             return func(*args, **kwargs)
         active = active_emulator()
         fault, full_a, full_b = (
@@ -158,31 +185,93 @@ class GuardMode(MatmulMode):
                          lambda: func(*args, **kwargs), active)
 
     def on_other(self, func, args, kwargs):
-        if func is torch.ops.aten.cat.default and args[0] and self._applies(args[0][0]):
-            active = active_emulator()
-            fault = classify_cat(args[0], dim=cat_dim(args, kwargs), index_bits=self._bits(active),
-                                 profile=active.profile if active else self.profile)
-            if not fault.is_ok:
-                spec = TensorSpec.contiguous((sum(t.numel() for t in args[0]),), str(args[0][0].dtype).removeprefix("torch."))
-                record = CallRecord(len(self.stopped) + len(self.chunked), "cat", spec, spec, fault, current_phase())
-                return self._act(record, fault, 1, lambda: cat_in_place(*args, **kwargs), lambda: func(*args, **kwargs), active)
-        return func(*args, **kwargs)
+        """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
+        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
+        a replayed plan, the plan's full-scale decision)."""
+        if self._passing:
+            return func(*args, **kwargs)
+        active = active_emulator()
+        if active is not None and active.plan is not None:
+            return self._replayed_other(func, args, kwargs, active)
+        bits = self._bits(active)
+        sized = size_call(func, args, kwargs, *judged_at(bits))
+        if sized is None or not (self.everywhere or sized.family == "cat"):
+            return func(*args, **kwargs)
+        if not self._applies_call(sized, kwargs):
+            return func(*args, **kwargs)
+        if sized.after:
+            return self._judge_after(func, args, kwargs, sized, bits, active)
+        profile = active.profile if active else self.profile
+        fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
+        index = len(self.stopped) + len(self.chunked)
+        record = CallRecord.of_op(index, op_name(func), sized.inputs, made, fault, current_phase())
+        return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
 
-    def _act(self, record: CallRecord, fault: Fault, chunk: int | None, split: Callable[[], Any],
-             unguarded: Callable[[], Any], active) -> Any:
+    def _replayed_other(self, func, args, kwargs, active) -> Any:
+        """A call of the other families under a replayed plan: the full-scale decision, and pieces scaled
+        from the full-scale call's (as `_split_here` does for mm rows)."""
+        planned = active.peek_op(func)
+        if planned is None or planned.fault.is_ok:
+            return func(*args, **kwargs)
+        here = max((t.numel() for t in tensors_of(args, kwargs)), default=1)
+        full = max(planned.a.numel, planned.b.numel, 1)
+        most = max(1, dim_max(active.plan.index_bits) * here // full)
+        record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
+        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
+
+    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
+                     most: int, active) -> Any:
+        if family == "cat":
+            return self._act(record, record.fault, 1, lambda: cat_in_place(*args, **kwargs, most=most),
+                             lambda: func(*args, **kwargs), active, op_name(func))
+        pieces = split_call(func, args, kwargs, out, most)
+        return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
+                         lambda: func(*args, **kwargs), active, op_name(func))
+
+    def _applies_call(self, sized: SizedCall, kwargs: dict) -> bool:
+        if sized.inputs:
+            return self._applies(sized.inputs[0])
+        device = torch.device(kwargs.get("device") or "cpu")  # a creation op: where it makes its tensor
+        return device.type in self.devices if self.devices is not None else (
+            device.type == "mps" or active_emulator() is not None)
+
+    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active) -> Any:
+        """An op whose output size only running it tells ('other' ops, lookups by mask): judged on what it
+        made. Nobody measured these families past a limit, so they fault silently or not at all: the
+        wrong values are dropped before anyone reads them."""
+        out = func(*args, **kwargs)
+        outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
+        if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
+            return out
+        profile = active.profile if active else self.profile
+        fault = classify_op(func, sized.inputs, outputs, index_bits=bits, profile=profile)
+        if fault.is_ok:
+            return out
+        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, outputs,
+                                  fault, current_phase())
+        return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
+
+    def _act(self, record: CallRecord, fault: Fault, chunk: int | Pieces | None, split: Callable[[], Any],
+             unguarded: Callable[[], Any], active, op: str | None = None) -> Any:
         """The one place a decision turns into raise, warn or chunk; a call no split makes safe (chunk
-        None) is refused in every mode but warn."""
+        None) is refused in every mode but warn. `op`: a call of the other families (an emulator replaying
+        a plan counts it as one call of that op)."""
         if self.mode == "chunk" and chunk is not None:
             self.chunked.append(record)
-            self.chunk_sizes.append(chunk)
-            with active.as_one_call() if active else contextlib.nullcontext():
+            self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)
+            with active.as_one_call(op) if active else contextlib.nullcontext():
                 return split()
         message = describe_stop(record, fault, chunk)
         if self.mode == "warn":
             self._warn_once(message)
             return unguarded()
         self.stopped.append(record)
-        raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase, safe_chunk=chunk)
+        safe_chunk = chunk.step if isinstance(chunk, Pieces) else chunk
+        raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
+                               safe_chunk=safe_chunk)
 
     def _bits(self, active) -> int:
         return active.index_bits if active and active.plan is None else self.index_bits
@@ -215,7 +304,7 @@ def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Te
     return split
 
 
-def describe_stop(record: CallRecord, fault: Fault, chunk: int | None) -> str:
+def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None) -> str:
     """The error text: what, the numbers, the rule it would hit, the safe chunk, what to do."""
     what = {
         "wrong_all": "return wrong values in every batch",
@@ -225,10 +314,18 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | None) -> str:
         "error": f"raise '{fault.message}'",
         "abort": "abort the process",
     }[fault.kind]
-    unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
+    if fault.rule == "reduction-wrap":
+        what = f"return the result of only its first numel mod {fault.wrap_elements} elements"
+    elif fault.is_unmeasured:
+        what = "run where nobody measured MPS (judged conservatively: possibly wrong values)"
     release = f"MPS (torch {fault.release})" if fault.release else "MPS"
     why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "")
-    why += f"; {fault.message}" if fault.kind == "wrong_other" and fault.message else ""
+    why += f"; {fault.message}" if fault.kind in ("wrong_other", "wrong_all") and fault.message else ""
+    if not record.is_product:
+        sizes = f"input {record.a.numel} elements, output {record.b.numel}"
+        return (f"mpsimpact guard: {record.describe()} in {record.phase} ({sizes}) would {what} on {release} "
+                f"({why}). {_family_advice(record, chunk)}")
+    unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
     advice = (f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode "
               "'chunk'." if chunk is not None else
               "No split makes it safe (one row of it alone crosses a limit): shorten the sequence.")
@@ -238,11 +335,21 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | None) -> str:
     )
 
 
+def _family_advice(record: CallRecord, chunk: int | Pieces | None) -> str:
+    if record.family == "cat":
+        return "Guard mode 'chunk' builds it by copying each input into place, in pieces below the limits."
+    if isinstance(chunk, Pieces):
+        return f"Guard mode 'chunk' splits it into {chunk.describe()}; or lower the batch size."
+    return (f"No split is known for {record.op} ({record.family}): lower the batch size until no tensor of "
+            "it passes the limit; on attention scores, attn_implementation='mps_safe_eager' (name = "
+            "mpsimpact.attention.register()) never makes the whole score tensor.")
+
+
 @contextlib.contextmanager
 def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
           profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
-    """Guards every bmm/mm/SDPA/cat call that would fault on MPS, on this thread (threads started
-    inside the block are not guarded: see `install_thread_guard`).
+    """Guards every bmm/mm/SDPA/cat call that would fault on MPS (with `strict`, every op), on this thread
+    (threads started inside the block are not guarded: see `install_thread_guard`).
 
     Args:
         mode: "raise" (stop before the op runs with `OversizedOpError`), "warn" (warn once per op
@@ -251,7 +358,9 @@ def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tup
         devices: device types to guard; None means MPS tensors, and any tensor under `emulate()`.
         profile: the torch release whose faults to guard against ("2.12.1"); None: the installed one.
         strict: look at every aten op through the dispatch mode (slower), also covering calls that
-            do not pass through Python entry points (TorchScript, names bound before the guard).
+            do not pass through Python entry points (TorchScript, names bound before the guard), and
+            every op family past the per-dimension limit (elementwise, softmax, reductions, copies,
+            lookups, creation: Note [Op families past INT_MAX]); the fast path leaves those to it.
 
     Yields:
         The active `GuardMode`; `stopped` and `chunked` list the calls it acted on.

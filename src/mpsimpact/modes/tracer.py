@@ -1,5 +1,6 @@
 """The shape-only fault tracer: runs a model on meta tensors at any size and predicts, call by
-call, what MPS does with each bmm/mm. Its `FaultPlan` can be replayed by the emulator."""
+call, what MPS does with each bmm/mm/SDPA call and each other op past the per-dimension limit. Its
+`FaultPlan` can be replayed by the emulator."""
 
 from __future__ import annotations
 
@@ -9,20 +10,26 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.engine.call import CallRecord, classify_call
-from mpsimpact.modes.entrypoint import handling
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
+from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
 from mpsimpact.engine.release import resolve_profile
+from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
+from mpsimpact.modes.entrypoint import handling
+from mpsimpact.modes.op_size import (
+    SKIPPED, judged, judged_at, judged_outputs, op_family, outputs_of, tensors_of,
+)
 
 
 class TraceMode(MatmulMode):
     """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
-    fault; computes nothing on meta tensors."""
+    fault, and every other op (views aside) whose largest tensor has more than DIM_MAX elements (with
+    `every_op`, all of them: traces rescaled by arithmetic need the same calls at every size); computes
+    nothing on meta tensors."""
 
     def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
-                 profile: Profile = None) -> None:
+                 profile: Profile = None, every_op: bool = False) -> None:
         super().__init__()
         self.index_bits = index_bits
         self.profile = resolve_profile(profile)
@@ -30,6 +37,9 @@ class TraceMode(MatmulMode):
         self._names: list[str] = []
         self._module = module
         self._within: int | None = None
+        most, self._full_most = judged_at(index_bits)
+        self._most = -1 if every_op else most
+        self._seen: dict[tuple[int | None, str], int] = {}  # calls per (sdpa scope, op name): plan replay
 
     def on_matmul(self, func, family, a, b, args, kwargs):
         self._add(op_name(func), family, a, b)
@@ -42,6 +52,24 @@ class TraceMode(MatmulMode):
                             self._where(phase), grad, self._within)
         self.calls.append(record)
         return record.index
+
+    def on_other(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if op_family(func) in SKIPPED:
+            return out
+        name = op_name(func)
+        key = (self._within, name)
+        occurrence = self._seen[key] = self._seen.get(key, -1) + 1
+        inputs = judged(tensors_of(args, kwargs), self._full_most)
+        outputs = judged_outputs(func, outputs_of(out), self._full_most)
+        if max((t.numel() for t in (*inputs, *outputs)), default=0) <= self._most:
+            return out  # the prefilter: past no limit
+        phase = current_phase()
+        fault = classify_op(func, inputs, outputs, index_bits=self.index_bits, profile=self.profile)
+        record = CallRecord.of_op(len(self.calls), name, inputs, outputs, fault, phase,
+                                  module=self._where(phase), within=self._within, occurrence=occurrence)
+        self.calls.append(record)
+        return out
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA: one record for the fused op, then its math path's calls (see FaultPlan.from_trace)."""
@@ -82,8 +110,15 @@ class TraceMode(MatmulMode):
                 handle.remove()
 
 
-def trace_faults(fn: Callable[..., Any], *args: Any, index_bits: int = MPS_INDEX_BITS,
-                 module: torch.nn.Module | None = None, profile: Profile = None, **kwargs: Any) -> FaultPlan:
+def trace_faults(
+    fn: Callable[..., Any],
+    *args: Any,
+    index_bits: int = MPS_INDEX_BITS,
+    module: torch.nn.Module | None = None,
+    profile: Profile = None,
+    every_op: bool = False,
+    **kwargs: Any,
+) -> FaultPlan:
     """Runs `fn(*args, **kwargs)` (on meta tensors, typically) and predicts every call's fault.
 
     Args:
@@ -91,18 +126,27 @@ def trace_faults(fn: Callable[..., Any], *args: Any, index_bits: int = MPS_INDEX
         index_bits: the index width of the rules.
         module: if given, each forward call is labelled with the innermost submodule's name.
         profile: the torch release whose rules decide ("2.12.1"); None: the installed one.
+        every_op: record every op but views, not only those past DIM_MAX (for traces rescaled by
+            arithmetic, which must hold the same calls at every size).
 
     Returns:
         The `FaultPlan`, whose calls are in the order a run of `fn` under that release makes them.
     """
-    mode = TraceMode(index_bits, module, profile)
+    mode = TraceMode(index_bits, module, profile, every_op)
     with mode.naming_modules(), handling(mode), mode:
         fn(*args, **kwargs)
     return FaultPlan.from_trace(tuple(mode.calls), index_bits, mode.profile)
 
 
-def trace_module(module: torch.nn.Module, inputs: dict[str, torch.Tensor], *, backward: bool = False,
-                 index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
+def trace_module(
+    module: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    *,
+    backward: bool = False,
+    index_bits: int = MPS_INDEX_BITS,
+    profile: Profile = None,
+    every_op: bool = False,
+) -> FaultPlan:
     """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked."""
 
     def step() -> None:
@@ -113,4 +157,4 @@ def trace_module(module: torch.nn.Module, inputs: dict[str, torch.Tensor], *, ba
         output = module(**inputs)
         (output if isinstance(output, torch.Tensor) else output[0]).float().sum().backward()
 
-    return trace_faults(step, index_bits=index_bits, module=module, profile=profile)
+    return trace_faults(step, index_bits=index_bits, module=module, profile=profile, every_op=every_op)

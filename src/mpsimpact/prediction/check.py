@@ -18,7 +18,7 @@ from mpsimpact.prediction.meta_model import (
 from mpsimpact.config import BATCH_SIZE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
 from mpsimpact.prediction.memory import traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
-from mpsimpact.prediction.safe_size import TRACE_TEXTS, PerTextCall, largest_safe_batch, plan_at
+from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 from mpsimpact.engine.fault_plan import FaultPlan
 
@@ -48,6 +48,7 @@ class CheckConfig:
     phase: str = option("inference", PHASE)
     torch_profile: str | None = option(None, TORCH_PROFILE)
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
+    cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
     out: str | None = None
 
     def validate(self) -> None:
@@ -84,7 +85,8 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     profile = resolve_profile(cfg.torch_profile)
-    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile, cfg.target_len)
+    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile,
+                      cfg.target_len, cfg.cache)
     info = {
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
         "task": task, "task_basis": task_basis, "attention": module.config._attn_implementation,
@@ -107,8 +109,7 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
     if len(two.trace) != len(four.trace):
         return bisect_clean(trace_at, BATCH_CEILING, "the calls change with the batch size")
-    calls = [PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
-             for c2, c4 in zip(two.trace, four.trace)]
+    calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
         if _signature(plan_at(calls, batch, model.index_bits, model.profile)) != _signature(trace_at(batch)):
@@ -142,16 +143,35 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     return {
         "config": dataclasses.asdict(cfg),
         "model": info | {"max_length": length_limit(model.config)[0],
-                         "inputs": f"token ids of zeros; attention mask: {model.mask}"},
+                         "inputs": f"token ids of zeros; attention mask: {model.mask}; "
+                                   f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)")},
         "torch_profile": profile_info(cfg, model.profile),
         "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
                      "index_bits": cfg.index_bits},
-        "calls_traced": len(plan.calls),
+        "calls_traced": len(plan.products), "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
         "prediction": summarise(plan, batch, heads, "all" if model.backward else "forward"),
         "largest_safe_batch": by_batch.largest_safe, "largest_safe_batch_search": by_batch.to_json(),
         "longest_safe_length": by_length.largest_safe, "longest_safe_length_search": by_length.to_json(),
         "estimated_peak_gib": round(peak / 2**30, 2), "estimated_peak_basis": peak_basis,
         "guard_advice": guard_advice(plan, batch, Subject(heads, info["class"], info["supports_attention_interface"])),
+        "generation": generation_note(plan, info["task"], batch, length),
         "traces": model.traces,
     }
+
+
+def generation_note(plan: FaultPlan, task: str, batch: int, length: int) -> str:
+    """For causal LMs: what generate() runs differs from this full-logit forward in the lm_head."""
+    if task != "causal-lm":
+        return ""
+    head = [c for c in plan.faults if c.module.split(".")[-1] == "lm_head"]
+    rest = [c for c in plan.faults if c not in head]
+    note = (f"generate() keeps one logit row per sample (logits_to_keep=1): its lm_head makes {batch} x 1 x "
+            f"vocab logits, not the {batch} x {length} x vocab of this full-logit forward (scoring, "
+            "perplexity, training).")
+    if head:
+        fault = f"the lm_head's {head[0].fault.kind} (call {head[0].index}, rule {head[0].fault.rule})"
+        note += (f" So {fault} happens in full-logit forwards, not in generation" + (
+            "; the other faulting calls happen in generate()'s prefill too." if rest else
+            ": generate() at this geometry makes no faulting call."))
+    return note

@@ -52,14 +52,15 @@ def visible_batch(first_corrupted: int) -> int:
 
 
 def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int],
-                 index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
-    """Per dtype and length: the smallest clearly-visible run, its predicted corruption and peak."""
+                 index_bits: int = MPS_INDEX_BITS, profile: Any = None) -> list[dict[str, Any]]:
+    """Per dtype and length: the smallest clearly-visible run under `profile`'s rules, its predicted
+    corruption and peak."""
     options = []
     for length in (L for L in DEMO_LENGTHS if L in traced):
         batch = visible_batch(safe[length] + 1) if safe[length] else None
         if batch is None:
             continue
-        prediction = predict(plan_at(traced[length], batch, index_bits), batch, heads)
+        prediction = predict(plan_at(traced[length], batch, index_bits, profile), batch, heads)
         if prediction.outcome != "wrong":
             continue  # a run that stops (or aborts) shows an error, not the silent effect
         for dtype, size in DTYPE_BYTES.items():
@@ -82,6 +83,11 @@ def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict
     for option in options:
         option["fits"] = option["estimated_peak_gib"] * GIB * HEADROOM <= budget
     fitting = [o for o in options if o["fits"]]
+    if not options:
+        return {"command": None, "why": (
+            "No run shows the silent effect: at every demo length the first batch past the largest safe one "
+            "stops the run (an error or a process abort) instead of returning wrong values; the prediction "
+            "says where.")}
     if not fitting:
         demo = min(options, key=lambda o: o["estimated_peak_gib"])
         return {"command": None, "why": (

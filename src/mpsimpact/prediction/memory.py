@@ -18,45 +18,66 @@ def parameter_count(config: Any, length: int) -> int:
     return (config.vocab_size + length) * hidden + config.num_hidden_layers * per_layer
 
 
-def peak_elements(parameters: int, states: int, attention: int, heads: int, feed_forward: int) -> int:
-    """The one estimate of an eager forward pass's peak, in elements: the parameters, 4 hidden-state
-    copies (`states` = B*L*D), and the larger of the attention peak (two of its largest tensor live
-    at once, e.g. scores and P (B*H, L, L), plus the (B, 1, L, L) mask) and the feed-forward peak
-    (two of its largest output). Calibrated on the published 115 GiB peak of MiniLM-size emulation
-    at B = 4096, L = 512 (this gives 112) and within 3 % below four H200 peaks (benchmarks/README.md)."""
-    return parameters + 4 * states + max(2 * attention + attention // heads, 2 * feed_forward)
+# Eager softmax with dtype=torch.float32 on 16-bit scores (the Llama family's `softmax(..., dtype=float32)
+# .to(dtype)`): the input is cast to fp32 first, so while softmax runs the scores (model dtype), their fp32
+# copy and P in fp32 are live: 2 + 4 + 4 bytes per score in bf16, against 2 + 2 without the upcast (2.5x).
+UPCAST_BYTES = 4
+
+
+def peak_bytes(parameters: int, states: int, attention: int, heads: int, feed_forward: int,
+               dtype_bytes: int = 4, upcast: bool = False) -> int:
+    """The one estimate of an eager forward pass's peak, in bytes: the parameters, 4 hidden-state copies
+    (`states` = B*L*D), and the larger of the attention peak (two of its largest tensor live at once,
+    e.g. scores and P (B*H, L, L), plus the (B, 1, L, L) mask; with `upcast`, a 16-bit model whose eager
+    softmax runs in fp32, the scores plus two fp32 copies) and the feed-forward peak (two of its
+    largest output). Calibrated on the published 115 GiB peak of MiniLM-size emulation at B = 4096,
+    L = 512 (this gives 112) and within 3 % below four H200 peaks (benchmarks/README.md); the upcast
+    against a bf16 Llama's peak measured on CPU (tests/test_memory.py, within 2 %)."""
+    per_score = dtype_bytes + 2 * UPCAST_BYTES if upcast else 2 * dtype_bytes
+    attention_bytes = attention * per_score + attention // heads * dtype_bytes
+    return dtype_bytes * (parameters + 4 * states) + max(attention_bytes, 2 * feed_forward * dtype_bytes)
 
 
 def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> int:
-    """`peak_elements` of a BERT-like encoder from its config alone (no trace), in bytes."""
+    """`peak_bytes` of a BERT-like encoder from its config alone (no trace)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     inter = getattr(config, "intermediate_size", 4 * hidden)
     attention, feed_forward = batch * heads * length * length, batch * length * inter
-    return dtype_bytes * peak_elements(parameter_count(config, length), batch * length * hidden, attention, heads,
-                                       feed_forward)
+    states = batch * length * hidden
+    return peak_bytes(parameter_count(config, length), states, attention, heads, feed_forward, dtype_bytes)
+
+
+def softmax_upcast(plan: Any, dtype: Any) -> bool:
+    """Whether the traced forward's largest softmax runs in fp32 in a 16-bit model (an eager softmax with
+    dtype=torch.float32): the trace must hold every op (`every_op`), or at least that softmax."""
+    softmaxes = [c for c in plan.calls if c.phase == "forward" and c.family == "softmax"]
+    largest = max(softmaxes, key=lambda c: c.b.numel, default=None)
+    return largest is not None and dtype.itemsize < UPCAST_BYTES and largest.b.dtype == "float32"
 
 
 def traced_peak_bytes(plan: Any, parameters: int, batch: int, length: int, hidden: int, heads: int,
                       dtype: Any, backward: bool) -> tuple[int, str]:
-    """`peak_elements` of any traced model (its largest bmm tensor and mm output from the plan), in
-    bytes, and the basis of the estimate; a training step adds gradients and, per layer, what
-    autograd keeps (P, mask, feed-forward outputs, 8 hidden-state copies)."""
+    """`peak_bytes` of any traced model (its largest bmm tensor and mm output from the plan, its softmax's
+    dtype), and the basis of the estimate; a training step adds gradients and, per layer, what autograd
+    keeps (P, mask, feed-forward outputs, 8 hidden-state copies)."""
     forward = [c for c in plan.calls if c.phase == "forward"]
     bmm = max((max(c.a.numel, c.b.numel, c.out_numel) for c in forward if c.family == "bmm"), default=0)
     mm = max((c.out_numel for c in forward if c.family == "mm"), default=0)
     layer_mm = max((c.out_numel for c in forward if c.family == "mm" and re.search(r"\.\d+\.", c.module)),
                    default=mm)
-    states = batch * length * hidden
-    elements = peak_elements(parameters, states, bmm, heads, mm)
+    states, upcast = batch * length * hidden, softmax_upcast(plan, dtype)
+    total = peak_bytes(parameters, states, bmm, heads, mm, dtype.itemsize, upcast)
     basis = (f"{str(dtype).removeprefix('torch.')}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state "
              f"copies + the larger of 2 x the largest bmm tensor ({bmm / 1e9:.2f}G elements) + the L x L mask, "
              f"and 2 x the largest mm output ({mm / 1e9:.2f}G)")
+    if upcast:
+        basis += "; eager softmax runs in fp32 (dtype=torch.float32): the scores plus two fp32 copies"
     if backward:
         layers = len({m[1] for c in forward if (m := re.match(r"^(.*?\.\d+)(\.|$)", c.module))}) or 1
-        elements += parameters + layers * (bmm + bmm // heads + 2 * layer_mm + 8 * states)
+        total += dtype.itemsize * (parameters + layers * (bmm + bmm // heads + 2 * layer_mm + 8 * states))
         basis += (f"; training adds gradients and, in each of {layers} layers, the tensors autograd keeps "
                   "(P, mask, FFN outputs, 8 hidden-state copies)")
-    return elements * dtype.itemsize, basis + "; rough"
+    return total, basis + "; rough"
 
 
 def training_step_parts(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> dict[str, int]:

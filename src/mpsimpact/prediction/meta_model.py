@@ -144,12 +144,14 @@ class MetaModel:
     index_bits: int
     profile: FaultProfile
     target_len: int | None = None
+    cache: bool = True  # use_cache as the default forward (model(ids), generate()) runs it
     mask: str | None = None  # the input variant that traces (found by the first trace)
     traces: int = 0  # traces made (a geometry traced once is answered from `plans`)
     plans: dict[tuple[int, int], FaultPlan] = dataclasses.field(default_factory=dict)
 
     def inputs(self, batch: int, length: int, mask: str) -> dict[str, Any]:
-        """Zero token ids (and decoder ids for encoder-decoders) on meta; no cache."""
+        """Zero token ids (and decoder ids for encoder-decoders) on meta; use_cache as `cache` says (the
+        default forward passes K and V through the cache, which changes the layouts bmm sees)."""
         def ids(n: int) -> torch.Tensor:
             return torch.zeros(batch, n, dtype=torch.long, device="meta")
 
@@ -161,11 +163,12 @@ class MetaModel:
         elif mask == "2-D ones":
             inputs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device="meta")
         if "use_cache" in inspect.signature(self.module.forward).parameters:
-            inputs["use_cache"] = False
+            inputs["use_cache"] = self.cache
         return inputs
 
     def trace(self, batch: int, length: int) -> FaultPlan:
-        """Traces one forward pass (or training step) at this geometry, once."""
+        """Traces one forward pass (or training step) at this geometry, once: every op but views (so that
+        traces at other sizes rescale call by call, and the memory estimate sees each op's dtype)."""
         if (batch, length) not in self.plans:
             self.plans[batch, length] = self._trace(batch, length)
         return self.plans[batch, length]
@@ -182,7 +185,7 @@ class MetaModel:
         self.traces += 1
         try:
             plan = trace_module(self.module, self.inputs(batch, length, mask), backward=self.backward,
-                                index_bits=self.index_bits, profile=self.profile)
+                                index_bits=self.index_bits, profile=self.profile, every_op=True)
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as error:
             if "meta tensors" in str(error) and not last:
                 return None

@@ -11,6 +11,7 @@ from mpsimpact.attention import Blocks, attention_blocks
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
+from mpsimpact.modes.piecewise import has_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,14 @@ class Prediction:
 
     @property
     def uncharacterised(self) -> tuple[CallRecord, ...]:
-        """Silent faults whose wrong values (and so which texts) nobody characterised."""
+        """Silent faults whose wrong values (and so which texts) nobody characterised (unmeasured ones
+        too)."""
         return tuple(c for c in self.silent if c.fault.kind == "wrong_other")
+
+    @property
+    def unmeasured(self) -> tuple[CallRecord, ...]:
+        """Calls nobody measured on MPS (judged conservatively as wrong_other)."""
+        return tuple(c for c in self.silent if c.fault.is_unmeasured)
 
     @property
     def is_clean(self) -> bool:
@@ -41,20 +48,28 @@ class Prediction:
 
     @property
     def outcome(self) -> str:
-        """One word: clean, wrong (texts known), wrong_other (not characterised), error or abort."""
+        """One word: clean, wrong (texts known), wrong_other (not characterised), unmeasured (nobody
+        measured what these calls do: judged conservatively), error or abort."""
         if self.stop is not None:
             return self.stop.fault.kind
         if self.first_corrupted_text is not None:
             return "wrong"
-        return "wrong_other" if self.uncharacterised else "clean"
+        if self.uncharacterised:
+            return "unmeasured" if len(self.unmeasured) == len(self.uncharacterised) else "wrong_other"
+        return "clean"
 
     def describe(self) -> str:
         """The outcome in words, for tables and slides."""
         if self.stop is not None:
-            what = "process abort" if self.stop.fault.kind == "abort" else f"error: {self.stop.fault.message}"
-            return f"{what} (at {self.stop.describe()}, {self.stop.phase})"
+            fault = self.stop.fault
+            what = "process abort" if fault.kind == "abort" else "error"
+            rule = f"rule {fault.rule}" + (", inferred" if fault.inferred else "")
+            return f"{what}: {fault.message} (at {self.stop.describe()}, {self.stop.phase}; {rule})"
         if self.first_corrupted_text is not None:
             return f"{self.corrupted_count} texts wrong from text {self.first_corrupted_text}"
+        if self.outcome == "unmeasured":
+            calls = unmeasured_calls(self.unmeasured)
+            return f"unmeasured ({calls}: nobody measured them on MPS; judged conservatively)"
         if self.uncharacterised:
             return "wrong (values and texts not characterised)"
         return "clean"
@@ -67,10 +82,17 @@ class Prediction:
             "corrupted_count": self.corrupted_count,
             "corrupted_fraction": self.corrupted_count / self.batch,
             "uncharacterised_faults": len(self.uncharacterised),
+            "unmeasured_faults": len(self.unmeasured),
             "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind,
                                                      "message": self.stop.fault.message},
             "silent_faults": [call.to_json() for call in self.silent],
         }
+
+
+def unmeasured_calls(calls: tuple[CallRecord, ...]) -> str:
+    """'3 calls (_softmax, add)': the unmeasured calls, by op."""
+    ops = ", ".join(dict.fromkeys(c.op for c in calls))
+    return f"{len(calls)} call{'s' if len(calls) != 1 else ''} ({ops})"
 
 
 def predict(plan: FaultPlan, batch: int, heads: int, phase: str = "forward") -> Prediction:
@@ -111,10 +133,27 @@ def call_row(call: CallRecord, batch: int, heads: int) -> dict[str, Any]:
 
 def splits_safely(call: CallRecord, index_bits: int) -> bool:
     """Whether guard 'chunk' can make this call safe: the split it would make exists (modes.chunking;
-    down to blocks of rows and columns of one batch, or of query rows of one head for SDPA)."""
+    down to blocks of rows and columns of one batch, or of query rows of one head for SDPA; cat by
+    copying into place; the other families by modes.piecewise)."""
     if call.family == "sdpa":
         return split_sdpa(call.a.shape, call.b.shape, call.a.shape[-1], index_bits) is not None
+    if call.family == "cat":
+        return True
+    if not call.is_product:
+        return has_split(call.op, call.family, call.a, call.b, index_bits)
     return split_bmm(call.a, call.b, index_bits, call.family) is not None
+
+
+def needs_strict(call: CallRecord) -> bool:
+    """A call the guard's fast path (the entry points: products, Linear, SDPA, cat) leaves to strict mode."""
+    return not call.is_product and call.family != "cat"
+
+
+def is_attention_call(call: CallRecord, batch: int, heads: int) -> bool:
+    """An SDPA call, a bmm over batch*heads rows, or an op on (batch, heads, L, Lk) scores."""
+    if call.family == "sdpa" or (call.family == "bmm" and call.a.shape[0] == batch * heads):
+        return True
+    return not call.is_product and len(call.a.shape) == 4 and call.a.shape[:2] == (batch, heads)
 
 
 def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> Blocks | None:
@@ -124,6 +163,8 @@ def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bit
     for call in calls:
         if call.family == "sdpa":  # a = query (B, H, L, D), b = key (B, Hkv, Lk, D)
             inner, outer = call.a.shape[-1], call.b.shape[-2]
+        elif not call.is_product:  # the scale, mask or softmax on the scores (B, H, L, Lk)
+            inner, outer = 1, call.a.shape[-1]
         else:  # Q K^T: (L, D) @ (D, Lk); P V: (L, Lk) @ (Lk, Dv): the keys are the wider of the two
             inner, outer = sorted((call.a.shape[-1], call.b.shape[-1]))
         length, keys, dim = max(length, call.a.shape[-2]), max(keys, outer), max(dim, inner)
@@ -145,16 +186,27 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     if not faults:
         return ["Nothing crosses a limit: no guard needed."]
     stuck = [c for c in faults if not splits_safely(c, plan.index_bits)]
-    if stuck:
+    strict = [c for c in faults if needs_strict(c)]
+    if stuck and not stuck[0].is_product:
+        lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: no split is known for {stuck[0].op} "
+                 f"({stuck[0].family}); lower the batch size (see the largest safe batch)."]
+    elif stuck:
         lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
                  "already crosses a limit; shorten the sequence (see the longest safe length)."]
+    elif strict:
+        lines = [f"guard 'chunk' with strict=True (`with mpsimpact.guard('chunk', strict=True):`) makes all "
+                 f"{len(faults)} faulting calls safe: {len(strict)} of them are other op families "
+                 f"({', '.join(dict.fromkeys(c.op for c in strict))}), which the guard's fast path leaves to "
+                 "strict mode; it splits each into pieces below the limits; the result equals the correct "
+                 "one."]
     else:
         lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
                  "safe: it splits each along its batch rows (down to blocks of one batch's rows) into pieces "
                  "below the limits; the result equals the correct one."]
     first, stop = faults[0], plan.first_stop
-    lines.append(f"guard 'raise' stops before call {first.index} ({first.op} in {first.module or first.phase}) "
-                 "with OversizedOpError instead of "
+    how = " (with strict=True)" if needs_strict(first) else ""
+    lines.append(f"guard 'raise'{how} stops before call {first.index} ({first.op} in "
+                 f"{first.module or first.phase}) with OversizedOpError instead of "
                  + ("an MPS error or a crash." if stop is first else "wrong values."))
     lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     if any(c.fault.rule == "sdpa-fused" for c in faults):
@@ -169,7 +221,7 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
         return (f"{subject.model_class} does not support transformers' attention interface: {name} is not an "
                 "option; use the guard.")
     heads = subject.heads
-    attention = [c for c in faults if c.family == "sdpa" or (c.family == "bmm" and c.a.shape[0] == batch * heads)]
+    attention = [c for c in faults if is_attention_call(c, batch, heads)]
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
@@ -201,9 +253,17 @@ def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, 
         "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
         "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
         "uncharacterised_calls": len(prediction.uncharacterised),
-        "note": "some calls are wrong in a pattern nobody characterised (kind wrong_other)" if unknown else "",
+        "unmeasured_calls": len(prediction.unmeasured),
+        "note": _note(prediction) if unknown else "",
         "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
     }
+
+
+def _note(prediction: Prediction) -> str:
+    if prediction.outcome == "unmeasured":
+        return (f"{unmeasured_calls(prediction.unmeasured)} past the limits in a case nobody measured on "
+                "MPS: judged conservatively (rule unmeasured:<family>); the guard stops them")
+    return "some calls are wrong in a pattern nobody characterised (kind wrong_other)"
 
 
 def _describe(prediction: Any, batch: int) -> str:
@@ -214,6 +274,9 @@ def _describe(prediction: Any, batch: int) -> str:
     if prediction.first_corrupted_text is not None:
         return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
+    if prediction.outcome == "unmeasured":
+        calls = unmeasured_calls(prediction.unmeasured)
+        return f"unmeasured: {calls} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
         which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
         return f"silently wrong ({which})"

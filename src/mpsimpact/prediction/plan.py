@@ -70,7 +70,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
         "profile": profile.to_json(), "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads,
-        "layers": model_config.num_hidden_layers, "calls_traced": len(plan.calls),
+        "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
+        "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
         "prediction": summarise(plan, batch, heads, "forward"), "largest_safe_batch": safe[length],
         "largest_safe_batch_by_length": dict(sorted(safe.items())),
@@ -79,7 +80,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.memory:
-        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe)
+        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, profile)
     if config.versions:
         from mpsimpact.prediction.version_table import version_table
 
@@ -91,12 +92,12 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
 
 
 def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int,
-                   safe: dict) -> dict[str, Any]:
+                   safe: dict, profile: Any) -> dict[str, Any]:
     """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
     from mpsimpact.prediction.demo_size import demo_options, mac_table, recommend, usable_bytes
 
     budget, basis = usable_bytes(config.memory)
-    options = demo_options(traced, model_config, heads, safe, config.index_bits)
+    options = demo_options(traced, model_config, heads, safe, config.index_bits, profile)
     return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
             "recommendation": recommend(options, budget, scenario),
             "mac_table": mac_table(model_config, safe.get(512, 0) + 1)}

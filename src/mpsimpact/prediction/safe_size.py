@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.call import CallRecord, classify_call, out_elements
+from mpsimpact.engine.call import CallRecord, classify_record, out_elements
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
@@ -93,7 +93,7 @@ def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int =
 
 def _decided(calls: Iterable[CallRecord], index_bits: int, profile: Profile) -> FaultPlan:
     """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
-    records = tuple(dataclasses.replace(c, fault=classify_call(c.family, c.a, c.b, index_bits, profile))
+    records = tuple(dataclasses.replace(c, fault=classify_record(c, index_bits, profile))
                     for c in calls)
     return FaultPlan.from_trace(records, index_bits, profile)
 
@@ -108,7 +108,8 @@ def _quantities(call: CallRecord) -> tuple[int, ...]:
     two are where a wrap's first bad row enters the batch: first < rows iff limit <= per * (rows - 1)."""
     a, b = call.a, call.b
     wraps = (a.per_batch * (a.shape[0] - 1), b.per_batch * (b.shape[0] - 1)) if call.family == "bmm" else ()
-    return (a.numel, b.numel, a.extent, b.extent, call.out_numel, *wraps)
+    dims = () if call.is_product else (max(a.shape, default=0), max(b.shape, default=0))  # the per-dim check
+    return (a.numel, b.numel, a.extent, b.extent, call.out_numel, *wraps, *dims)
 
 
 def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int | None:
@@ -206,10 +207,11 @@ def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> B
 
 
 def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False,
-                     index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> FaultPlan:
+                     index_bits: int = MPS_INDEX_BITS, profile: Profile = None, every_op: bool = False) -> FaultPlan:
     """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
-    inputs = {"input_ids": torch.zeros(batch, length, dtype=torch.long, device="meta")}
-    return trace_module(meta_module, inputs, backward=backward, index_bits=index_bits, profile=profile)
+    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits,
+                        profile=profile, every_op=every_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,13 +242,22 @@ TRACE_TEXTS = 2
 
 def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
     """Traces at 2 and 4 texts; an operand scales when its leading dim doubles. Every call of the
-    trace is kept (SDPA and its math path): `plan_at` picks those a release makes."""
-    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward)
-    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward)
-    return [
-        PerTextCall(c2, c4.a.shape[0] == 2 * c2.a.shape[0], c4.b.shape[0] == 2 * c2.b.shape[0])
-        for c2, c4 in zip(two.trace, four.trace)
-    ]
+    trace is kept (SDPA and its math path, and every op but views, whatever its size: the same calls at
+    every batch): `plan_at` picks those a release makes."""
+    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True)
+    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True)
+    return per_text(two, four)
+
+
+def per_text(two: FaultPlan, four: FaultPlan) -> list[PerTextCall]:
+    """The calls of traces at 2 and 4 texts, each with which of its tensors grow with the batch."""
+    pairs = zip(two.trace, four.trace)
+    return [PerTextCall(c2, doubles(c2.a, c4.a), doubles(c2.b, c4.b)) for c2, c4 in pairs]
+
+
+def doubles(two: TensorSpec, four: TensorSpec) -> bool:
+    """Whether a tensor's leading dim doubled from 2 to 4 texts (it grows with the batch)."""
+    return bool(two.shape) and four.shape == (2 * two.shape[0], *two.shape[1:])
 
 
 def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,

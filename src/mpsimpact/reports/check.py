@@ -69,7 +69,7 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     m, p, pred, g = report["model"], report["torch_profile"], report["prediction"], report["geometry"]
     rules = f"torch {p['label']}, {'measured' if p['measured'] else 'not measured'}; from {p['source']}"
     by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
-    return [
+    lines = [
         ("task", f"{m['task']} ({m['task_basis']})"),
         ("attention", f"{m['attention']} ({m['attention_basis']})"),
         ("rules", rules), ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
@@ -79,7 +79,11 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
                                 f"(searched 1..{by_length['high']}; {by_length['basis']})"),
         ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
                         f"({report['estimated_peak_basis']})"),
-    ] + [("guard", a) for a in report["guard_advice"]] + [("note", n) for n in p["notes"]]
+    ]
+    lines += [("guard", advice) for advice in report["guard_advice"]]
+    lines += [("generation", report["generation"])] if report.get("generation") else []
+    lines += [("note", note) for note in p["notes"]]
+    return lines
 
 
 def stop_line(stops: list[dict[str, Any]]) -> str:

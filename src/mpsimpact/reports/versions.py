@@ -8,8 +8,8 @@ from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.output.page import markdown_table
 from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
 
-COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "error": "#984ea3",
-          "abort": "#222222"}
+COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "unmeasured": "#999999",
+          "error": "#984ea3", "abort": "#222222"}
 # The table's columns, (attention, phase), and their titles.
 COLUMNS = [(a, p) for a in ATTENTIONS for p in PHASES]
 TITLES = [f"{a}, {p}" for a, p in COLUMNS]
@@ -33,8 +33,9 @@ def _short(row: dict[str, Any]) -> str:
     first = row["first_corrupted_text"]
     if row["outcome"] in STOP_KINDS and first is not None:
         return f"wrong from {first},\nthen {row['outcome']} in bwd"
-    wrong = f"wrong from {first}" if first is not None else "wrong"
-    return {"wrong": wrong, "wrong_other": "wrong\n(not characterised)"}.get(row["outcome"], row["outcome"])
+    labels = {"wrong": f"wrong from {first}" if first is not None else "wrong",
+              "wrong_other": "wrong\n(not characterised)", "unmeasured": "unmeasured\n(conservative)"}
+    return labels.get(row["outcome"], row["outcome"])
 
 
 def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
