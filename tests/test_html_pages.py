@@ -21,7 +21,8 @@ runner = CliRunner()
 def pages(tmp_path_factory):
     root = tmp_path_factory.mktemp("pages")
     env = {"MPSIMPACT_CACHE": str(root / "cache"), "COLUMNS": "100"}
-    small = ["run", "sentiment", "--batch-size", "16", "--max-length", "256", "--index-bits", "23", "--device", "cpu"]
+    small = ["run", "sentiment", "--batch-size", "16", "--max-length", "256", "--index-bits", "23", "--device", "cpu",
+             "--torch-profile", "2.14.0"]
     for name in ("before", "after"):
         done = runner.invoke(app, [*small, "--out", str(root / name)], env=env)
         assert done.exit_code == 0, done.output
