@@ -12,7 +12,8 @@ import math
 from typing import Any, Literal
 
 from mpsimpact.engine.release import (
-    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile, view_equal_limit_message,
+    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile,
+    view_equal_limit_message,
 )
 
 __all__ = [
@@ -363,7 +364,8 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, p
         classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile),
     )
     release = resolve_profile(profile).release
-    return tuple(f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore[return-value]
+    marked = (f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)
+    return tuple(marked)  # type: ignore[return-value]
 
 
 def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
 
 # What every console line, report and figure says when no Apple GPU was used.
-MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.0")
+MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0",
+                     "2.14.0")
 CONSERVATIVE = "conservative"
 STUDY = "study"  # the source of the profiles encoded here; a profile read from a file names that file
 

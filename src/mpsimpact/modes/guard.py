@@ -101,7 +101,8 @@ class GuardMode(MatmulMode):
             if not self._applies(x):
                 return True
             nx, limit = x.numel(), self._view_limit
-            return x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit and nx // max(x.shape[-1], 1) * w.shape[0] < limit
+            out = nx // max(x.shape[-1], 1) * w.shape[0]
+            return x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit and out < limit
         if name in ("matmul", "bmm", "mm") and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
             a, b = args
             if not self._applies(a):
@@ -135,7 +136,8 @@ class GuardMode(MatmulMode):
                 return proceed(*args, **kwargs)
             return self._through_dispatch(sdpa_math, args, kwargs)
         fault, full_q, full_k = (
-            active.peek("sdpa", None, query, key) if active else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
+            active.peek("sdpa", None, query, key) if active
+            else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
         )
         if fault.is_ok:
             return self._as_one_op(proceed, *args, **kwargs)

@@ -276,7 +276,8 @@ class OverlayCache:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise OverlayError(f"transformers {version}: another mpsimpact process held "
-                                       f"{self.lock_path(version)} for more than {self.lock_timeout:.0f} s; try again when it has finished",
+                                       f"{self.lock_path(version)} for more than {self.lock_timeout:.0f} s; "
+                                       "try again when it has finished",
                                        version=version, stage="locked") from None
 
     def _build(self, version: str) -> dict[str, Any]:
