@@ -57,7 +57,8 @@ def short_outcome(cell: dict[str, Any], sep: str = " ") -> str:
     """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (uncharacterised), "clean"."""
     if cell["outcome"] == "wrong" and cell["first_corrupted_text"] is not None:
         return f"wrong{sep}from {cell['first_corrupted_text']}"
-    return {"wrong_other": f"wrong{sep}(not char.)"}.get(cell["outcome"], cell["outcome"])
+    labels = {"wrong_other": f"wrong{sep}(not char.)", "unmeasured": f"unmeasured{sep}(conserv.)"}
+    return labels.get(cell["outcome"], cell["outcome"])
 
 
 def release_rows(report: dict[str, Any]) -> list[list[str]]:

@@ -188,8 +188,7 @@ def findings(result: dict[str, Any]) -> dict[str, Any]:
     impls = result["implementations"]
     with_weights = impls[WITH_WEIGHTS]
     eager = impls["eager"].get("outcomes", {})
-    # Where eager goes silently wrong (releases where the process dies there instead have no first text).
-    firsts = {o["first_corrupted_text"] for o in eager.values()} - {None}
+    firsts = {o["first_corrupted_text"] for o in eager.values() if o["outcome"] == "wrong"}  # not where stopped
     runs = result["emulated"]["runs"]
     return {
         "default_attention": result["default_attention"],
