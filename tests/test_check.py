@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.prediction.check import CheckConfig, build_check_report, prepare
+from mpsimpact.config import CheckConfig
+from mpsimpact.prediction.check import build_check_report, prepare
 from mpsimpact.prediction.outcome import summarise
 from mpsimpact.prediction.safe_size import _fit, _value, is_clean, longest_safe_length
 from mpsimpact.modes.tracer import trace_module

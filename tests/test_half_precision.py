@@ -73,7 +73,7 @@ def test_mps_preflight_counts_the_dtype_and_names_the_plan_command(monkeypatch):
 
     import mpsimpact.runs.device_pass as workload
     from mpsimpact.errors import MemoryPreflightError
-    from mpsimpact.runs.runner import RunConfig
+    from mpsimpact.config import RunConfig
 
     config = types.SimpleNamespace(hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522, num_hidden_layers=6)
     model = types.SimpleNamespace(config=config, max_positions=512)

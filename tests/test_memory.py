@@ -191,7 +191,8 @@ def test_the_peak_estimate_knows_the_dtype_and_the_fp32_softmax_against_a_measur
     import subprocess
     import sys
 
-    from mpsimpact.prediction.check import CheckConfig, prepare
+    from mpsimpact.config import CheckConfig
+    from mpsimpact.prediction.check import prepare
     from mpsimpact.prediction.memory import peak_bytes, traced_peak_bytes
 
     # One layer, 8 heads, 2048 tokens: scores 8 * 2048**2 = 33,554,432 elements (64 MiB in bf16) dominate.

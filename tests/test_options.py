@@ -5,6 +5,8 @@ declared once (one help text); an option not given keeps its config's default, a
 import dataclasses
 import importlib
 import re
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -12,12 +14,8 @@ import typer
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.config import INDEX_BITS_RANGE
+from mpsimpact.config import INDEX_BITS_RANGE, CheckConfig, PlanConfig, RunConfig, SweepConfig
 from mpsimpact.errors import UsageError
-from mpsimpact.prediction.check import CheckConfig
-from mpsimpact.prediction.plan import PlanConfig
-from mpsimpact.reports.sweep import SweepConfig
-from mpsimpact.runs.runner import RunConfig
 from mpsimpact.upgrade.matrix import MatrixConfig
 
 runner = CliRunner()
@@ -254,3 +252,28 @@ def test_options_not_given_keep_the_config_defaults_and_every_given_one_reaches_
         given += argv
         expected[field.name] = value
     assert captured_config(monkeypatch, target, given) == config(**expected)
+
+
+def test_check_task_choices_are_the_tasks_check_knows():
+    from mpsimpact.config import CHECK_TASKS
+    from mpsimpact.prediction.meta_model import TASKS
+
+    assert CHECK_TASKS == tuple(TASKS)
+
+
+def test_sweep_dtype_and_layout_choices_are_the_sweeps():
+    from mpsimpact.config import SWEEP_DTYPES, SWEEP_LAYOUTS
+    from mpsimpact.runs.sweep import DTYPES, LAYOUTS
+
+    assert (SWEEP_DTYPES, SWEEP_LAYOUTS) == (tuple(DTYPES), LAYOUTS)
+
+
+@pytest.mark.parametrize("word", ["run", "plan", "check", "sweep", "compare", "matrix", "doctor", "train-head"])
+def test_help_shows_defaults_without_importing_torch(word):
+    # `--help` must be instant: the configs whose defaults it shows live in the torch-free config module.
+    code = ("import sys; from mpsimpact.cli import app\n"
+            f"try: app(['{word}', '--help'])\nexcept SystemExit as e: assert e.code == 0, e.code\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert word in ("compare", "doctor") or "[default:" in result.stdout  # those two have no valued option

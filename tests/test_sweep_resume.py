@@ -165,7 +165,7 @@ def test_a_bad_max_memory_is_one_line_and_exit_2(tmp_path, value):
 
 
 def test_max_memory_sizes():
-    from mpsimpact.reports.sweep import memory_bytes
+    from mpsimpact.config import memory_bytes
 
     assert [memory_bytes(t) for t in ("20", "20GiB", "1.5 g", "512MiB", "3M")] == [
         20 << 30, 20 << 30, 3 << 29, 512 << 20, 3 << 20]

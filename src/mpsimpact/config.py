@@ -4,6 +4,7 @@ the same way, before anything is loaded. Options several commands share are defi
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -102,3 +103,127 @@ TORCH_PROFILE = Check(
     hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively), "
          "'conservative', or a profile.json written by `mpsimpact sweep`",
 )
+
+
+# Each command's config: what it was asked, embedded in its reports. They live here, with no torch
+# import, so that `mpsimpact COMMAND --help` shows their defaults in a fraction of a second.
+GUARDS = ("off", "raise", "chunk")
+# Half precision: a text is corrupted above this relative difference from the same-dtype,
+# small-batch reference (see docs and benchmarks/README.md for the measured margins).
+HALF_THRESHOLD = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Validated):
+    """Everything `mpsimpact run` was asked; embedded in every report."""
+
+    scenario: str = "sentiment"
+    batch_size: int | None = option(None, BATCH_SIZE)
+    steps: int = option(1, Check("--steps", low=1))
+    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
+    max_length: int | None = option(None, MAX_LENGTH)
+    device: str = option("auto", DEVICE)
+    emulate: bool | None = None
+    guard: str = option("all", Check("--guard", choices=(*GUARDS, "all")))
+    out: str | None = None
+    seed: int = 0
+    expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
+    model: str | None = None
+    dataset: str | None = None
+    threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False))
+    reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
+    run_length: int | None = option(None, Check("--run-length", low=1))
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
+    dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
+
+    @property
+    def corruption_threshold(self) -> float:
+        """fp32: --threshold against the CPU fp32 reference. Half precision: against a same-dtype
+        reference, at least HALF_THRESHOLD (kernel-order rounding of clean texts stays below it)."""
+        return self.threshold if self.dtype == "float32" else max(self.threshold, HALF_THRESHOLD)
+
+    @property
+    def guards(self) -> tuple[str, ...]:
+        return GUARDS if self.guard == "all" else (self.guard,)
+
+    @property
+    def attentions(self) -> tuple[str, ...]:
+        return ("eager", "sdpa") if self.attention == "both" else (self.attention,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(Validated):
+    """What `mpsimpact plan` was asked; embedded in its JSON."""
+
+    scenario: str
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
+    model: str | None = None
+    backward: bool = False
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
+    sweep: bool = False
+    figure: str | None = None
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    versions: bool = False
+    out: str | None = None
+    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
+
+
+# `check --task`: the keys of prediction.meta_model.TASKS (the transformers auto class of each).
+CHECK_TASKS = ("base", "sequence-classification", "token-classification", "causal-lm", "seq2seq")
+ATTENTIONS = ("eager", "sdpa", "default")
+PHASES = ("inference", "training")
+# Searched up to here when the config states no position limit (relative positions, e.g. T5).
+LENGTH_CEILING = 1 << 20
+BATCH_CEILING = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig(Validated):
+    """What `mpsimpact check` was asked; embedded in its JSON."""
+
+    model: str
+    batch_size: int = option(1, BATCH_SIZE)
+    seq_len: int | None = option(None, Check("--seq-len", low=1))
+    target_len: int | None = option(None, Check("--target-len", low=1))
+    task: str = option("auto", Check("--task", choices=("auto", *CHECK_TASKS)))
+    attention: str = option("default", Check("--attention", choices=ATTENTIONS))
+    phase: str = option("inference", Check("--phase", choices=PHASES))
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
+    cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
+    out: str | None = None
+
+
+# `sweep --dtypes` and `--layouts`: the keys of runs.sweep.DTYPES and its LAYOUTS.
+SWEEP_DTYPES = ("fp32", "fp16", "bf16")
+SWEEP_LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
+GIB = 1 << 30
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f"'{text}' is not a size above 0")
+    return int(float(match[1]) * (1 << 20 if (match[2] or "g").startswith("m") else GIB))
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig(Validated):
+    """What `mpsimpact sweep` was asked; embedded in summary.json."""
+
+    device: str = option("auto", DEVICE)
+    emulate: bool | None = None
+    index_bits: int = option(32, INDEX_BITS)
+    quick: bool = True
+    dtypes: tuple[str, ...] = option(SWEEP_DTYPES, Check("--dtypes", choices=SWEEP_DTYPES))
+    layouts: tuple[str, ...] = option(SWEEP_LAYOUTS, Check("--layouts", choices=SWEEP_LAYOUTS))
+    out: str | None = None
+    expect_fixed: bool = False
+    in_process: bool = False
+    torch_profile: str | None = option(None, TORCH_PROFILE)
+    max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
+                                                hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))

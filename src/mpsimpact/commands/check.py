@@ -7,7 +7,7 @@ from mpsimpact.commands.options import option, shared
 
 
 def config() -> type:
-    from mpsimpact.prediction.check import CheckConfig
+    from mpsimpact.config import CheckConfig
     return CheckConfig
 
 

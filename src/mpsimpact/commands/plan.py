@@ -7,7 +7,7 @@ from mpsimpact.commands.options import option, shared
 
 
 def config() -> type:
-    from mpsimpact.prediction.plan import PlanConfig
+    from mpsimpact.config import PlanConfig
     return PlanConfig
 
 

@@ -15,7 +15,7 @@ QUICK_TEXT = "--batch-size 16 --max-length 256 --index-bits 23"
 
 
 def config() -> type:
-    from mpsimpact.runs.runner import RunConfig
+    from mpsimpact.config import RunConfig
     return RunConfig
 
 

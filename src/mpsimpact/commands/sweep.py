@@ -7,7 +7,7 @@ from mpsimpact.commands.options import option, shared
 
 
 def config() -> type:
-    from mpsimpact.reports.sweep import SweepConfig
+    from mpsimpact.config import SweepConfig
     return SweepConfig
 
 

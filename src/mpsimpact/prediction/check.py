@@ -9,52 +9,17 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
-    TASKS, MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
+    MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
 )
-from mpsimpact.config import BATCH_SIZE, INDEX_BITS, TORCH_PROFILE, Check, option, validate
+from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
 from mpsimpact.prediction.memory import traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
 from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 from mpsimpact.engine.fault_plan import FaultPlan
-
-ATTENTIONS = ("eager", "sdpa", "default")
-PHASES = ("inference", "training")
-# Searched up to here when the config states no position limit (relative positions, e.g. T5).
-LENGTH_CEILING = 1 << 20
-BATCH_CEILING = 1 << 24
-
-SEQ_LEN = Check("--seq-len", low=1)
-TARGET_LEN = Check("--target-len", low=1)
-TASK = Check("--task", choices=("auto", *TASKS))
-ATTENTION = Check("--attention", choices=ATTENTIONS)
-PHASE = Check("--phase", choices=PHASES)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckConfig:
-    """What `mpsimpact check` was asked; embedded in its JSON."""
-
-    model: str
-    batch_size: int = option(1, BATCH_SIZE)
-    seq_len: int | None = option(None, SEQ_LEN)
-    target_len: int | None = option(None, TARGET_LEN)
-    task: str = option("auto", TASK)
-    attention: str = option("default", ATTENTION)
-    phase: str = option("inference", PHASE)
-    torch_profile: str | None = option(None, TORCH_PROFILE)
-    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
-    cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
-    out: str | None = None
-
-    def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded."""
-        validate(self)
-
 
 def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
     """(sequence length, the longest length searched) after checking --seq-len against the model."""

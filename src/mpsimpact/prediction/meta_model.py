@@ -16,7 +16,7 @@ from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
 
-# --task -> the transformers auto class, and the name of its MODEL_..._MAPPING_NAMES table.
+# --task (config.CHECK_TASKS, in this order) -> the transformers auto class, and the name of its MODEL_..._MAPPING_NAMES table.
 TASKS = {
     "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
     "sequence-classification": (

@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
-from mpsimpact.config import BATCH_SIZE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE, Validated, option
+from mpsimpact.config import PlanConfig
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
 from mpsimpact.prediction.memory import estimate_peak_bytes
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
@@ -23,24 +22,6 @@ def sweep_batches(heads: int, index_bits: int) -> list[int]:
     length: floor(2**bits / (heads * L * L)) is the last clean batch (1365 at 12 heads and 512)."""
     edges = {2**index_bits // (heads * length * length) for length in BOUNDARY_LENGTHS}
     return sorted({*ROUND_BATCHES, *edges, *(edge + 1 for edge in edges)} - {0})
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanConfig(Validated):
-    """What `mpsimpact plan` was asked; embedded in its JSON."""
-
-    scenario: str
-    batch_size: int | None = option(None, BATCH_SIZE)
-    max_length: int | None = option(None, MAX_LENGTH)
-    model: str | None = None
-    backward: bool = False
-    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
-    sweep: bool = False
-    figure: str | None = None
-    torch_profile: str | None = option(None, TORCH_PROFILE)
-    versions: bool = False
-    out: str | None = None
-    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
 
 
 def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:

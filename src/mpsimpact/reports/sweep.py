@@ -7,45 +7,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from mpsimpact.output.page import rich_table
 from mpsimpact.errors import UsageError
-from mpsimpact.config import DEVICE, INDEX_BITS, TORCH_PROFILE, Check, Validated, option
-from mpsimpact.runs.sweep import DTYPES, LAYOUTS, NOT_RUN, is_measured
+from mpsimpact.config import SweepConfig, memory_bytes
+from mpsimpact.runs.sweep import NOT_RUN, is_measured
 
 GIB = 1 << 30
 PROGRESS_EVERY_S = 5.0  # a progress line at least this far apart (and for every cell that disagrees)
 FILES = ("sweep.jsonl", "summary.json", "profile.json", "outcome_map.png")
-
-
-def memory_bytes(text: str) -> int:
-    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
-    if not match or float(match[1]) <= 0:
-        raise ValueError(f"'{text}' is not a size above 0")
-    return int(float(match[1]) * (1 << 20 if (match[2] or "g").startswith("m") else GIB))
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepConfig(Validated):
-    """What `mpsimpact sweep` was asked; embedded in summary.json."""
-
-    device: str = option("auto", DEVICE)
-    emulate: bool | None = None
-    index_bits: int = option(32, INDEX_BITS)
-    quick: bool = True
-    dtypes: tuple[str, ...] = option(tuple(DTYPES), Check("--dtypes", choices=tuple(DTYPES)))
-    layouts: tuple[str, ...] = option(LAYOUTS, Check("--layouts", choices=LAYOUTS))
-    out: str | None = None
-    expect_fixed: bool = False
-    in_process: bool = False
-    torch_profile: str | None = option(None, TORCH_PROFILE)
-    max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
-                                                hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))
 
 
 def _cell_key(cell: dict[str, Any]) -> tuple:

@@ -11,62 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.runs.device import GIB, resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
-from mpsimpact.config import (BATCH_SIZE, CORRUPTION_THRESHOLD, DEVICE, INDEX_BITS, MAX_LENGTH, TORCH_PROFILE,
-                              Check, Validated, option)
+from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import STUDY, resolve_profile
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, condition
-
-GUARDS = ("off", "raise", "chunk")
-# Half precision: a text is corrupted above this relative difference from the same-dtype,
-# small-batch reference (see docs and benchmarks/README.md for the measured margins).
-HALF_THRESHOLD = 2e-2
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig(Validated):
-    """Everything `mpsimpact run` was asked; embedded in every report."""
-
-    scenario: str = "sentiment"
-    batch_size: int | None = option(None, BATCH_SIZE)
-    steps: int = option(1, Check("--steps", low=1))
-    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
-    max_length: int | None = option(None, MAX_LENGTH)
-    device: str = option("auto", DEVICE)
-    emulate: bool | None = None
-    guard: str = option("all", Check("--guard", choices=(*GUARDS, "all")))
-    out: str | None = None
-    seed: int = 0
-    expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
-    model: str | None = None
-    dataset: str | None = None
-    threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False))
-    reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
-    run_length: int | None = option(None, Check("--run-length", low=1))
-    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
-    torch_profile: str | None = option(None, TORCH_PROFILE)
-    attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
-    dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
-
-    @property
-    def corruption_threshold(self) -> float:
-        """fp32: --threshold against the CPU fp32 reference. Half precision: against a same-dtype
-        reference, at least HALF_THRESHOLD (kernel-order rounding of clean texts stays below it)."""
-        return self.threshold if self.dtype == "float32" else max(self.threshold, HALF_THRESHOLD)
-
-    @property
-    def guards(self) -> tuple[str, ...]:
-        return GUARDS if self.guard == "all" else (self.guard,)
-
-    @property
-    def attentions(self) -> tuple[str, ...]:
-        return ("eager", "sdpa") if self.attention == "both" else (self.attention,)
-
 
 def condition_key(attention: str, guard_mode: str) -> str:
     """How arrays and figures name a condition: the guard alone for eager attention (as always)."""

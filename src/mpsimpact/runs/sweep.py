@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from mpsimpact.config import SWEEP_LAYOUTS
 from mpsimpact.engine.faults import SILENT_KINDS, TensorSpec, classify_bmm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
+LAYOUTS = SWEEP_LAYOUTS  # config.SWEEP_DTYPES names DTYPES' keys
 # (M, K, N): crossing through the output, through input a, through input b / views, all three.
 FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1}
