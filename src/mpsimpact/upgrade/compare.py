@@ -16,7 +16,7 @@ from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder,
 from mpsimpact.upgrade.profile_change import describe_change
 
 VERSIONS = ("torch", "transformers")
-PROFILES = ("fault profile", "profile (geometry)", "torch profile (config)")
+PROFILES = ("installed torch's rules", "rules used", "--torch-profile")
 # Condition columns that describe a run's cost or its prediction rather than its outcome.
 NOT_COMPARED = ("guard", "wall_s", "corrupted_fraction", "predicted_first_corrupted_index",
                 "reference_accuracy")

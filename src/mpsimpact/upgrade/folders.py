@@ -27,8 +27,8 @@ RUN_GEOMETRY = (
 RUN_ENVIRONMENT = (
     ("torch", ("environment", "torch")), ("transformers", ("environment", "transformers")),
     ("mpsimpact", ("environment", "mpsimpact")), ("device", ("geometry", "device")),
-    ("mode", ("geometry", "mode")), ("fault profile", ("environment", "fault_profile")),
-    ("profile (geometry)", ("geometry", "profile")), ("torch profile (config)", ("config", "torch_profile")),
+    ("mode", ("geometry", "mode")), ("installed torch's rules", ("environment", "fault_profile")),
+    ("rules used", ("geometry", "profile")), ("--torch-profile", ("config", "torch_profile")),
     ("machine", ("environment", "machine")))
 DEFAULT_ATTENTION = "eager"
 WHAT_TO_PASS = "pass a folder written by `mpsimpact run` or `mpsimpact sweep`"
