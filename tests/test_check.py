@@ -318,6 +318,19 @@ def test_bad_models_exit_2_with_one_line(tmp_path):
     assert "has no config.json" in bad_input(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("field, value, shown", [
+    ("num_attention_heads", 0, "0"), ("hidden_size", "768", '"768"'), ("num_hidden_layers", -1, "-1"),
+    ("intermediate_size", 3072.5, "3072.5"), ("vocab_size", True, "true"),
+])
+def test_a_config_with_an_impossible_size_is_one_line(tmp_path, field, value, shown):
+    # Before: ZeroDivisionError inside transformers (0 heads), a huggingface_hub validation traceback (a
+    # string), or a model with no layers reported as clean (-1).
+    config = json.loads((BERT / "config.json").read_text()) | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert bad_input(tmp_path) == (f"error: '{tmp_path / 'config.json'}': {field} must be a whole number of at "
+                                   f"least 1, got {shown}; check the config.")
+
+
 def test_out_must_be_fresh(tmp_path):
     (tmp_path / "keep.txt").write_text("x")
     assert "already exists and is not empty" in bad_input(BERT, "--out", tmp_path)

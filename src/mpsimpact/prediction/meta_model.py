@@ -25,6 +25,11 @@ TASKS = {
     "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     "seq2seq": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
 }
+# Sizes a config may state; each must be a whole number >= 1 (transformers would fail deep inside, or build
+# a model with no layers).
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
+               "vocab_size", "max_position_embeddings", "head_dim", "d_model", "d_kv", "d_ff", "num_heads",
+               "num_layers", "num_decoder_layers", "n_head", "n_layer", "n_embd", "n_positions")
 # Input variants, tried in order: transformers' mask code reads mask values (`.all()`), which meta
 # tensors lack; which variant avoids that depends on the architecture. No variant changes a matmul.
 MASKS = ("none", "4-D ones", "2-D ones")
@@ -79,6 +84,11 @@ def _check_model_type(path: Path | None, source: str) -> None:
             f"'{source}' has model_type '{model_type}', an architecture transformers {__version__} does not know; "
             "upgrade transformers or check the config."
         )
+    for name in SIZE_FIELDS:
+        value = fields.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ModelLoadError(f"'{file}': {name} must be a whole number of at least 1, got {json.dumps(value)}; "
+                                 "check the config.")
 
 
 def _first_line(error: BaseException) -> str:
