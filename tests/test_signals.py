@@ -92,9 +92,13 @@ def is_running(pid):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from Linux's /proc")
-def test_sigterm_to_matrix_ends_its_probe_subprocess(tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -signal.SIGKILL)])
+def test_a_signal_to_matrix_ends_its_probe_subprocess(tmp_path, signum, code):
     """probe_environment runs `python -m mpsimpact.upgrade.probe` with the overlay first on the path: a
-    fake overlay's probe writes its pid and sleeps; SIGTERM to the parent must end it too."""
+    fake overlay's probe writes its pid and sleeps; SIGTERM to the parent must end it too, and so must
+    SIGKILL, which no handler sees (the child asked the kernel to end it with its parent)."""
+    if signum == signal.SIGKILL and not sys.platform.startswith("linux"):
+        pytest.skip("a child ends with a SIGKILL-ed parent on Linux only (prctl PR_SET_PDEATHSIG)")
     fake = tmp_path / "overlay" / "mpsimpact" / "upgrade"
     fake.mkdir(parents=True)
     for folder in (fake.parent, fake):
@@ -113,8 +117,8 @@ def test_sigterm_to_matrix_ends_its_probe_subprocess(tmp_path):
     with exit_cleanly_on_signals():
         probe_environment(Path(sys.argv[1]), {})
     """
-    returncode, line, err = drive(body, tmp_path / "overlay", pid_file)
-    assert (line, returncode) == ("probing", 143), err
+    returncode, line, err = drive(body, tmp_path / "overlay", pid_file, signum=signum)
+    assert (line, returncode) == ("probing", code), err
     probe = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while is_running(probe) and time.monotonic() < deadline:

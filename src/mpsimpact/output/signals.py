@@ -5,6 +5,8 @@ child processes), then the process exits 128 + the signal's number."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import signal
 import sys
 import threading
@@ -60,3 +62,16 @@ def exit_cleanly_on_signals(signals: tuple[int, ...] = CLEAN_EXIT_SIGNALS) -> It
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGKILL when the process that started it dies, even by SIGKILL
+    (which no handler sees), so a killed command leaves no probe or sweep cell running. Linux only (prctl);
+    elsewhere a no-op: there the child ends when it next writes to, or reads from, its closed pipe."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -22,6 +22,7 @@ from typing import Any
 
 from mpsimpact.errors import OverlayError, UsageError
 from mpsimpact.output.files import cache_root, is_process_alive, warn
+from mpsimpact.output.signals import end_with_parent
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
 EXCLUDED = frozenset({"torch"})  # must come from the running interpreter, never from an overlay
@@ -101,7 +102,7 @@ def uv_executable() -> str:
 def _run(command: list[str], timeout: float) -> str:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=os.environ | {"NO_COLOR": "1"})
+                              env=os.environ | {"NO_COLOR": "1"}, preexec_fn=end_with_parent)
     except subprocess.TimeoutExpired:
         what = " ".join([Path(command[0]).name, *command[1:3]])
         raise OverlayError(f"{what} took longer than {timeout:.0f} s") from None
@@ -336,7 +337,8 @@ def probe_environment(overlay: Path, job: dict[str, Any], timeout: float = PROBE
     try:
         # -P: the working folder is not put on sys.path, so nothing there shadows the overlay.
         done = subprocess.run([sys.executable, "-P", "-m", "mpsimpact.upgrade.probe"], input=json.dumps(job),
-                              capture_output=True, text=True, timeout=timeout, check=False, env=env)
+                              capture_output=True, text=True, timeout=timeout, check=False, env=env,
+                              preexec_fn=end_with_parent)
     except subprocess.TimeoutExpired:
         raise OverlayError(f"the probe took longer than {timeout:.0f} s", stage="probe") from None
     try:
