@@ -52,6 +52,11 @@ def as_json() -> Any:
     return typer.Option(False, "--json", help="Print the result as one JSON object.")
 
 
+def verbose() -> Any:
+    return typer.Option(False, "--verbose", "-v", show_default=True,
+                        help="Also print the internals: every message in full, the rules' names, layouts.")
+
+
 def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
     """--json: `data` as one JSON object; else the tables."""
     if as_json:
