@@ -53,8 +53,9 @@ def as_json() -> Any:
 
 
 def verbose() -> Any:
-    return typer.Option(False, "--verbose", "-v", show_default=True,
-                        help="Also print the internals: every message in full, the rules' names, layouts.")
+    # A plain flag shows no "[default: ...]" (as --json, --quick): its help says it is off unless given.
+    return typer.Option(False, "--verbose", "-v", help="Also print the internals: every message in full, the "
+                        "fault rules' names, the layouts. Off unless given.")
 
 
 def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
