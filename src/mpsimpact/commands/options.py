@@ -53,8 +53,9 @@ def as_json() -> Any:
 
 
 def verbose() -> Any:
-    # A plain flag shows no "[default: ...]" (as --json, --quick): its help says it is off unless given.
-    return typer.Option(False, "--verbose", "-v", help="Also print the internals: every message in full, the "
+    # A plain flag shows no "[default: ...]" (as --json, --quick): its help says it is off unless given. No
+    # "-v": a short name widens every --help table by a column, and run's then cuts its --out default at 80.
+    return typer.Option(False, "--verbose", help="Also print the internals: every message in full, the "
                         "fault rules' names, the layouts. Off unless given.")
 
 
