@@ -30,6 +30,7 @@ def main(
                                 "default forward model(ids) and generate() run; --no-cache as scoring and "
                                 "training with use_cache=False do."),
     as_json: bool = options.as_json(),
+    verbose: bool = options.verbose(),
     out: str | None = options.out("Also write check.json and check.md"),
 ) -> None:
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
@@ -44,7 +45,7 @@ def main(
     )
     with claimed_out_dir(out, "check", default=False) as folder:
         report = build_check_report(check_config)
-        options.print_result(report, as_json, lambda: print_check(report))
+        options.print_result(report, as_json, lambda: print_check(report, verbose))
         if folder is not None:
             write_check_folder(folder, report)
             typer.echo(f"Written to {folder}/ (check.json, check.md)", err=as_json)

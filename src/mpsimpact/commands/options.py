@@ -52,6 +52,13 @@ def as_json() -> Any:
     return typer.Option(False, "--json", help="Print the result as one JSON object.")
 
 
+def verbose() -> Any:
+    # A plain flag shows no "[default: ...]" (as --json, --quick): its help says it is off unless given. No
+    # "-v": a short name widens every --help table by a column, and run's then cuts its --out default at 80.
+    return typer.Option(False, "--verbose", help="Also print the internals: every message in full, the "
+                        "fault rules' names, the layouts. Off unless given.")
+
+
 def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
     """--json: `data` as one JSON object; else the tables."""
     if as_json:

@@ -19,6 +19,7 @@ def main(
     backward: bool | None = option("--backward", "Plan one training step: forward and gradient products."),
     index_bits: int | None = shared("--index-bits"),
     as_json: bool = options.as_json(),
+    verbose: bool = options.verbose(),
     sweep: bool | None = option("--sweep", "Also tabulate the corrupted fraction over batch sizes for "
                                            "lengths 128..512."),
     figure: str | None = option("--figure", "With --sweep: write the sweep as a PNG figure to this path."),
@@ -51,7 +52,7 @@ def main(
         report = build_plan_report(plan_config, get_scenario(scenario)(model=model))
         if figure:
             write_sweep_figure(report["sweep"], figure, report["model"])
-        options.print_result(report, as_json, lambda: print_plan(report))
+        options.print_result(report, as_json, lambda: print_plan(report, verbose))
         if folder is not None:
             write_plan_folder(report, folder)
             typer.echo(f"Written to {folder}/", err=as_json)

@@ -46,6 +46,7 @@ def main(
                                           "dtype; half precision is judged against a same-dtype reference."),
     quick: bool = typer.Option(False, "--quick", help=f"The 20-second demo: {QUICK_TEXT} unless given "
                                "(emulated at a narrow index width, and said so)."),
+    verbose: bool = options.verbose(),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     from rich.console import Console
@@ -71,7 +72,7 @@ def main(
             advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
             report, arrays = run_scenario(run_config, advance)
         write_run_folder(folder, report, arrays)
-    _print_summary(report, folder)
+    _print_summary(report, folder, verbose)
     _check_expectation(report, expect)
 
 
@@ -101,23 +102,24 @@ def _rich_progress(progress: Any) -> Any:
     return make
 
 
-def _print_summary(report: dict, folder: Any) -> None:
+def _print_summary(report: dict, folder: Any, verbose: bool = False) -> None:
     from rich.console import Console
 
+    from mpsimpact.output.page import Footnotes
     from mpsimpact.runs.kind import kind_of
 
-    kind = kind_of(report)
+    kind, footnotes = kind_of(report), Footnotes()
     console = Console()
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
-    console.print(f"[bold]{kind.headline(report)}[/]", soft_wrap=True)
-    console.print(f"[{style}]{geometry['mode']}[/]")
-    console.print(kind.console_table(report))
-    for line in kind.console_lines(report):
-        console.print(line, soft_wrap=True)
+    console.print(kind.headline(report, plain=not verbose), style="bold", markup=False)
+    console.print(geometry["mode"], style=style, markup=False)
+    console.print(kind.console_table(report, footnotes, verbose))
+    for line in [*footnotes.lines(), *kind.console_lines(report, verbose)]:
+        console.print(line, markup=False)
     for note in report["notes"][1:]:
-        console.print(f"note: {note}", soft_wrap=True)
-    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})")
+        console.print(f"note: {note}", markup=False)
+    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})", markup=False)
 
 
 def _check_expectation(report: dict, expect: str | None) -> None:

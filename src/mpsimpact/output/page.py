@@ -17,6 +17,46 @@ HTML_STYLE = (
 )
 
 
+# A fault kind (engine.faults) in plain words, for the console; the JSON keeps the kind itself.
+FAULT_WORDS = {"wrong_all": "silent, every row wrong", "wrong_tail": "silent, tail rows wrong",
+               "truncated": "silent, truncated", "wrong_other": "silent, wrong (not characterised)",
+               "error": "error", "abort": "abort", "ok": "correct"}
+
+
+# A run condition's status (runs.runner) in plain words, for the console; the JSON keeps the status itself.
+STATUS_WORDS = {"completed": "completed", "stopped_by_guard": "stopped by guard", "error": "error",
+                "not_emulated": "not emulated (unmeasured)", "skipped_predicted_abort": "skipped: would abort"}
+# The fault rules' names inside a message ("rule int32-kernel", "rule conservative: int32-kernel"), with
+# what replaces each form; see without_rule_names.
+_RULE_NAMES = ((r", rule [^;,)]+;", ";"), (r"\(rule [^;,)]+; inferred\)", "(inferred)"), (r" ?\(rule [^;,)]+\)", ""),
+               (r"; rule [^;,)]+, inferred\)", "; inferred)"), (r"; rule [^;,)]+\)", ")"))
+
+
+def without_rule_names(text: str) -> str:
+    """A message without the fault rules' internal names, for the console (the JSON and --verbose keep
+    them): "(emulated MPS 2.13.0, rule int32-kernel; ...)" -> "(emulated MPS 2.13.0; ...)"."""
+    import re
+
+    for pattern, replacement in _RULE_NAMES:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+def op_cell(op: str, a: list[int], b: list[int]) -> str:
+    """A call's op and shapes: "bmm: 192x256x256 @ 192x256x32" for a product, "sdpa: q ..., k ...",
+    "mul on 16x12x256x256" (and "-> out" when it differs) for any other op (a = its largest input,
+    b = its largest output)."""
+    from mpsimpact.engine.call import PRODUCTS
+    from mpsimpact.engine.release import family_of
+
+    family, shape = family_of(op), lambda dims: "x".join(map(str, dims)) or "scalar"
+    if family == "sdpa":
+        return f"{op}: q {shape(a)}, k {shape(b)}"
+    if family in PRODUCTS:
+        return f"{op}: {shape(a)} @ {shape(b)}"
+    return f"{op} on {shape(a)}" + (f" -> {shape(b)}" if list(b) != list(a) else "")
+
+
 def format_cell(value: Any) -> str:
     """A table cell: '-' for missing, short floats, scientific below 1e-3."""
     if value is None:
@@ -53,3 +93,98 @@ def html_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> st
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+class Footnotes:
+    """Long texts moved out of a table: a cell carries "[n]" and the text is printed once, below it."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        """The marker "[n]" of `text`, the same number for the same text."""
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[str]:
+        return [f"[{n}] {text}" for n, text in enumerate(self.texts, 1)]
+
+
+def _words(cell: str) -> list[str]:
+    return cell.split() or [""]
+
+
+def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list[int] | None:
+    """Widths that fit `width` with every word of every cell whole (None if none do): each column gets its
+    longest word, then the spare room goes to the columns that need the least more to stop wrapping."""
+    columns = list(zip(header, *rows))
+    least = [max(len(word) for cell in column for word in _words(cell)) for column in columns]
+    spare = width - (3 * len(columns) + 1) - sum(least)  # a box table: "│ " + cell + " " per column, "│"
+    if spare < 0:
+        return None
+    widths = least[:]
+    for cells in (lambda column: column[1:], lambda column: column):  # the cells unwrapped first, then titles
+        most = [max(len(line) for cell in cells(c) for line in cell.splitlines() or [""]) for c in columns]
+        for i in sorted(range(len(columns)), key=lambda i: most[i] - widths[i]):
+            more = max(0, min(most[i] - widths[i], spare))
+            widths[i], spare = widths[i] + more, spare - more
+    return widths
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    """`text` in lines of `width`, broken at spaces only (a word longer than a line stays whole)."""
+    import textwrap
+
+    return [line for paragraph in text.splitlines() or [""]
+            for line in textwrap.wrap(paragraph, width, break_long_words=False, break_on_hyphens=False) or [""]]
+
+
+class FittedTable:
+    """A console table that fits the width it is printed at without cutting or breaking a word: columns
+    when every column's longest word fits, else one block per row ("title: value" lines), so that it
+    reads whole at 80 columns and in a log. `title` may be changed before it is printed."""
+
+    def __init__(self, title: str, header: list[str] | tuple[str, ...], rows: list[list[str]], *,
+                 justify: str = "left", show_lines: bool = False) -> None:
+        self.title, self.header, self.justify, self.show_lines = title, list(header), justify, show_lines
+        self.rows = [[str(cell) for cell in row] for row in rows]
+
+    def __rich_console__(self, console: Any, options: Any):
+        widths = _column_widths(self.header, self.rows, options.max_width)
+        if widths is not None:
+            yield self._table(widths)
+        else:
+            yield from self._blocks(options.max_width)
+
+    def _table(self, widths: list[int]):
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=self.title, show_lines=self.show_lines)
+        for title, width in zip(self.header, widths):
+            table.add_column(title, justify=self.justify, width=width, overflow="fold")
+        for row in self.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        return table
+
+    def _blocks(self, width: int):
+        from rich.text import Text
+
+        keys = max(len(title) for title in self.header[1:])
+        lines = [*(Text(line, style="italic") for line in _wrapped(self.title, width))]
+        for row in self.rows:
+            lines += [Text(line, style="bold") for line in _wrapped(f"{self.header[0]} {row[0]}", width)]
+            for title, cell in zip(self.header[1:], row[1:]):
+                if keys + 4 + max(map(len, _words(cell))) <= width:
+                    text = _wrapped(cell, width - keys - 4)
+                    lines += [Text(f"  {title:<{keys}}  {text[0]}"), *(Text(" " * (keys + 4) + t) for t in text[1:])]
+                else:  # too wide beside its title: on the lines below it
+                    lines += [Text(f"  {title}"), *(Text("    " + t) for t in _wrapped(cell, width - 4))]
+        yield from lines
+
+
+def fitted_table(title: str, header: list[str] | tuple[str, ...], rows: list[list[Any]], *,
+                 justify: str = "left", show_lines: bool = False) -> FittedTable:
+    """A console table that fits the terminal's (or a log's) width without breaking a word (FittedTable)."""
+    return FittedTable(title, header, rows, justify=justify, show_lines=show_lines)

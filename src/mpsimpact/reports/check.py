@@ -9,11 +9,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.output.page import format_cell, markdown_table, rich_table
+from mpsimpact.output.page import (
+    FAULT_WORDS, Footnotes, fitted_table, format_cell, markdown_table, op_cell, without_rule_names,
+)
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
 CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)",
                "first bad row (sample, head)"]
+# The console's columns: the op and its shapes, the outcome in words (--verbose: CALL_HEADER's).
+CONSOLE_CALL_HEADER = ["calls", "where", "op and shapes", "out", "outcome", "first bad row (sample, head)"]
 
 
 def _count(n: int) -> str:
@@ -37,13 +41,8 @@ def first_bad_cell(row: dict[str, Any]) -> str:
 
 def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
     """Faulting calls as table rows, one per distinct call (op, shapes, layouts, outcome, phase)."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        key = (row["phase"], row["op"], tuple(row["a"]), tuple(row["b"]), row["a_layout"], row["b_layout"],
-               row["kind"], row["rule"], row["first_bad_batch"], re.sub(r"\d+", "*", row["module"]))
-        groups.setdefault(key, []).append(row)
     table = []
-    for same in groups.values():
+    for same in _groups(rows):
         row, n = same[0], len(same)
         calls = str(row["index"]) if n == 1 else f"{n} calls ({row['index']} .. {same[-1]['index']})"
         where = _layer_pattern([r["module"] for r in same]) + (" (bwd)" if row["phase"] == "backward" else "")
@@ -54,14 +53,48 @@ def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
     return table
 
 
-def headline(report: dict[str, Any]) -> str:
-    """One sentence: the model, what was built, and at which geometry."""
+def _groups(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["phase"], row["op"], tuple(row["a"]), tuple(row["b"]), row["a_layout"], row["b_layout"],
+               row["kind"], row["rule"], row["first_bad_batch"], re.sub(r"\d+", "*", row["module"]))
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def outcome_words(row: dict[str, Any]) -> str:
+    """A faulting call's outcome in words: "abort (inferred)", "unmeasured", "silent, every row wrong"."""
+    if row["rule"].startswith("unmeasured"):
+        return "unmeasured (judged wrong)" if row["kind"] == "wrong_other" else f"unmeasured ({row['kind']})"
+    return FAULT_WORDS.get(row["kind"], row["kind"]) + (" (inferred)" if row["inferred"] else "")
+
+
+def console_calls(rows: list[dict[str, Any]], verbose: bool = False):
+    """The faulting calls as a console table (output.page.FittedTable), one row per distinct call; with
+    `verbose` the layouts and the rules' names too (CALL_HEADER)."""
+    if verbose:
+        return fitted_table("calls that hit a rule", CALL_HEADER, grouped_calls(rows))
+    table = []
+    for same in _groups(rows):
+        row, n = same[0], len(same)
+        calls = str(row["index"]) if n == 1 else f"{row['index']} .. {same[-1]['index']} ({n} calls)"
+        where = (_layer_pattern([r["module"] for r in same]) or "-") + (" (bwd)" if row["phase"] == "backward" else "")
+        table.append([calls, where, op_cell(row["op"], row["a"], row["b"]), _count(row["out_numel"]),
+                      outcome_words(row), first_bad_cell(row)])
+    return fitted_table("calls that hit a rule", CONSOLE_CALL_HEADER, table)
+
+
+def headline(report: dict[str, Any], every_op: bool = False) -> str:
+    """One sentence: the model, what was built, and at which geometry; `every_op`: count every traced op,
+    not only the products (the console's; check.md keeps its sentence)."""
     m, g = report["model"], report["geometry"]
+    traced = (f"{report['ops_traced']} ops traced ({report['calls_traced']} of them matrix products)"
+              if every_op and "ops_traced" in report else f"{report['calls_traced']} matmul calls traced")
     target = f" + decoder {g['target_len']}" if g["target_len"] is not None else ""
     return (f"{m['source']} ({m['found_in']}): {m['class']} ({m['model_type']}, {m['heads']} heads, "
             f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; "
             f"{g['phase']} at batch {g['batch_size']} x {g['seq_len']} tokens{target}; "
-            f"{report['calls_traced']} matmul calls traced on meta (shapes only).")
+            f"{traced} on meta (shapes only).")
 
 
 def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -95,21 +128,21 @@ def stop_line(stops: list[dict[str, Any]]) -> str:
     return f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}"
 
 
-def print_check(report: dict[str, Any]) -> None:
-    """The check as rich tables."""
+def print_check(report: dict[str, Any], verbose: bool = False) -> None:
+    """The check as console tables, fitting the terminal's width (a log's: 80 columns)."""
     from rich.console import Console
     console = Console()
-    console.print(headline(report), soft_wrap=True)
+    console.print(headline(report, every_op=True), markup=False)
     if report["faulting_calls"]:
-        calls = grouped_calls(report["faulting_calls"])
-        console.print(rich_table("calls that hit a rule", CALL_HEADER, calls))
+        console.print(console_calls(report["faulting_calls"], verbose))
     else:
         console.print("[bold green]No call crosses a limit.[/]")
     stops = report["prediction"]["stops"]
     if stops:
-        console.print(f"[bold red]{stop_line(stops)}[/]", soft_wrap=True)
+        line = stop_line(stops) if verbose else without_rule_names(stop_line(stops))
+        console.print(line, style="bold red", markup=False)
     for label, text in facts(report):
-        console.print(f"[bold]{label}:[/] {text}", soft_wrap=True)
+        console.print(f"{label}: {text if verbose else without_rule_names(text)}", markup=False)
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import rich_table
-from mpsimpact.reports.check import CALL_HEADER, grouped_calls
+from mpsimpact.output.page import Footnotes, fitted_table, without_rule_names
+from mpsimpact.reports.check import console_calls, stop_line
 
 
 def write_sweep_figure(table: dict, path: str, model: str) -> None:
@@ -17,33 +17,33 @@ def write_sweep_figure(table: dict, path: str, model: str) -> None:
     atomic_write_bytes(path, sweep_figure(table, title))
 
 
-def print_plan(report: dict[str, Any]) -> None:
-    """The plan as rich tables."""
+def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
+    """The plan as console tables, fitting the terminal's width (a log's: 80 columns); `verbose`: the
+    layouts, the rules' names and every message in full."""
     from rich.console import Console
     console = Console()
     cfg, pred = report["config"], report["prediction"]
-    console.print(f"[bold]{report['model']}[/] ({report['heads']} heads, {report['layers']} layers): "
-                  f"batch {cfg['batch_size']}, max length {cfg['max_length']}, "
-                  f"{report['calls_traced']} bmm/mm/SDPA calls traced on meta (shapes only), "
-                  f"decided for MPS on torch {report['profile']['label']}.")
-    calls = grouped_calls(report["faulting_calls"])
-    console.print(rich_table("calls that hit a rule", CALL_HEADER, calls) if calls
-                  else "No call crosses a limit.")
-    stop = pred["stops"][0] if pred["stops"] else None
-    if stop is not None:
-        what = "abort the process" if stop["kind"] == "abort" else "raise"
-        console.print(f"MPS would [bold red]{what}[/] at call {stop['index']}: {stop['message']}")
+    traced = (f"{report['ops_traced']} ops traced ({report['calls_traced']} of them matrix products)"
+              if "ops_traced" in report else f"{report['calls_traced']} bmm/mm/SDPA calls traced")
+    console.print(f"{report['model']} ({report['heads']} heads, {report['layers']} layers): "
+                  f"batch {cfg['batch_size']}, max length {cfg['max_length']}, {traced} on meta (shapes "
+                  f"only), decided for MPS on torch {report['profile']['label']}.", markup=False)
+    calls = report["faulting_calls"]
+    console.print(console_calls(calls, verbose) if calls else "No call crosses a limit.")
+    if pred["stops"]:
+        line = stop_line(pred["stops"])
+        console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
     else:
-        console.print(f"Predicted: {pred['describe']}.")
-    console.print(rich_table("largest safe batch", ("max length", "texts"),
-                             list(report["largest_safe_batch_by_length"].items())))
+        console.print(f"Predicted: {pred['describe']}.", markup=False)
+    console.print(fitted_table("largest safe batch", ("max length", "texts"),
+                               list(report["largest_safe_batch_by_length"].items())))
     console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB.")
     for line in report["guard_advice"]:
-        console.print(line, soft_wrap=True)
+        console.print(line, markup=False)
     if "sweep" in report:
         _print_sweep(console, report["sweep"])
     if "versions" in report:
-        _print_versions(console, report["versions"], cfg)
+        _print_versions(console, report["versions"], cfg, verbose)
     if "memory" in report:
         _print_memory(console, report["memory"])
 
@@ -51,22 +51,24 @@ def print_plan(report: dict[str, Any]) -> None:
 def _print_memory(console, memory: dict[str, Any]) -> None:
     rows = [[o["dtype"], o["max_length"], o["batch_size"], o["outcome"], f"{o['estimated_peak_gib']} GiB",
              "yes" if o["fits"] else "no"] for o in memory["options"]]
-    console.print(rich_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
-                             ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
+    console.print(fitted_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
+                               ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
     rec = memory["recommendation"]
-    console.print(f"Run: [bold]{rec['command']}[/]  ({rec['why']})" if rec["command"]
-                  else f"[bold red]{rec['why']}[/]", soft_wrap=True)
+    console.print(f"Run: {rec['command']}  ({rec['why']})" if rec["command"] else rec["why"],
+                  style="bold" if rec["command"] else "bold red", markup=False)
 
 
-def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any]) -> None:
-    from mpsimpact.reports.versions import TITLES, by_release
+def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], verbose: bool = False) -> None:
+    from mpsimpact.reports.versions import console_table
 
-    body = [[release, *(c["message"] for c in cells)] for release, cells in by_release(rows).items()]
+    footnotes = Footnotes()
     title = (f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens "
              "(from shapes alone)")
-    console.print(rich_table(title, ["torch", *TITLES], body, show_lines=True))
+    console.print(console_table(rows, title, footnotes, verbose))
+    for line in footnotes.lines():
+        console.print(line, markup=False)
     for note in sorted({r["note"] for r in rows if r["note"]}):
-        console.print(f"note: {note}", soft_wrap=True)
+        console.print(f"note: {note}", markup=False)
 
 
 def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
@@ -93,4 +95,4 @@ def _print_sweep(console, table: dict) -> None:
     rows = [[row["batch"], *[(c := table[length][i])["stops"] or f"{c['corrupted_fraction']:.1%}"
                              for length in table]] for i, row in enumerate(next(iter(table.values())))]
     header = ["batch", *(f"L={n}" for n in table)]
-    console.print(rich_table("predicted corrupted fraction by batch size", header, rows, justify="right"))
+    console.print(fitted_table("predicted corrupted fraction by batch size", header, rows, justify="right"))

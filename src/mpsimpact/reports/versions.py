@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpsimpact.engine.faults import STOP_KINDS
-from mpsimpact.output.page import markdown_table
+from mpsimpact.output.page import Footnotes, fitted_table, markdown_table, without_rule_names
 from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
 
 COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "unmeasured": "#999999",
@@ -27,6 +27,29 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
              for release, cells in by_release(rows).items()]
     notes = [f"- {note}" for note in sorted({r["note"] for r in rows if r["note"]})]
     return "\n".join([*markdown_table(["torch", *TITLES], table), "", *notes]) + "\n"
+
+
+def console_cell(row: dict[str, Any], footnotes: Footnotes, verbose: bool = False) -> str:
+    """One cell of the console's version table: the outcome in a few words, and the prediction's whole
+    sentence as a footnote when it says more (without the rules' names unless `verbose`)."""
+    first, message = row["first_corrupted_text"], row["message"]
+    inferred = ", inferred)" in message and not verbose
+    words = {"clean": "clean", "wrong": f"wrong from text {first}" if first is not None else "wrong",
+             "wrong_other": "wrong (not characterised)", "unmeasured": "unmeasured",
+             "error": "error", "abort": "abort"}.get(row["outcome"], row["outcome"])
+    if row["outcome"] in STOP_KINDS and first is not None:
+        words = f"wrong from text {first}, then {row['outcome']}"
+    words += " (inferred)" if inferred else ""
+    if message in ("clean", f"{row['corrupted_count']} texts wrong from text {first}"):
+        return words
+    return f"{words} {footnotes.mark(message if verbose else without_rule_names(message))}"
+
+
+def console_table(rows: list[dict[str, Any]], title: str, footnotes: Footnotes, verbose: bool = False):
+    """The version table for the console (output.page.FittedTable): short cells, long texts in footnotes."""
+    body = [[release, *(console_cell(c, footnotes, verbose) for c in cells)]
+            for release, cells in by_release(rows).items()]
+    return fitted_table(title, ["torch", *TITLES], body, show_lines=True)
 
 
 def _short(row: dict[str, Any]) -> str:

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.output.page import rich_table
+from mpsimpact.output.page import Footnotes, fitted_table
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.runs.kind import PASS_COLUMNS, RunKind
+from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.runner import device_reference, reference_logits, run_conditions
 from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
 
@@ -75,11 +75,12 @@ class ClassifyKind(RunKind):
         return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
                 "logits.npz": logits_npz(arrays)}
 
-    def console_table(self, report: dict):
+    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         g = report["geometry"]
         title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        header = ("guard", "status", "corrupted", "first (pred.)", "flips", "accuracy (ref.)", "wall")
-        return rich_table(title, header, [_console_row(c) for c in report["conditions"]], justify="right")
+        header = ("guard", "status", "wrong", "first wrong (pred.)", "flips", "accuracy (ref.)", "wall")
+        return fitted_table(title, header, [_console_row(c, footnotes, verbose) for c in report["conditions"]],
+                            justify="right")
 
     def damage(self, report: dict, off: dict) -> str:
         wrong, flips, c = off["corrupted_count"], off.get("flips", 0), off.get("collapse", {})
@@ -88,7 +89,7 @@ class ClassifyKind(RunKind):
             line += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
         return line + "."
 
-    def console_lines(self, report: dict) -> list[str]:
+    def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         lines = []
         for condition in report["conditions"]:
             if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
@@ -96,19 +97,13 @@ class ClassifyKind(RunKind):
                 lines.append(f"guard off: corrupted texts collapse onto '{c['class']}': "
                              f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} "
                              "in the reference")
-            if condition.get("message"):
-                lines.append(f"guard {condition['guard']}: {condition['status']}: {condition['message']}")
         return lines
 
 
-def _console_row(c: dict[str, Any]) -> list[str]:
+def _console_row(c: dict[str, Any], footnotes: Footnotes, verbose: bool) -> list[str]:
     done = c["status"] == "completed"
-    first = c.get("first_corrupted_index")
     return [
-        c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}, {c['guard']}",
-        {"completed": "completed", "stopped_by_guard": "stopped"}.get(c["status"], c["status"]),
-        f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
-        f"{first if first is not None else '-'} ({c['predicted_first_corrupted_index']})" if done else "-",
+        *pass_cells(c, footnotes, verbose),
         str(c["flips"]) if done else "-",
         f"{c['accuracy']:.3f} ({c['reference_accuracy']:.3f})" if done else "-",
         f"{c['wall_s']:.1f}s",

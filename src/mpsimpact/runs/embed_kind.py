@@ -14,8 +14,8 @@ from mpsimpact.runs.classify_kind import select_reference
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
-from mpsimpact.output.page import EMULATED_LABEL
-from mpsimpact.runs.kind import PASS_COLUMNS, RunKind
+from mpsimpact.output.page import EMULATED_LABEL, Footnotes, fitted_table
+from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.runner import run_conditions
 from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
 
@@ -79,15 +79,20 @@ class EmbedKind(RunKind):
         return (f"{off['corrupted_count']} of {report['geometry']['batch_size']} embeddings came back wrong; "
                 f"{s['failures']} documents no longer find themselves as their own nearest neighbour.")
 
-    def console_table(self, report: dict):
-        table = super().console_table(report)
-        if report["geometry"]["emulated"]:
-            table.title = f"{EMULATED_LABEL}, {table.title}"
-        return table
+    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
+        g = report["geometry"]
+        title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
+        title = f"{EMULATED_LABEL}, {title}" if g["emulated"] else title
+        header = ("guard", "status", "wrong", "first wrong (pred.)", "lost own match", "recall@10",
+                  "top-1 changed", "wall")
+        rows = [[*pass_cells(c, footnotes, verbose), *(
+            [str(c["self_retrieval_failures"]), f"{c['recall_at_10']:.3f}", str(c["top1_changed"])]
+            if c["status"] == "completed" else ["-"] * 3), f"{c['wall_s']:.1f}s"] for c in report["conditions"]]
+        return fitted_table(title, header, rows, justify="right")
 
-    def console_lines(self, report: dict) -> list[str]:
+    def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""
-        return [f"{tag}{line}" for line in retrieval_lines(report) + super().console_lines(report)]
+        return [f"{tag}{line}" for line in retrieval_lines(report)]
 
 
 def retrieval_lines(report: dict) -> list[str]:

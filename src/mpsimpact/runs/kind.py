@@ -7,8 +7,11 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.errors import UsageError
-from mpsimpact.output.page import EMULATED_LABEL, format_cell, rich_table
+from mpsimpact.output.page import (
+    EMULATED_LABEL, STATUS_WORDS, Footnotes, fitted_table, format_cell, without_rule_names,
+)
 
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
 # (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
@@ -67,16 +70,20 @@ class RunKind(abc.ABC):
         """Kind-specific bullet lines ("- ...") for report.md and report.html."""
         return []
 
-    def headline(self, report: dict) -> str:
+    def headline(self, report: dict, plain: bool = False) -> str:
         """The run in one plain sentence for a slide: was the damage silent, and how much of it (led by
-        the emulated label when no Apple GPU was used)."""
-        sentence = self._headline(report)
+        the emulated label when no Apple GPU was used). `plain`: the console's, a stop in words and
+        without the rules' names."""
+        sentence = self._headline(report, plain)
         return f"{EMULATED_LABEL}. {sentence}" if report["geometry"].get("emulated") else sentence
 
-    def _headline(self, report: dict) -> str:
+    def _headline(self, report: dict, plain: bool = False) -> str:
         off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
         if off is None:
             return "No unguarded condition ran: see the guarded conditions below."
+        if off["status"] != "completed" and plain:
+            return (f"Not silent: without a guard the run did not complete ({status_words(off)}: "
+                    f"{without_rule_names(str(off.get('message')))}).")
         if off["status"] != "completed":
             return f"Not silent: without a guard the run did not complete ({off['status']}: {off.get('message')})."
         wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
@@ -90,16 +97,69 @@ class RunKind(abc.ABC):
         """What went wrong without a guard, in a sentence (the kind's words)."""
         return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong."
 
-    def console_table(self, report: dict):
-        """The console's conditions table (a rich Table): by default the report's columns."""
+    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
+        """The console's conditions table (output.page.FittedTable): by default the report's columns, a
+        condition's message as a footnote of its status."""
         g, header = report["geometry"], [title for _, title in columns(report)]
         title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        return rich_table(title, header, condition_rows(report), justify="right")
+        rows = [[status_cell(c, footnotes, verbose) if key == "status" else console_cell(c, key)
+                 for key, _ in columns(report)] for c in report["conditions"]]
+        return fitted_table(title, header, rows, justify="right")
 
-    def console_lines(self, report: dict) -> list[str]:
-        """Lines printed under the table (before the notes)."""
-        return [f"guard {c['guard']}: {c['status']}: {c['message']}"
-                for c in report["conditions"] if c.get("message")]
+    def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
+        """Lines printed under the table and its footnotes (before the notes)."""
+        return []
+
+
+# How the console writes a condition's numbers (report.md keeps format_cell's).
+CONSOLE_FORMATS = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}", "recall_at_10": "{:.3f}",
+                   "max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}", "accuracy": "{:.3f}"}
+
+
+def console_cell(condition: dict, key: str) -> str:
+    """One cell of the console's conditions table."""
+    value = condition.get(key, "eager" if key == "attention" else None)
+    return CONSOLE_FORMATS[key].format(value) if key in CONSOLE_FORMATS and value is not None else format_cell(value)
+
+
+def pass_cells(condition: dict, footnotes: Footnotes, verbose: bool = False) -> list[str]:
+    """The console cells a one-pass kind (classify, embed) leads with: guard, status, wrong (fraction),
+    first wrong (the plan's prediction)."""
+    c, done = condition, condition["status"] == "completed"
+    guard = c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}, {c['guard']}"
+    first, predicted = c.get("first_corrupted_index"), c.get("predicted_first_corrupted_index")
+    return [guard, status_cell(c, footnotes, verbose),
+            f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
+            f"{'none' if first is None else first} ({'none' if predicted is None else predicted})" if done else "-"]
+
+
+def stop_kind(condition: dict) -> str | None:
+    """How MPS stopped an unguarded condition, "error" or "abort", from the emulated stop (the emulator
+    raises where MPS aborts); None when nothing recorded says."""
+    kinds = [call["fault"]["kind"] for call in condition.get("altered_calls") or []]
+    return next((kind for kind in reversed(kinds) if kind in STOP_KINDS), None)
+
+
+def status_words(condition: dict) -> str:
+    """A condition's status in plain words ("abort" for an emulated abort, "stopped by the guard")."""
+    status = condition["status"]
+    if status == "error" and stop_kind(condition) == "abort":
+        return "abort"
+    return STATUS_WORDS.get(status, status.replace("_", " "))
+
+
+def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) -> str:
+    """The status cell: its words, and the condition's message as a footnote (without the rules' names
+    unless `verbose`)."""
+    words, message = status_words(condition), condition.get("message")
+    if condition.get("phase") and condition["status"] != "completed":
+        words += f" in {condition['phase']}"
+    if not message:
+        return words
+    who = condition["guard"] if condition.get("attention", "eager") == "eager" else \
+        f"{condition['attention']}, {condition['guard']}"
+    text = f"{condition['status']}: {message}" if verbose else without_rule_names(message)
+    return f"{words} {footnotes.mark(f'guard {who}: {text}')}"
 
 
 def kind_of(report: dict) -> RunKind:

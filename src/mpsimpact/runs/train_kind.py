@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.runs.kind import RunKind
+from mpsimpact.output.page import FAULT_WORDS, Footnotes, fitted_table, op_cell
+from mpsimpact.runs.kind import RunKind, console_cell, status_cell
 
 
 class TrainKind(RunKind):
@@ -45,16 +46,19 @@ class TrainKind(RunKind):
         return (f"{off.get('corrupted_count') or 0} of {report['geometry']['batch_size']} logits and "
                 f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong.")
 
-    def console_table(self, report: dict):
-        table = super().console_table(report)
-        table.title += f", {report['config']['steps']} step(s)"
-        return table
+    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
+        g = report["geometry"]
+        title = (f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}, "
+                 f"{report['config']['steps']} step(s)")
+        header = ("guard", "status", "wrong logits", "wrong gradients", "max gradient error", "update error",
+                  "eval flips after", "wall")
+        keys = ("corrupted_count", "corrupted_gradient_tensors", "max_gradient_rel_error", "update_rel_error",
+                "eval_flips_after_training", "wall_s")
+        rows = [[c["guard"], status_cell(c, footnotes, verbose), *(console_cell(c, key) for key in keys)]
+                for c in report["conditions"]]
+        return fitted_table(title, header, rows, justify="right")
 
-    def console_lines(self, report: dict) -> list[str]:
-        lines = []
-        for c in report["conditions"]:
-            lines += [f"guard {c['guard']}: {op['op']} {op['a']} @ {op['b']}: {op['kind']} in "
-                      f"{' and '.join(op['phases'])}" for op in c.get("faulted_ops", [])]
-            if c.get("message"):
-                lines.append(f"guard {c['guard']}: {c['status']} in {c['phase']}: {c['message']}")
-        return lines
+    def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
+        return [f"guard {c['guard']}: {op_cell(op['op'], op['a'], op['b'])}: "
+                f"{op['kind'] if verbose else FAULT_WORDS.get(op['kind'], op['kind'])} in {' and '.join(op['phases'])}"
+                for c in report["conditions"] for op in c.get("faulted_ops", [])]
