@@ -59,10 +59,10 @@ class FamilyTest:
 
     @property
     def slot(self) -> str:
-        """'elementwise, 1-D' or 'softmax, multi-dimensional', 'mm' or 'sdpa'."""
+        """'elementwise, 1-D', 'softmax, multi-dim' (more than DIM_MAX elements, no dimension past it), 'mm' or 'sdpa'."""
         if self.aspect != "families":
             return self.aspect
-        return f"{self.family}, {'1-D' if self.one_d else 'multi-dimensional'}"
+        return f"{self.family}, {'1-D' if self.one_d else 'multi-dim'}"
 
 
 def _long(dtype: str, fill: str) -> Callable[[int], tuple[Input, ...]]:
@@ -186,7 +186,7 @@ def family_grid(index_bits: int) -> list[FamilyCell]:
 
 
 def cell_name(cell: dict[str, Any]) -> str:
-    """'softmax (softmax, multi-dimensional)': a family cell as people say it."""
+    """'softmax (softmax, multi-dim)': a family cell as people say it."""
     return f"{cell['test']} ({TESTS_BY_NAME[cell['test']].slot})"
 
 
