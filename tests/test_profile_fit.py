@@ -320,3 +320,29 @@ def test_compare_says_how_the_profile_changed_in_plain_words(tmp_path):
     text, changed = describe_change(new, partial)
     assert not changed
     assert "cannot tell (P V (a contiguous input above 2^32 elements): the new sweep left it" in text
+
+
+def test_compare_says_how_the_families_linear_and_sdpa_changed_in_plain_words(tmp_path):
+    old, new = (load_profile(written(tmp_path, derived(r, bits=20, families=True), f"{r}.json"))
+                for r in ("2.12.1", "2.13.0"))
+    text, changed = describe_change(old, new)
+    said = " ".join(text.split())
+    assert changed
+    # 2.13.0's new attention kernel, its SIGSEGV on the scale and softmax, and its wrapping sum
+    assert ("no longer computes fused SDPA above 2^32 score elements wrong; now computes fused SDPA above 2^32 "
+            "score elements right") in said
+    assert ("now dies (SIGSEGV) above 2^32 elements on elementwise ops of more than INT_MAX elements (no "
+            "dimension past it)") in said
+    assert ("no longer raises on reduction ops with a dimension past INT_MAX; now reduces only the first numel "
+            "mod 2^32 elements of reduction ops with a dimension past INT_MAX") in said
+    assert "still aborts the process on a Linear whose input passes 2^32 elements" in said
+    # 18 rows (9 families x 2): 5 unmeasured on both (1-D copy, random, softmax; multi-dimensional indexing,
+    # reduction) are left out, 3 changed (above), multi-dimensional cat is unmeasured on 2.12.1 only: 9 as before
+    assert "9 op-family rows as before" in said
+    assert said.endswith("cannot tell (cat ops of more than INT_MAX elements (no dimension past it): the old "
+                         "sweep left it open)")
+    bmm_only = load_profile(written(tmp_path, derived("2.13.0", bits=20), "bmm.json"))
+    text, changed = describe_change(bmm_only, new)
+    assert not changed and text.endswith("cannot tell (a Linear whose input passes 2^32 elements: the old sweep "
+                                         "left it open; fused SDPA above 2^32 score elements: the old sweep left "
+                                         "it open; the op families: the old sweep left it open)")
