@@ -163,13 +163,16 @@ class FamilyCell:
 
     def bytes_needed(self) -> int:
         """Bytes the cell holds at once: inputs and output on the device, the same again on the CPU for
-        the reference, fp32 draws a chunk at a time, and the scores of SDPA's math path."""
+        the reference, the fp32 draws and the two float64 chunks compared (a chunk at a time), and the
+        scores of SDPA's math path."""
         made, size = make_inputs(self, "meta"), 0
         out = self.spec.run(made, "meta", self.index_bits)
         for x in (*made.values(), out):
             size += 2 * x.numel() * x.element_size()
+        largest = max((x.numel() for x in made.values()), default=out.numel())
+        chunks = min(CHUNK_ELEMENTS, largest) * 4 + 2 * min(CHUNK_ELEMENTS, out.numel()) * 8
         scores = math.prod(made["q"].shape[:-1]) * made["k"].shape[-2] * 4 if "q" in made else 0
-        return size + scores + CHUNK_ELEMENTS * 4
+        return size + chunks + scores
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: every element drawn, computed and compared a few times."""
