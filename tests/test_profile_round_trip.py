@@ -81,7 +81,8 @@ def test_a_sweep_writes_a_profile_that_a_second_sweep_agrees_with_on_every_cell(
     assert summary["disagree"] == 0 and summary["profile"]["source"] == str(profile)
     result = runner.invoke(app, ["compare", str(tmp_path / "first"), str(tmp_path / "second")])
     assert result.exit_code == 0, result.output
-    assert f"profile {release}: still wraps P V" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert f"profile {release}: still wraps P V" in said and "op-family rows as before" in said
 
 
 @pytest.mark.parametrize("release", ["2.5.1", "2.13.0"])
