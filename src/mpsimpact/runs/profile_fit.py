@@ -28,6 +28,8 @@ NOT_MEASURED_NOTE = (
     "elements, the 1-D softmax, copy and random rows, multi-dimensional indexing, a 2-D mm whose output "
     "passes 2**index_bits, SDPA with gradients and every backward product are not measured: they follow "
     "the measured row or stay 'unmeasured' (conservative), as in the study's table.")
+BMM_ONLY_NOTE = ("These rows hold bmm cells only (a sweep without family cells): 2-D mm/addmm/Linear, fused "
+                 "SDPA and the op families past INT_MAX are judged as the conservative profile judges them.")
 _UNEXPLAINED_SHOWN = 20
 
 
@@ -221,7 +223,7 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
     family_rows = family_rows or []
     others = dict.fromkeys(("mm", "sdpa", "families")) if control else fit_families(family_rows)
     family_skipped = [row for row in family_rows if not is_measured(row)]
-    notes = [NOT_MEASURED_NOTE]
+    notes = [NOT_MEASURED_NOTE if family_rows else BMM_ONLY_NOTE]
     if control:
         notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
                      "judged conservatively.")
