@@ -14,6 +14,7 @@ from mpsimpact.engine.profile_file import ProfileFileError
 from mpsimpact.engine.release import (
     MEASURED_RELEASES, installed_profile, load_profile, parse_version, profile_from_json, resolve_profile,
 )
+from mpsimpact.runs.family_cells import family_grid, predicted_family_rows
 from mpsimpact.runs.profile_fit import derive_profile
 from mpsimpact.runs.sweep import LAYOUTS, NOT_RUN, grid, predicted_rows
 from mpsimpact.upgrade.profile_change import describe_change
@@ -23,16 +24,20 @@ runner = CliRunner()
 GIB = 1 << 30
 
 
-def derived(release, bits=32, quick=True, not_run=lambda cell: False, device="cpu", emulated=True):
+def derived(release, bits=32, quick=True, not_run=lambda cell: False, device="cpu", emulated=True,
+            families=False):
     """profile.json's content for the sweep whose cells all come out as `release`'s rules say; cells for
-    which `not_run` holds were not run (over the memory budget)."""
+    which `not_run` holds were not run (over the memory budget); with `families`, its family cells too."""
     cells = grid(bits, ("fp32", "fp16", "bf16"), LAYOUTS, quick)
     rows = predicted_rows(cells, bits, release)
-    for row, cell in zip(rows, cells):
+    family_cells = family_grid(bits) if families else []
+    family_rows = predicted_family_rows(family_cells, release)
+    for row, cell in zip(rows + family_rows, cells + family_cells):
         if not_run(cell):
             row.update(observed=NOT_RUN, first_bad_batch=None, message="not run", agree=None)
     return derive_profile(rows, device=device, emulated=emulated, emulated_release=release,
-                          torch_version="2.13.0+cpu", machine="Linux x86_64", index_bits=bits)
+                          torch_version="2.13.0+cpu", machine="Linux x86_64", index_bits=bits,
+                          family_rows=family_rows)
 
 
 def written(tmp_path, content, name="profile.json"):
@@ -58,6 +63,68 @@ def test_a_derived_profile_reproduces_its_release_on_the_op_level_table(tmp_path
             study = classify_bmm(*ops, profile=release)
             assert (fault.first_bad_batch, fault.message, fault.operand) == (
                 study.first_bad_batch, study.message, study.operand)
+
+
+# The study's first-pass table (docs/fault-model.md, "Op families past INT_MAX"), one column per measured
+# release, as the tests it ran observed them, written here by hand: what the families' 1-D cells and the
+# Linear show (A abort, E the INT_MAX error, W wrong, O ok, S 2.14.0's 64-bit sum error, M masked_fill's
+# element-count error, R 2.13.0's sum of N mod 2**32).
+FIRST_PASS = {  # 2.4.1 2.5.1 2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.1 2.13.0 2.14.0
+    "linear": "O O O O A A A A A A A",
+    "elementwise-1d": "A A A A W E E E O O O",
+    "reduction-1d": "A A A A A E E E E R S",
+    "cat-1d": "A A A A A E E E O O O",
+    "indexing-1d": "A A A A W E E E E E W",
+    "masked_fill-1d": "A A A M M M M M M M M",
+    "copy": "O O O O O O O O O O O",
+}
+CODE_WORDS = {"A": "abort", "E": "error", "W": "wrong", "O": "ok", "S": "sum-64-bit", "M": "masked-fill-numel",
+              "R": "wrap"}
+SLOTS = {"elementwise-1d": ("elementwise", 0), "reduction-1d": ("reduction", 0), "cat-1d": ("cat", 0),
+         "indexing-1d": ("indexing", 0), "masked_fill-1d": ("masked_fill", 0), "copy": ("copy", 1)}
+
+
+@pytest.mark.parametrize("release", MEASURED_RELEASES)
+def test_a_derived_profile_reproduces_its_release_on_the_first_pass_table(release):
+    # The family cells at 20 bits (N = 2**20 + 2**8, above LIMIT as the study's 2**32 + 2**20): the codes
+    # they give are the study's column, the Linear decides mm, fused SDPA is wrong up to 2.12.1 (no MPS
+    # SDPA op on 2.4.1: the math path), and every family the release holds comes back exactly.
+    content = derived(release, bits=20, families=True)
+    column = MEASURED_RELEASES.index(release)
+    assert content["unmeasured"] == []
+    families = content["rules"]["families"]
+    for test, (family, dims) in SLOTS.items():
+        assert families[family][dims] == CODE_WORDS[FIRST_PASS[test].split()[column]], (test, release)
+    assert content["rules"]["mm"] == {"mm_aborts": FIRST_PASS["linear"].split()[column] == "A"}
+    wrong = parse_version(release) <= (2, 12, 1)
+    fused = release != "2.4.1"
+    assert content["rules"]["sdpa"] == {"sdpa_fused": fused, "sdpa_fused_wrong": wrong and fused}
+    # 2.13.0's scale and softmax on multi-dimensional scores past LIMIT: the inferred SIGSEGV of eager attention
+    multi = "int32-kernel" if release == "2.13.0" else "ok"
+    assert (families["elementwise"][1], families["softmax"][1]) == (multi, multi)
+    profile, study = profile_from_json(content, "derived"), resolve_profile(release)
+    assert profile.families == study.families
+    assert (profile.mm_aborts, profile.sdpa_fused, profile.sdpa_fused_wrong) == (
+        study.mm_aborts, study.sdpa_fused, study.sdpa_fused_wrong)
+
+
+def test_family_cells_not_run_leave_their_rules_unmeasured():
+    # The 2.14.0 sweep on a budget that runs no multi-dimensional cell and no Linear (a few MiB at 16 bits).
+    content = derived("2.14.0", bits=16, families=True,
+                      not_run=lambda cell: getattr(cell, "test", "") in ("linear", "scale", "softmax", "sdpa"))
+    families = content["rules"]["families"]
+    assert content["rules"]["mm"] is None and content["rules"]["sdpa"] is None
+    assert (families["elementwise"], families["softmax"]) == (["ok", "unmeasured"], ["unmeasured", "unmeasured"])
+    assert content["unmeasured"] == ["mm", "sdpa"] and content["cells"]["family_cells_not_run"] == 4
+    assert any(note.startswith("Family cells not run (over the memory budget): linear (mm), scale (elementwise, "
+                               "multi-dim)") for note in content["notes"])
+    profile = profile_from_json(content, "derived")
+    # The unmeasured multi-dimensional scale: judged "unmeasured" (the guard stops it), where 2.14.0 says ok.
+    x = TensorSpec.contiguous((17, 16, 256))  # 69632 > 2**16 elements, no dimension past DIM_MAX
+    from mpsimpact.engine.families import classify_op
+    assert classify_op("mul", [x], x, index_bits=16, profile="2.14.0").is_ok
+    fault = classify_op("mul", [x], x, index_bits=16, profile=profile)
+    assert (fault.kind, fault.rule) == ("wrong_other", "unmeasured:elementwise")
 
 
 @pytest.mark.parametrize("release", ["2.4.1", "2.5.1", "2.9.1", "2.13.0"])
@@ -253,3 +320,29 @@ def test_compare_says_how_the_profile_changed_in_plain_words(tmp_path):
     text, changed = describe_change(new, partial)
     assert not changed
     assert "cannot tell (P V (a contiguous input above 2^32 elements): the new sweep left it" in text
+
+
+def test_compare_says_how_the_families_linear_and_sdpa_changed_in_plain_words(tmp_path):
+    old, new = (load_profile(written(tmp_path, derived(r, bits=20, families=True), f"{r}.json"))
+                for r in ("2.12.1", "2.13.0"))
+    text, changed = describe_change(old, new)
+    said = " ".join(text.split())
+    assert changed
+    # 2.13.0's new attention kernel, its SIGSEGV on the scale and softmax, and its wrapping sum
+    assert ("no longer computes fused SDPA above 2^32 score elements wrong; now computes fused SDPA above 2^32 "
+            "score elements right") in said
+    assert ("now dies (SIGSEGV) above 2^32 elements on elementwise ops of more than INT_MAX elements (no "
+            "dimension past it)") in said
+    assert ("no longer raises on reduction ops with a dimension past INT_MAX; now reduces only the first numel "
+            "mod 2^32 elements of reduction ops with a dimension past INT_MAX") in said
+    assert "still aborts the process on a Linear whose input passes 2^32 elements" in said
+    # 18 rows (9 families x 2): 5 unmeasured on both (1-D copy, random, softmax; multi-dimensional indexing,
+    # reduction) are left out, 3 changed (above), multi-dimensional cat is unmeasured on 2.12.1 only: 9 as before
+    assert "9 op-family rows as before" in said
+    assert said.endswith("cannot tell (cat ops of more than INT_MAX elements (no dimension past it): the old "
+                         "sweep left it open)")
+    bmm_only = load_profile(written(tmp_path, derived("2.13.0", bits=20), "bmm.json"))
+    text, changed = describe_change(bmm_only, new)
+    assert not changed and text.endswith("cannot tell (a Linear whose input passes 2^32 elements: the old sweep "
+                                         "left it open; fused SDPA above 2^32 score elements: the old sweep left "
+                                         "it open; the op families: the old sweep left it open)")

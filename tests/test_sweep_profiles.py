@@ -1,11 +1,12 @@
 """The sweep under each release's profile: every emulated cell agrees with that release's rules,
-uncharacterised cells included (reported as wrong_other, not emulated)."""
+uncharacterised cells included (reported as wrong_other, not emulated), the family cells too."""
 
 import collections
 
 import pytest
 
 from mpsimpact.engine.release import group_representatives
+from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid, predict, run_family_cells
 from mpsimpact.runs.sweep import agrees, grid, run_cells
 
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
@@ -46,3 +47,22 @@ def test_a_planted_off_by_one_is_caught(monkeypatch):
     monkeypatch.undo()
     judged = [row | {"expected": faults.classify_bmm(*cell.specs(), index_bits=17, profile="2.5.1").to_json()} for row, cell in zip(rows, cells)]
     assert [row["cell"]["batch"] for row in judged if not agrees(row)] == [1]  # 65536 elements: abort, not ok
+
+
+@pytest.mark.parametrize("release", [p.release for p in group_representatives()] + ["2.15.0"])
+def test_every_release_groups_family_cells_agree_when_emulated(release):
+    # The 16 first-pass cells at 16 bits, run under the emulator; each agrees with its trace's prediction.
+    rows = list(run_family_cells(family_grid(16), "cpu", True, False, release))
+    assert len(rows) == 16 and [r["cell"]["test"] for r in rows if r["agree"] is not True] == []
+
+
+def test_an_emulator_with_another_releases_family_rows_is_caught():
+    # Run under 2.14.0's rows, judged against 2.13.0's: 2.13.0 wraps the 1-D sum (2.14.0 raises its 64-bit
+    # error), raises on 1-D indexing (2.14.0 is wrong), dies on the scale and softmax of multi-dimensional
+    # scores (2.14.0 is right), has no measured multi-dimensional sum (2.14.0 raises) and its multi-dimensional
+    # cat takes int32 offsets (2.14.0 is right): six cells; the Linear, masked_fill and the others agree.
+    cells = family_grid(16)
+    rows = list(run_family_cells(cells, "cpu", True, False, "2.14.0"))
+    judged = [row | {"expected": predict(cell, "2.13.0").to_json()} for row, cell in zip(rows, cells)]
+    assert [row["cell"]["test"] for row in judged if not family_agrees(row)] == [
+        "reduction-1d", "indexing-1d", "scale", "softmax", "reduction", "cat"]

@@ -1,4 +1,5 @@
-"""`mpsimpact sweep`: the bmm fault map re-measured on a device and checked against the fault model."""
+"""`mpsimpact sweep`: the bmm fault map and the op-family cells re-measured on a device and checked against
+the fault model."""
 
 import typer
 
@@ -19,11 +20,12 @@ def main(
                                                   "full: every dtype everywhere."),
     dtypes: str | None = option("--dtypes", "Comma-separated: fp32, fp16, bf16."),
     layouts: str | None = option("--layouts", "Comma-separated layouts."),
-    out: str | None = options.out("Write sweep.jsonl, summary.json, profile.json and outcome_map.png "
+    out: str | None = options.out("Write sweep.jsonl, families.jsonl, summary.json, profile.json and "
+                                  "outcome_map.png "
                                   "(a sweep stopped early resumes when run again with the same --out)",
                                   "outputs/sweep-<time>/"),
-    expect_fixed: bool | None = option("--expect-fixed", "Expect every cell ok (a release that claims a "
-                                                         "fix)."),
+    expect_fixed: bool | None = option("--expect-fixed", "Expect every bmm cell ok (a release that claims "
+                                                         "a fix)."),
     in_process: bool | None = option("--in-process", "Run real-device cells in this process (no crash "
                                                      "isolation)."),
     torch_profile: str | None = shared("--torch-profile"),
@@ -32,7 +34,7 @@ def main(
                                       "what the device lends this process: MPS's recommended maximum, "
                                       "else the free memory"),
 ) -> None:
-    """Re-measure the bmm fault map on a device and check it against the fault model."""
+    """Re-measure the bmm fault map and the op families on a device; check them against the fault model."""
     from mpsimpact.reports.sweep import run_sweep
 
     summary = run_sweep(options.config_from(
@@ -40,7 +42,7 @@ def main(
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile, max_memory=max_memory,
     ))
-    bad = summary["not_ok"] if expect_fixed else summary["disagree"]
+    bad = summary["not_ok"] if expect_fixed else summary["disagree"] + summary["families"]["disagree"]
     if bad:
         typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.",
                    err=True)

@@ -13,14 +13,23 @@ from typing import Any
 from mpsimpact.engine.faults import classify_bmm
 from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
 from mpsimpact.engine.release import (
-    INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, FaultProfile, bmm_failure_texts, parse_version,
+    INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, MASKED_FILL_MESSAGE, MULTI_DIMENSION_ROWS, ONE_DIMENSION_ROWS,
+    SUM_64_BIT_MESSAGE, FaultProfile, bmm_failure_texts, parse_version,
 )
+from mpsimpact.runs.family_cells import TESTS_BY_NAME
 from mpsimpact.runs.sweep import Cell, agrees, cell_name, is_measured
 
-# What the sweep measures: bmm alone. The other aspects stay null (conservative) until a sweep measures them.
-MEASURED_ASPECTS = ("bmm",)
-NOT_MEASURED_NOTE = ("The sweep measures bmm only: 2-D mm/addmm/Linear, torch.cat, fused SDPA and the op "
-                     "families past INT_MAX are judged as the conservative profile judges them.")
+# What the sweep measures: the bmm cells, and one first-pass cell per rule of the other aspects
+# (runs.family_cells); an aspect none of whose cells was measured stays null (conservative).
+MEASURED_ASPECTS = ("bmm", "mm", "sdpa", "families")
+NOT_MEASURED_NOTE = (
+    "The sweep measures bmm around every threshold, and each op family once above 2**index_bits elements "
+    "(the study's first-pass tests, scaled): a family's row between 2**(index_bits - 1) and 2**index_bits "
+    "elements, the 1-D softmax, copy and random rows, multi-dimensional indexing, a 2-D mm whose output "
+    "passes 2**index_bits, SDPA with gradients and every backward product are not measured: they follow "
+    "the measured row or stay 'unmeasured' (conservative), as in the study's table.")
+BMM_ONLY_NOTE = ("These rows hold bmm cells only (a sweep without family cells): 2-D mm/addmm/Linear, fused "
+                 "SDPA and the op families past INT_MAX are judged as the conservative profile judges them.")
 _UNEXPLAINED_SHOWN = 20
 
 
@@ -115,6 +124,74 @@ def failure_texts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"kind": kind, "text": text, "cells": n} for (kind, text), n in sorted(counts.items())]
 
 
+# The families a profile's rules hold, as the study's tables hold them (engine.release): a family without a
+# cell for a dimension keeps "unmeasured" there.
+FAMILY_NAMES = tuple(sorted(ONE_DIMENSION_ROWS.keys() | MULTI_DIMENSION_ROWS.keys()))
+# A family's own error texts (engine.release), each its own code; any other error is the INT_MAX one.
+_OWN_ERRORS = ((SUM_64_BIT_MESSAGE.split(" (")[0], "sum-64-bit"),
+               (MASKED_FILL_MESSAGE.split(" of more")[0], "masked-fill-numel"))
+
+
+def family_code(row: dict[str, Any]) -> str:
+    """The engine.profile_file.FAMILY_CODES code a measured family cell gives its row: what it observed above
+    2**index_bits elements, in the words of Note [Op families past INT_MAX] (an abort of a multi-dimensional
+    tensor is "int32-kernel", measured above LIMIT only; wrong values of a multi-dimensional cat are
+    "int32-offsets"; an emulated call nobody measured stays "unmeasured")."""
+    test, seen = TESTS_BY_NAME[row["cell"]["test"]], row["observed"]
+    if seen == "error":
+        return next((code for text, code in _OWN_ERRORS if text in (row.get("message") or "")), "error")
+    if seen in ("abort", "crash"):
+        return "abort" if test.one_d else "int32-kernel"
+    if seen == "wrong_other" and "unmeasured:" in (row.get("rule") or ""):
+        return "unmeasured"
+    if seen in ("wrong", "wrong_other"):
+        return "int32-offsets" if test.family == "cat" and not test.one_d else "wrong"
+    return seen  # ok, wrap
+
+
+def fit_families(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rules of the aspects the family cells measured: {"families": {family: [1-D code, multi code]},
+    "mm": {"mm_aborts": ...}, "sdpa": {...}}, each None when its cells were not measured (or, for mm and
+    sdpa, showed something the rules cannot say)."""
+    measured = [row for row in rows if row["observed"] != "skipped_memory"]
+    codes = {name: ["unmeasured", "unmeasured"] for name in FAMILY_NAMES}
+    found: dict[str, Any] = {"families": None, "mm": None, "sdpa": None}
+    for row in measured:
+        test, seen = TESTS_BY_NAME[row["cell"]["test"]], row["observed"]
+        if test.aspect == "families":
+            codes[test.family][0 if test.one_d else 1] = family_code(row)
+            found["families"] = codes
+        elif test.aspect == "mm" and seen in ("ok", "abort", "crash"):
+            found["mm"] = {"mm_aborts": seen != "ok"}
+        elif test.aspect == "sdpa":
+            found["sdpa"] = _sdpa_rules(row)
+    return found
+
+
+def _sdpa_rules(row: dict[str, Any]) -> dict[str, bool] | None:
+    """MPS's own SDPA op (the fused path) and whether it is wrong above 2**index_bits score elements; None
+    for a fused call that stopped (the rules have no word for it)."""
+    if row.get("sdpa_path") != "fused":
+        return {"sdpa_fused": False, "sdpa_fused_wrong": False}  # the math path: the bmm rules decide
+    if row["observed"] == "ok":
+        return {"sdpa_fused": True, "sdpa_fused_wrong": False}
+    if row["observed"] in ("wrong", "wrong_other") and "unmeasured:" not in (row.get("rule") or ""):
+        return {"sdpa_fused": True, "sdpa_fused_wrong": True}
+    return None
+
+
+def family_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per family cell: what it ran, what it decides, what it observed and the code that gives (None for a
+    cell not run: its rule stays unmeasured)."""
+    table = []
+    for row in rows:
+        test = TESTS_BY_NAME[row["cell"]["test"]]
+        code = family_code(row) if test.aspect == "families" and is_measured(row) else None
+        table.append({"test": test.name, "runs": test.text, "decides": test.slot, "observed": row["observed"],
+                      "code": code, "message": row.get("message"), "max_rel_error": row.get("max_rel_error")})
+    return table
+
+
 def profile_release(emulated: bool, emulated_release: str, torch_version: str) -> str:
     """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0")."""
     for candidate in ((emulated_release, torch_version) if emulated else (torch_version,)):
@@ -126,7 +203,7 @@ def profile_release(emulated: bool, emulated_release: str, torch_version: str) -
 
 def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, emulated_release: str,
                    torch_version: str, machine: str, index_bits: int, max_memory: int | None = None,
-                   mpsimpact_version: str = "") -> dict[str, Any]:
+                   mpsimpact_version: str = "", family_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """profile.json's content from a sweep's rows (see the module docstring).
 
     Args:
@@ -135,13 +212,18 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
             emulated sweep applied (its FaultProfile.release).
         torch_version, machine: what it was measured on (runs.device.machine_name: macOS and chip).
         index_bits, max_memory: the sweep's index width and memory budget in bytes (None: not limited).
+        family_rows: the rows of its family cells (runs.family_cells); None or empty: mm, sdpa and the
+            families stay null (judged conservatively).
     """
     release = profile_release(emulated, emulated_release, torch_version)
     control = not emulated and device != "mps"
     # A control device computes every cell right, which would read as a release that fixed everything.
     settings, unexplained = ([], []) if control else fit_bmm(rows, release)
     skipped = [row for row in rows if not is_measured(row)]
-    notes = [NOT_MEASURED_NOTE]
+    family_rows = family_rows or []
+    others = dict.fromkeys(("mm", "sdpa", "families")) if control else fit_families(family_rows)
+    family_skipped = [row for row in family_rows if not is_measured(row)]
+    notes = [NOT_MEASURED_NOTE if family_rows else BMM_ONLY_NOTE]
     if control:
         notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
                      "judged conservatively.")
@@ -149,10 +231,15 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         notes.append(f"{len(skipped)} of {len(rows)} cells were not run (over the memory budget) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
+    if family_skipped:
+        names = ", ".join(f"{row['cell']['test']} ({TESTS_BY_NAME[row['cell']['test']].slot})"
+                          for row in family_skipped)
+        notes.append(f"Family cells not run (over the memory budget): {names}; what they decide is "
+                     "'unmeasured' (conservative).")
     if not settings and not control:
         notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "
                      "bmm is judged conservatively. Report the cells upstream and to mpsimpact.")
-    rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | {"bmm": settings or None}
+    rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | others | {"bmm": settings or None}
     return {
         "kind": PROFILE_KIND, "schema_version": PROFILE_SCHEMA, "release": release,
         "measured_on": {
@@ -163,11 +250,13 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         "rules": rules,
         "unmeasured": [aspect for aspect in ASPECTS if not rules[aspect]],
         "cells": {"total": len(rows), "measured": len(rows) - len(skipped), "not_run": len(skipped),
+                  "family_cells": len(family_rows), "family_cells_not_run": len(family_skipped),
                   "settings_agreeing": len(settings),
                   "unexplained": [f"{cell_name(row['cell'])}: observed {row['observed']}"
                                   for row in unexplained[:_UNEXPLAINED_SHOWN]]},
         "table": first_failures(rows),
-        "failure_texts": failure_texts(rows),
+        "family_cells": family_table(family_rows),
+        "failure_texts": failure_texts(rows + family_rows),
         "notes": notes,
     }
 

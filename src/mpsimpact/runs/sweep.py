@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -114,23 +114,27 @@ def is_measured(row: dict[str, Any]) -> bool:
 
 def make_operands(cell: Cell, device: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Operands in the cell's layout, different in every batch (identical batches hide a wrap)."""
-    dtype = DTYPES[cell.dtype]
     extra = 1 if cell.layout == "both_sliced" else 0
 
     def rand(*shape):
-        # Drawn in fp32 a chunk at a time, so that a half-precision operand never has a full fp32 twin.
-        out = torch.empty(shape, dtype=dtype, device=device)
-        step = max(1, CHUNK_ELEMENTS // max(out[0].numel(), 1))
-        for start in range(0, shape[0], step):
-            part = out[start:start + step]
-            part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=torch.float32))
-        return out
+        return random_tensor(shape, DTYPES[cell.dtype], device, generator)
 
     if cell.layout == "a_transposed":
         return rand(cell.batch, cell.k, cell.m).transpose(1, 2), rand(cell.batch, cell.k, cell.n)
     if cell.layout == "b_transposed":
         return rand(cell.batch, cell.m, cell.k), rand(cell.batch, cell.n, cell.k).transpose(1, 2)
     return rand(cell.batch + extra, cell.m, cell.k)[extra:], rand(cell.batch + extra, cell.k, cell.n)[extra:]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str, generator: torch.Generator) -> torch.Tensor:
+    """Standard normal draws of `shape`, made in fp32 a chunk of leading rows at a time, so that a
+    half-precision tensor never has a full fp32 twin."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    step = max(1, CHUNK_ELEMENTS // max(out[0].numel(), 1))
+    for start in range(0, shape[0], step):
+        part = out[start:start + step]
+        part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=torch.float32))
+    return out
 
 
 def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, index_bits: int) -> list[int]:
@@ -146,7 +150,7 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
     return sorted(p for p in picks if 0 <= p < cell.batch)
 
 
-def not_run(cell: Cell, budget: int) -> dict[str, Any] | None:
+def not_run(cell: Any, budget: int) -> dict[str, Any] | None:
     """The row of a cell over the memory budget (bytes), which is not run; None if it fits."""
     needed = cell.bytes_needed()
     if needed <= budget:
@@ -258,14 +262,22 @@ def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, i
             seen = observe(cell, device, emulated, index_bits, profile, budget)
             yield _row(cell, seen, device, index_bits, control, profile)
         return
+    yield from rows_within_budget(
+        cells, budget, lambda fitting: _worker_rows(fitting, device, index_bits, control, profile, budget),
+        lambda cell, seen: _row(cell, seen, device, index_bits, control, profile))
+
+
+def rows_within_budget(cells: list[Any], budget: int, run_fitting: Callable[[list[Any]], Iterator[dict[str, Any]]],
+                       make_row: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Rows of `cells` in order: a cell over the budget is answered here (`not_run`), each run of the cells
+    between by `run_fitting` (a worker process)."""
     start = 0
-    while start < len(cells):  # cells over the budget are answered here; the others in runs of the worker
+    while start < len(cells):
         fitting = list(itertools.takewhile(lambda c: not_run(c, budget) is None, cells[start:]))
-        for row in _worker_rows(fitting, device, index_bits, control, profile, budget):
-            yield row
+        yield from run_fitting(fitting)
         start += len(fitting)
         if start < len(cells):
-            yield _row(cells[start], not_run(cells[start], budget), device, index_bits, control, profile)
+            yield make_row(cells[start], not_run(cells[start], budget))
             start += 1
 
 
@@ -294,20 +306,28 @@ def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control
 
 def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool, profile: str | None,
                  budget: int) -> Iterator[dict[str, Any]]:
-    """Runs cells in a subprocess; a cell whose process dies is recorded as a crash, with the last line
-    the process printed (an abort's assertion text)."""
+    """Runs bmm cells in a subprocess (see `worker_rows`)."""
+    job = {"device": device, "index_bits": index_bits, "budget": budget}
+    yield from worker_rows(cells, job, "mpsimpact.runs.sweep",
+                           lambda cell, seen: _row(cell, seen, device, index_bits, control, profile))
+
+
+def worker_rows(cells: list[Any], job: dict[str, Any], module: str,
+                make_row: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Runs cells in a subprocess (`python -m module`, reading `job` and the cells' JSON on stdin and
+    printing one observation per line); a cell whose process dies is recorded as a crash, with the last
+    line the process printed (an abort's assertion text), and the next cells go to a new process."""
     start = 0
     while start < len(cells):
-        payload = json.dumps({"cells": [c.to_json() for c in cells[start:]], "device": device,
-                              "index_bits": index_bits, "budget": budget})
+        payload = json.dumps(job | {"cells": [c.to_json() for c in cells[start:]]})
         with tempfile.TemporaryFile("w+") as errors:
-            proc = subprocess.Popen([sys.executable, "-m", "mpsimpact.runs.sweep"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy())
             proc.stdin.write(payload)
             proc.stdin.close()
             done = 0
             for line in proc.stdout:
-                yield _row(cells[start + done], json.loads(line), device, index_bits, control, profile)
+                yield make_row(cells[start + done], json.loads(line))
                 done += 1
             code = proc.wait()
             errors.seek(0)
@@ -316,7 +336,7 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
         if code != 0 and start < len(cells):
             text = f"exit code {code}" + (f": {said[-1][:300]}" if said else "")
             crash = {"observed": "crash", "message": text, "first_bad_batch": None, "max_rel_error": None}
-            yield _row(cells[start], crash, device, index_bits, control, profile)
+            yield make_row(cells[start], crash)
             start += 1
 
 
