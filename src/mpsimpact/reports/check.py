@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.output.page import (
-    FAULT_WORDS, Footnotes, fitted_table, format_cell, markdown_table, op_cell, without_rule_names,
+    FAULT_WORDS, fitted_table, format_cell, markdown_table, op_cell, without_rule_names,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mpsimpact.config import SWEEP_LAYOUTS
+from mpsimpact.output.signals import end_with_parent
 from mpsimpact.engine.faults import SILENT_KINDS, TensorSpec, classify_bmm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -322,7 +323,8 @@ def worker_rows(cells: list[Any], job: dict[str, Any], module: str,
         payload = json.dumps(job | {"cells": [c.to_json() for c in cells[start:]]})
         with tempfile.TemporaryFile("w+") as errors:
             proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy())
+                                    stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy(),
+                                    preexec_fn=end_with_parent)  # a SIGKILL-ed sweep leaves no cell running
             proc.stdin.write(payload)
             proc.stdin.close()
             done = 0
