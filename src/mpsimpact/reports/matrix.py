@@ -32,7 +32,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             rows.append([row["transformers"], f"{row['status']}: {row['reason']}", time_cell] + ["-"] * 4)
             continue
         f, first = row["findings"], row["findings"]["eager_first_corrupted_text"]
-        eager = f"text {first}, on every release" if first is not None else "differs by release"
+        eager = f"text {first}, wherever it is silent" if first is not None else "differs by release"
         env = f"{'cached' if row['cached'] else 'built'} ({len(row['overlay']['installed'])} packages differ)"
         guard = "stops and splits" if f["guard_ok"] else "FAILED"
         rows.append([row["transformers"], env, time_cell, f["default_attention"],
