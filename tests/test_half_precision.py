@@ -25,6 +25,8 @@ def test_bfloat16_run_corrupts_the_same_texts_judged_against_a_same_dtype_refere
     assert report["reference"]["judged_against"] == "cpu bfloat16, small batches" and report["reference"]["threshold"] == 0.02
     assert (off["corrupted_count"], off["first_corrupted_index"], off["corrupted_contiguous_to_end"]) == (6, 10, True)
     assert stop["status"] == "stopped_by_guard" and (chunk["corrupted_count"], chunk["max_relative_error"]) == (0, 0.0)
+    # The guard names the call as it runs (the plan is traced in the run's dtype).
+    assert "(bfloat16) in forward" in stop["message"] and "float32" not in stop["message"]
     assert "flips_vs_fp32" in off and off["fp32_reference_accuracy"] == report["reference"]["accuracy"]
 
 

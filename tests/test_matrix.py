@@ -289,3 +289,20 @@ def test_a_real_overlay_for_transformers_4_57_is_built_cached_and_probed(job, mo
     outcomes = result["implementations"]["eager"]["outcomes"].values()
     assert {o["first_corrupted_text"] for o in outcomes if o["outcome"] == "wrong"} == {FIRST_WRONG}
     assert all(run["guard_ok"] for run in result["emulated"]["runs"].values())
+
+
+def test_neighbouring_release_groups_with_the_same_outcomes_share_a_column():
+    from mpsimpact.reports.matrix import merged_columns
+
+    groups = ["2.4.1", "2.9.1", "2.10.0-2.12.1", "2.13.0", "unmeasured newer", "2.15.0 (file)"]
+    outcomes = ["wrong", "abort", "abort", "clean", "clean", "clean"]
+    columns = [{"profile": f"p{i}", "group": g} for i, g in enumerate(groups)]
+    cells = {a: {f"p{i}": {"outcome": o} for i, o in enumerate(outcomes)} for a in ("eager", "sdpa")}
+    report = {"columns": columns, "rows": [{"status": "probed", "cells": cells}, {"status": "missing"}]}
+    # 2.9.1 and 2.10.0-2.12.1 agree everywhere: one column, as `plan --versions` merges them; 2.13.0 agrees
+    # with the unmeasured newer releases and the file profile, which are never merged.
+    assert [(c["group"], c["profile"]) for c in merged_columns(report)] == [
+        ("2.4.1", "p0"), ("2.9.1-2.12.1", "p1"), ("2.13.0", "p3"), ("unmeasured newer", "p4"),
+        ("2.15.0 (file)", "p5")]
+    cells["sdpa"]["p2"] = {"outcome": "wrong_other"}
+    assert [c["group"] for c in merged_columns(report)][1:3] == ["2.9.1", "2.10.0-2.12.1"]

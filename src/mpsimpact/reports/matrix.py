@@ -7,6 +7,7 @@ import base64
 import contextlib
 import html
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, h
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
 UNPROBED_COLOUR = "#dddddd"
+RELEASE_RANGE = re.compile(r"^\d+\.\d+\.\d+(-\d+\.\d+\.\d+)?$")  # a measured group: "2.9.1", "2.10.0-2.12.1"
 
 
 def summary_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -30,7 +32,7 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             rows.append([row["transformers"], f"{row['status']}: {row['reason']}", time_cell] + ["-"] * 4)
             continue
         f, first = row["findings"], row["findings"]["eager_first_corrupted_text"]
-        eager = f"text {first}, on every release" if first is not None else "differs by release"
+        eager = f"text {first}, wherever it is silent" if first is not None else "differs by release"
         env = f"{'cached' if row['cached'] else 'built'} ({len(row['overlay']['installed'])} packages differ)"
         guard = "stops and splits" if f["guard_ok"] else "FAILED"
         rows.append([row["transformers"], env, time_cell, f["default_attention"],
@@ -61,6 +63,24 @@ def short_outcome(cell: dict[str, Any], sep: str = " ") -> str:
     return labels.get(cell["outcome"], cell["outcome"])
 
 
+def merged_columns(report: dict[str, Any]) -> list[dict[str, str]]:
+    """The torch release group columns, neighbouring measured groups merged where every row and attention has
+    the same outcome ("2.9.1" and "2.10.0-2.12.1" -> "2.9.1-2.12.1"), as `plan --versions` merges releases;
+    the merged column keeps the first group's profile. Unmeasured newer releases and files stay apart."""
+    def outcomes(column: dict[str, str]) -> list[Any]:
+        return [row.get("cells", {}).get(a, {}).get(column["profile"]) for row in report["rows"] for a in ATTENTIONS]
+
+    merged: list[dict[str, str]] = []
+    for column in report["columns"]:
+        last = merged[-1] if merged else None
+        if (last and RELEASE_RANGE.match(last["group"]) and RELEASE_RANGE.match(column["group"])
+                and outcomes(last) == outcomes(column)):
+            merged[-1] = {**last, "group": f"{last['group'].split('-')[0]}-{column['group'].split('-')[-1]}"}
+        else:
+            merged.append(dict(column))
+    return merged
+
+
 def release_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per release and attention, one cell per torch release group: the outcome in short."""
     rows = []
@@ -70,7 +90,7 @@ def release_rows(report: dict[str, Any]) -> list[list[str]]:
             cells = row.get("cells", {}).get(attention) or {}
             reason = row["probe"]["implementations"][attention].get("error", "-") if probed else "not probed"
             label = attention + " (default)" * (probed and row["findings"]["default_attention"] == attention)
-            outcomes = [short_outcome(cells[c["profile"]]) if cells else reason for c in report["columns"]]
+            outcomes = [short_outcome(cells[c["profile"]]) if cells else reason for c in merged_columns(report)]
             rows.append([row["transformers"], label, *outcomes])
     return rows
 
@@ -88,7 +108,7 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                    f"{EMULATED_LABEL} {emu['profile']}, {emu['index_bits']}-bit index")
     return [
         ("By transformers release", summary, summary_rows(report)),
-        (outcome_title, [*lead, *[c["group"] for c in report["columns"]]], release_rows(report)),
+        (outcome_title, [*lead, *[c["group"] for c in merged_columns(report)]], release_rows(report)),
         (guard_title, [*lead, "guard off", "guard raise", "guard chunk"], guard_rows(report)),
         ("Attention calls that reach MPS (bmm and SDPA, per layer)", [*lead, "calls: a @ b (layouts)"], ops),
     ]
@@ -164,7 +184,7 @@ def heatmap(report: dict[str, Any]) -> bytes:
     from mpsimpact.reports.versions import COLORS
 
     plt = pyplot()
-    groups, rows = report["columns"], report["rows"]
+    groups, rows = merged_columns(report), report["rows"]
     columns = [(a, c) for a in ATTENTIONS for c in groups]
     fig, ax = plt.subplots(figsize=(0.95 * len(columns) + 3, 0.7 * len(rows) + 1.8))
     for y, row in enumerate(rows):
@@ -175,9 +195,11 @@ def heatmap(report: dict[str, Any]) -> bytes:
             text = short_outcome(cell, "\n") if cell else (row["status"] if x == 0 else "")
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7,
                     color="black" if not cell or cell["outcome"] == "clean" else "white")
+    # The group labels sit a fixed distance above the axes, in points, and the title above them, so neither
+    # moves with the number of rows (in data units they did, and a one-row figure put them on the title).
     for index, attention in enumerate(ATTENTIONS):
-        ax.text(len(groups) * (index + 0.5), -0.15, f"{attention} attention", ha="center", va="bottom",
-                fontsize=9, weight="bold")
+        ax.annotate(f"{attention} attention", (len(groups) * (index + 0.5), 1), xycoords=("data", "axes fraction"),
+                    xytext=(0, 4), textcoords="offset points", ha="center", va="bottom", fontsize=9, weight="bold")
     ax.axvline(len(groups), color="black", linewidth=2)
     ax.set_xlim(0, len(columns))
     ax.set_ylim(len(rows), 0)
@@ -189,7 +211,7 @@ def heatmap(report: dict[str, Any]) -> bytes:
     ax.set_yticks([y + 0.5 for y in range(len(rows))], labels, fontsize=8)
     cfg = report["config"]
     ax.set_title(f"{report['model']}: {cfg['batch_size']} x {cfg['max_length']} on MPS by transformers "
-                 "release and torch release (predicted from shapes)", fontsize=9, pad=26)
+                 "release and torch release (predicted from shapes)", fontsize=9, pad=24)
     handles = [Patch(color=c, label=k) for k, c in (*COLORS.items(), ("not probed", UNPROBED_COLOUR))]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return png(fig)

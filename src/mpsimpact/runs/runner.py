@@ -125,7 +125,9 @@ def run_scenario(config: RunConfig,
     model = scenario.model
     geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
                                    profile=resolve_profile(config.torch_profile).ref, dtype=config.dtype)
-    plans = {a: trace_classifier(scenario.meta_module(attention=a), batch, max_length,
+    # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it.
+    dtype = getattr(torch, config.dtype)
+    plans = {a: trace_classifier(scenario.meta_module(attention=a).to(dtype), batch, max_length,
                                  index_bits=config.index_bits, backward=kind.backward,
                                  profile=geometry.profile) for a in config.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)

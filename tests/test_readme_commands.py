@@ -1,0 +1,190 @@
+"""README.md's command blocks run as typed, or say why not. Every fenced `bash`/`sh`/`shell`/`console` block,
+and every unlabelled block whose lines are commands, carries a marker comment on the line above it:
+
+    <!-- readme-test: run -->                       runs by default (CI)
+    <!-- readme-test: slow -->                      runs with `pytest -m slow` (over a minute on 2 CPU cores)
+    <!-- readme-test: network, slow -->             needs the package index too (skipped when unreachable)
+    <!-- readme-test: skip: needs a Mac -->         never runs here; the reason is shown by `pytest -ra`
+
+followed by options separated by `;`: `exit N` (the block's documented exit code, default 0), `expect TEXT`
+(a line the README claims the block prints; repeatable; compared with whitespace collapsed), `lines A-B`
+(run only those lines of the block, 1-based, e.g. the emulated line of a block whose others need a Mac).
+A runnable block runs with `bash -e` in a temporary folder that links the clone's tests/, src/, ... (so
+`--out before/` and the default outputs/ land there), with its own MPSIMPACT_CACHE and Hugging Face offline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SHELL_INFO = {"bash", "sh", "shell", "console"}
+# A command, not a line of output such as "mpsimpact guard: bmm[...] ..." (a word and a colon after the program).
+COMMAND_LINE = re.compile(r"^\s*(\$ )?(mpsimpact|pip|pytest|python|uv|hf)(\s+(?!\S*:\s)|$)")
+FENCE = re.compile(r"^(\s*)```\s*(\S*)\s*$")
+MARKER = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
+KINDS = {"run", "slow", "network"}
+LINKED = ("tests", "src", "scenarios", "docs", "benchmarks", "README.md", "pyproject.toml")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+NETWORK_ERROR = re.compile(r"Request failed|Failed to fetch|connect|dns|timed out|unreachable", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a marker asks for."""
+
+    kinds: frozenset[str]
+    reason: str = ""
+    exit_code: int = 0
+    expect: tuple[str, ...] = ()
+    lines: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of commands: where it starts (1-based line of the fence), its info string, its
+    lines, and the marker comment above it (None when there is none)."""
+
+    line: int
+    info: str
+    text: tuple[str, ...]
+    marker: str | None
+
+    @property
+    def name(self) -> str:
+        first = next((t for t in self.text if t.strip() and not t.lstrip().startswith("#")), "")
+        words = re.sub(r"[^\w.-]+", "-", first.lstrip("$ ").strip())[:48].strip("-")
+        return f"L{self.line}-{words}"
+
+    def commands(self, spec: Spec) -> str:
+        lines = list(self.text)
+        if spec.lines:
+            lines = lines[spec.lines[0] - 1:spec.lines[1]]
+        if self.info == "console":  # a transcript: only the prompted lines are commands
+            lines = [t.lstrip()[2:] for t in lines if t.lstrip().startswith("$ ")]
+        return "\n".join(lines) + "\n"
+
+
+def parse_blocks(markdown: str) -> list[Block]:
+    """The command blocks of a Markdown text (fences may be indented, as in a list)."""
+    lines = markdown.splitlines()
+    blocks, index = [], 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if not opening:
+            index += 1
+            continue
+        indent, info, start = opening[1], opening[2].lower(), index
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
+        text = tuple(t[len(indent):] if t.startswith(indent) else t for t in lines[start + 1:end])
+        index = end + 1
+        if info not in SHELL_INFO and not (info == "" and any(COMMAND_LINE.match(t) for t in text)):
+            continue
+        above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(above)
+        blocks.append(Block(start + 1, info, text, marker[1] if marker else None))
+    return blocks
+
+
+def parse_marker(marker: str) -> Spec:
+    """A marker's kinds and options; ValueError naming what is wrong."""
+    head, *options = [part.strip() for part in marker.split(";")]
+    if head.startswith("skip"):  # the rest is the reason, semicolons and all
+        reason = marker.strip()[4:].lstrip(" :").strip()
+        if not marker.strip()[4:].lstrip().startswith(":") or not reason:
+            raise ValueError(f"'{marker}': a skip says why, e.g. 'skip: needs a Mac'")
+        return Spec(frozenset({"skip"}), reason=reason)
+    kinds = frozenset(re.split(r"[,\s]+", head))
+    if not kinds <= KINDS:
+        raise ValueError(f"'{marker}': unknown kind {sorted(kinds - KINDS)}; expected run, slow, network or skip")
+    exit_code, expect, span = 0, [], None
+    for option in options:
+        word, _, value = option.partition(" ")
+        if word == "exit" and value.strip().isdigit():
+            exit_code = int(value)
+        elif word == "expect" and value.strip():
+            expect.append(value.strip())
+        elif word == "lines" and re.fullmatch(r"\d+-\d+", value.strip()):
+            first, last = map(int, value.split("-"))
+            span = (first, last)
+        else:
+            raise ValueError(f"'{marker}': unknown option '{option}' (exit N, expect TEXT, lines A-B)")
+    return Spec(kinds, exit_code=exit_code, expect=tuple(expect), lines=span)
+
+
+BLOCKS = parse_blocks(README.read_text(encoding="utf-8"))
+
+
+def test_every_command_block_carries_a_marker():
+    unmarked = [f"README.md:{b.line} ({b.name})" for b in BLOCKS if b.marker is None]
+    assert not unmarked, f"command blocks without a '<!-- readme-test: ... -->' line above them: {unmarked}"
+    for block in BLOCKS:
+        parse_marker(block.marker)  # raises, naming the marker, when it is malformed
+
+
+def test_the_parser_finds_unmarked_and_unlabelled_command_blocks():
+    text = ("x\n```bash\nmpsimpact list\n```\n<!-- readme-test: skip: needs a Mac -->\n\n```sh\nls\n```\n"
+            "```\nmpsimpact plan sentiment\n```\n```\nEMULATED MPS, guard off: 6 texts\n```\n"
+            "```\nmpsimpact guard: bmm\n```\n"
+            "- item\n  <!-- readme-test: run; exit 3; expect cannot tell; lines 2-2 -->\n  ```console\n"
+            "  $ mpsimpact doctor\n  output line\n  ```\n```python\nimport mpsimpact\n```\n")
+    blocks = parse_blocks(text)
+    assert [(b.line, b.info, b.marker) for b in blocks] == [
+        (2, "bash", None), (7, "sh", "skip: needs a Mac"), (10, "", None),
+        (21, "console", "run; exit 3; expect cannot tell; lines 2-2")]
+    spec = parse_marker(blocks[3].marker)
+    assert spec == Spec(frozenset({"run"}), exit_code=3, expect=("cannot tell",), lines=(2, 2))
+    assert blocks[3].commands(Spec(frozenset({"run"}))) == "mpsimpact doctor\n"
+    for bad in ("skip", "skip:", "quick", "run; exit three", "run; lines 2"):
+        with pytest.raises(ValueError):
+            parse_marker(bad)
+
+
+def _param(block: Block):
+    try:
+        spec = parse_marker(block.marker or "")
+    except ValueError:
+        spec = Spec(frozenset({"skip"}), reason="unmarked or malformed (see the marker test)")
+    marks = [getattr(pytest.mark, kind) for kind in sorted(spec.kinds & {"slow", "network"})]
+    if "skip" in spec.kinds:
+        marks.append(pytest.mark.skip(reason=f"README.md:{block.line}: {spec.reason}"))
+    return pytest.param(block, spec, marks=marks, id=block.name)
+
+
+def _workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A folder that looks like the clone (its files linked, not copied) and the block's environment."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in LINKED:
+        (work / name).symlink_to(ROOT / name)
+    bin_dir = str(Path(sys.executable).parent)  # `mpsimpact` and `python` of this interpreter
+    env = {**os.environ, **OFFLINE, "MPSIMPACT_CACHE": str(tmp_path / "cache"), "COLUMNS": "160",
+           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    return work, env
+
+
+@pytest.mark.parametrize(("block", "spec"), [_param(b) for b in BLOCKS])
+def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path):
+    work, env = _workspace(tmp_path)
+    script = tmp_path / "block.sh"
+    script.write_text(block.commands(spec))
+    started = time.monotonic()
+    done = subprocess.run(["bash", "-e", str(script)], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=3600)
+    output = done.stdout + done.stderr
+    print(f"README.md:{block.line}: exit {done.returncode} in {time.monotonic() - started:.1f} s")
+    if "network" in spec.kinds and done.returncode != spec.exit_code and NETWORK_ERROR.search(output):
+        pytest.skip(f"the package index cannot be reached: {output.strip().splitlines()[-1]}")
+    assert done.returncode == spec.exit_code, f"README.md:{block.line} exited {done.returncode}:\n{output[-4000:]}"
+    flat = " ".join(output.split())
+    missing = [text for text in spec.expect if " ".join(text.split()) not in flat]
+    assert not missing, f"README.md:{block.line} did not print {missing}:\n{output[-4000:]}"
