@@ -142,3 +142,20 @@ def test_plan_and_run_agree_on_the_usable_length(tmp_path, model_type):
     result = runner.invoke(app, ["plan", "sentiment", "--model", str(tmp_path), "--batch-size", "2", "--max-length", "513"])
     assert result.exit_code == 2 and "--max-length 513 exceeds the model's 512 positions." in result.stderr
     assert plan_json("--model", str(tmp_path), "--batch-size", "2", "--max-length", "512")["config"]["max_length"] == 512
+
+
+def test_plan_and_run_agree_under_an_unmeasured_release(tmp_path):
+    # 2.15.0 (conservative): Q K^T (call 12) is wrong in a pattern nobody characterised, then the scale on the
+    # scores (call 13) aborts. The run's emulator stops at call 12 ('not emulated'); the plan must say so,
+    # not only "aborts at call 13".
+    args = ["--batch-size", "16", "--max-length", "256", "--index-bits", "23", "--torch-profile", "2.15.0"]
+    plan = runner.invoke(app, ["plan", "sentiment", *args], env={"COLUMNS": "200"})
+    assert plan.exit_code == 0, plan.output
+    text = " ".join(plan.output.split())
+    assert "MPS aborts the process at call 13 (mul in encoder.encoder.layer.0.attention.self)" in text
+    assert ("Before it, call 12 (bmm in encoder.encoder.layer.0.attention.self) goes wrong in a pattern nobody "
+            "characterised: an emulated run stops there ('not emulated')") in text
+    run = runner.invoke(app, ["run", "sentiment", *args, "--guard", "off", "--out", str(tmp_path / "run")])
+    assert run.exit_code == 0, run.output
+    off = json.loads((tmp_path / "run" / "report.json").read_text())["conditions"][0]
+    assert off["status"] == "not_emulated" and off["message"].startswith("bmm[192, 256, 32] @ [192, 32, 256]")

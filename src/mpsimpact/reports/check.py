@@ -119,13 +119,22 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
-def stop_line(stops: list[dict[str, Any]]) -> str:
-    """The first call where MPS raises or aborts (the run ends there), and how many more would."""
+def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = ()) -> str:
+    """The first call where MPS raises or aborts (the run ends there), and how many more would; and, from
+    the faulting `calls`, the first one before it that goes silently wrong in a pattern nobody
+    characterised: an emulated run stops there instead ("not emulated"), which must not read as a
+    disagreement with the plan."""
     first, more = stops[0], len(stops) - 1
     what = "aborts the process" if first["kind"] == "abort" else "raises"
     tail = f" ({more} later calls would too; the run never reaches them)" if more else ""
     where = first["module"] or first["phase"]
-    return f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}"
+    line = f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}"
+    earlier = next((c for c in calls if c["index"] < first["index"] and c["kind"] == "wrong_other"), None)
+    if earlier is not None:
+        line += (f". Before it, call {earlier['index']} ({earlier['op']} in {earlier['module'] or earlier['phase']}) "
+                 "goes wrong in a pattern nobody characterised: an emulated run stops there ('not emulated') "
+                 "rather than invent its values")
+    return line
 
 
 def print_check(report: dict[str, Any], verbose: bool = False) -> None:
@@ -139,7 +148,8 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
         console.print("[bold green]No call crosses a limit.[/]")
     stops = report["prediction"]["stops"]
     if stops:
-        line = stop_line(stops) if verbose else without_rule_names(stop_line(stops))
+        line = stop_line(stops, report["faulting_calls"])
+        line = line if verbose else without_rule_names(line)
         console.print(line, style="bold red", markup=False)
     for label, text in facts(report):
         console.print(f"{label}: {text if verbose else without_rule_names(text)}", markup=False)
@@ -155,7 +165,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("No call crosses a limit.")
     stops = report["prediction"]["stops"]
     if stops:
-        lines += ["", "## Where MPS stops the run", "", stop_line(stops)]
+        lines += ["", "## Where MPS stops the run", "", stop_line(stops, report["faulting_calls"])]
     lines += ["", "## Summary", ""] + [f"- **{label}**: {text}" for label, text in facts(report)]
     return "\n".join(lines) + "\n"
 

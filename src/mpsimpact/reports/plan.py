@@ -31,7 +31,7 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     calls = report["faulting_calls"]
     console.print(console_calls(calls, verbose) if calls else "No call crosses a limit.")
     if pred["stops"]:
-        line = stop_line(pred["stops"])
+        line = stop_line(pred["stops"], calls)
         console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
     else:
         console.print(f"Predicted: {pred['describe']}.", markup=False)
