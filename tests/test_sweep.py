@@ -92,3 +92,28 @@ def test_real_mps_agrees_with_the_model_at_full_scale():
 def test_cuda_is_clean_at_full_scale():
     rows = [observe(Cell(256, 64, 256, 65537, "a_transposed", "fp16"), "cuda", False, 32)]
     assert rows[0]["observed"] == "ok"
+
+
+@pytest.mark.parametrize("test", ["scale", "softmax", "linear", "sdpa", "masked_fill"])
+def test_a_cell_judged_row_by_row_sees_one_wrong_row_and_agrees_with_the_whole(test, monkeypatch):
+    # The ops acting on each row alone are judged a block of rows at a time (half the memory on a Mac): with
+    # blocks of one row (CHUNK_ELEMENTS shrunk), a right output is ok with the error the whole comparison
+    # gives, and one wrong last row is caught.
+    import torch
+
+    from mpsimpact.runs import family_cells
+    from mpsimpact.runs.family_cells import FamilyCell, _judge, make_inputs, relative_error
+
+    cell = FamilyCell(test, 18)
+    inputs = make_inputs(cell, "cpu", torch.Generator().manual_seed(0))
+    out = cell.spec.run(inputs, "cpu", 18)
+    widest = max([out[0].numel(), *(inputs[name][0].numel() for name in cell.spec.rows_of)])
+    monkeypatch.setattr(family_cells, "CHUNK_ELEMENTS", widest)
+    assert cell.block_rows(inputs, out) == 1 and out.shape[0] >= 3  # a block per row
+    whole = relative_error(out, cell.spec.run(inputs, "cpu", 18))
+    observed, rel = _judge(cell, inputs, out)
+    assert observed == "ok" and rel == pytest.approx(whole, abs=1e-5)  # a product's rows may round differently
+    bad = out.clone()
+    bad[-1] = bad[-1] + 1 if bad.dtype != torch.bool else ~bad[-1]
+    observed, rel = _judge(cell, inputs, bad)
+    assert observed == "wrong" and rel > 1e-2

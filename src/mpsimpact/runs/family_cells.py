@@ -56,6 +56,9 @@ class FamilyTest:
     run: Callable[[dict[str, torch.Tensor], str, int], torch.Tensor]
     wraps: bool = False  # a reduction whose wrap (the first numel mod LIMIT elements) is characterised
     random: bool = False  # judged by its moments, not against the CPU's draws
+    # The inputs whose slices along dim 0 give the output's slices (the op acts on each alone): judged a block
+    # of rows at a time, with no whole copy on the CPU, so a cell needs about half the memory.
+    rows_of: tuple[str, ...] = ()
 
     @property
     def slot(self) -> str:
@@ -104,9 +107,10 @@ def _indexed(x: dict[str, torch.Tensor], device: str, bits: int) -> torch.Tensor
 
 TESTS: tuple[FamilyTest, ...] = (
     FamilyTest("linear", "mm", "mm", False, "Linear 64->32 on x (LIMIT/64 + ..., 64): input past LIMIT",
-               _linear_inputs, lambda x, d, b: torch.nn.functional.linear(x["x"], x["w"], x["bias"])),
+               _linear_inputs, lambda x, d, b: torch.nn.functional.linear(x["x"], x["w"], x["bias"]),
+               rows_of=("x",)),
     FamilyTest("elementwise-1d", "families", "elementwise", True, "fp16 ones(N) * 2 + 1",
-               _long("fp16", "ones"), lambda x, d, b: x["x"] * 2 + 1),
+               _long("fp16", "ones"), lambda x, d, b: x["x"] * 2 + 1, rows_of=("x",)),
     FamilyTest("reduction-1d", "families", "reduction", True, "uint8 ones(N).sum()",
                _long("uint8", "ones"), lambda x, d, b: x["x"].sum(), wraps=True),
     FamilyTest("cat-1d", "families", "cat", True, "1-D cat of two fp16 halves (N/2 each)",
@@ -116,15 +120,15 @@ TESTS: tuple[FamilyTest, ...] = (
     FamilyTest("masked_fill-1d", "families", "masked_fill", True, "uint8 zeros(LIMIT + 16).masked_fill(mask, 7)",
                lambda bits: (("x", (limits(bits)[0] + 16,), "uint8", "zeros"),
                              ("mask", (limits(bits)[0] + 16,), "bool", "true")),
-               lambda x, d, b: x["x"].masked_fill(x["mask"], 7)),
+               lambda x, d, b: x["x"].masked_fill(x["mask"], 7), rows_of=("x", "mask")),
     FamilyTest("creation-1d", "families", "creation", True, "fp16 ones(N)",
                lambda bits: (), lambda x, d, b: torch.ones(long_length(b), dtype=torch.float16, device=d)),
     FamilyTest("scale", "families", "elementwise", False, "eager attention's scale: fp32 scores * 0.125",
-               _multi("fp32", "randn"), lambda x, d, b: x["x"] * 0.125),
+               _multi("fp32", "randn"), lambda x, d, b: x["x"] * 0.125, rows_of=("x",)),
     FamilyTest("softmax", "families", "softmax", False, "eager attention's softmax(scores, -1), fp32",
-               _multi("fp32", "randn"), lambda x, d, b: torch.softmax(x["x"], -1)),
+               _multi("fp32", "randn"), lambda x, d, b: torch.softmax(x["x"], -1), rows_of=("x",)),
     FamilyTest("copy", "families", "copy", False, "fp16 x.transpose(1, 2).contiguous()",
-               _multi("fp16", "randn"), lambda x, d, b: x["x"].transpose(1, 2).contiguous()),
+               _multi("fp16", "randn"), lambda x, d, b: x["x"].transpose(1, 2).contiguous(), rows_of=("x",)),
     FamilyTest("creation", "families", "creation", False, "fp16 ones((G, 16, 256))",
                lambda bits: (), lambda x, d, b: torch.ones(multi_shape(b), dtype=torch.float16, device=d)),
     FamilyTest("random", "families", "random", False, "fp32 randn((G, 16, 256)): mean 0, std 1, no repeat",
@@ -133,11 +137,12 @@ TESTS: tuple[FamilyTest, ...] = (
                _multi("uint8", "ones"), lambda x, d, b: x["x"].sum(), wraps=True),
     FamilyTest("masked_fill", "families", "masked_fill", False, "uint8 zeros((G, 16, 256)).masked_fill(mask, 7)",
                lambda bits: (("x", multi_shape(bits), "uint8", "zeros"), ("mask", multi_shape(bits), "bool", "true")),
-               lambda x, d, b: x["x"].masked_fill(x["mask"], 7)),
+               lambda x, d, b: x["x"].masked_fill(x["mask"], 7), rows_of=("x", "mask")),
     FamilyTest("cat", "families", "cat", False, "cat of two fp16 (G/2, 16, 256) along dim 0",
                _halves(multi_shape), lambda x, d, b: torch.cat([x["a"], x["b"]])),
     FamilyTest("sdpa", "sdpa", "sdpa", False, "fused SDPA, q k v (B, 1, 256, 64) fp32, scores past LIMIT",
-               _sdpa_inputs, lambda x, d, b: torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"])),
+               _sdpa_inputs, lambda x, d, b: torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"]),
+               rows_of=("q", "k", "v")),
 )
 TESTS_BY_NAME = {test.name: test for test in TESTS}
 
@@ -163,17 +168,26 @@ class FamilyCell:
         return sum(x.numel() for x in made.values()), out.numel()
 
     def bytes_needed(self) -> int:
-        """Bytes the cell holds at once: inputs and output on the device, the same again on the CPU for
-        the reference, the fp32 draws and the two float64 chunks compared (a chunk at a time), and the
-        scores of SDPA's math path."""
-        made, size = make_inputs(self, "meta"), 0
+        """Bytes the cell holds at once: inputs and output on the device; the same again on the CPU for
+        the reference, or, for an op judged by blocks of rows (`rows_of`), one block of them (a block holds
+        at most CHUNK_ELEMENTS of the output and of each input); the fp32 draws and the two float64 chunks
+        compared (a chunk at a time); and the scores of SDPA's math path (of one block)."""
+        made = make_inputs(self, "meta")
         out = self.spec.run(made, "meta", self.index_bits)
-        for x in (*made.values(), out):
-            size += 2 * x.numel() * x.element_size()
+        tensors = (*made.values(), out)
+        device = sum(x.numel() * x.element_size() for x in tensors)
+        share = min(1.0, self.block_rows(made, out) / out.shape[0]) if self.spec.rows_of else 1.0
+        on_cpu = sum(math.ceil(x.numel() * share) * x.element_size() if name in self.spec.rows_of or x is out
+                     else x.numel() * x.element_size() for name, x in (*made.items(), ("", out)))
         largest = max((x.numel() for x in made.values()), default=out.numel())
         chunks = min(CHUNK_ELEMENTS, largest) * 4 + 2 * min(CHUNK_ELEMENTS, out.numel()) * 8
-        scores = math.prod(made["q"].shape[:-1]) * made["k"].shape[-2] * 4 if "q" in made else 0
-        return size + chunks + scores
+        scores = math.ceil(math.prod(made["q"].shape[:-1]) * share) * made["k"].shape[-2] * 4 if "q" in made else 0
+        return device + on_cpu + chunks + scores
+
+    def block_rows(self, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> int:
+        """Rows (along dim 0) per block of a judgement by rows: CHUNK_ELEMENTS of the widest row, at least 1."""
+        row = max([out[0].numel(), *(inputs[name][0].numel() for name in self.spec.rows_of)])
+        return max(1, CHUNK_ELEMENTS // max(1, row))
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: every element drawn, computed and compared a few times."""
@@ -281,6 +295,9 @@ def _observe(cell: FamilyCell, device: str, emulated: bool, profile: Any) -> dic
 
 def _judge(cell: FamilyCell, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[str, float]:
     """(ok / wrong / wrap, the relative error against the CPU's result of the same inputs)."""
+    if cell.spec.rows_of:
+        rel = _rows_error(cell, inputs, out)
+        return ("ok" if not rel > WRONG_ABOVE else "wrong"), rel
     got = out.cpu()
     if cell.spec.random:
         return _judge_random(got, limits(cell.index_bits)[0])
@@ -297,10 +314,31 @@ def _judge(cell: FamilyCell, inputs: dict[str, torch.Tensor], out: torch.Tensor)
     return "wrong", rel
 
 
+def _rows_error(cell: FamilyCell, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> float:
+    """relative_error of the whole output, computed a block of rows at a time: each block of the device's
+    output against the CPU's result of the same rows of the inputs (the others copied whole; they are small)."""
+    if out.shape[0] != next(iter(inputs[name] for name in cell.spec.rows_of)).shape[0]:
+        return math.inf
+    whole = {name: x.cpu() for name, x in inputs.items() if name not in cell.spec.rows_of}
+    step, diff, scale = cell.block_rows(inputs, out), 0.0, 0.0
+    for start in range(0, out.shape[0], step):
+        rows = {name: inputs[name][start:start + step].cpu() for name in cell.spec.rows_of}
+        want = cell.spec.run(whole | rows, "cpu", cell.index_bits)
+        gap, top = _gap_and_scale(out[start:start + step].cpu(), want)
+        diff, scale = max(diff, gap), max(scale, top)
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want|, in float64 a chunk at a time; inf for another shape or a NaN."""
+    diff, scale = _gap_and_scale(got, want)
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def _gap_and_scale(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max |got - want|, max |want|), in float64 a chunk at a time; the gap is inf for another shape or a NaN."""
     if got.shape != want.shape:
-        return math.inf
+        return math.inf, 0.0
     g, w = got.reshape(-1), want.reshape(-1)
     diff = scale = 0.0
     for start in range(0, g.numel(), CHUNK_ELEMENTS):
@@ -308,7 +346,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
         gap = (a - b).abs().max().item() if a.numel() else 0.0
         diff = math.inf if gap != gap else max(diff, gap)  # a NaN compares unequal to itself
         scale = max(scale, b.abs().max().item() if b.numel() else 0.0)
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+    return diff, scale
 
 
 def _judge_random(got: torch.Tensor, limit: int) -> tuple[str, float]:
