@@ -70,6 +70,14 @@ def test_a_quick_run_fits_80_columns_and_says_whether_it_was_silent(args, tmp_pa
     assert re.search(r"^\[\d\] guard raise: mpsimpact guard: ", text, re.M)  # a footnote, not a cell
     assert "- (None)" not in text
     assert any(c["status"] == "stopped_by_guard" for c in report["conditions"])  # the JSON keeps its words
+    # The reports' headline is the console's plain sentence; the condition's own line keeps the rule's name.
+    md = (tmp_path / "out" / "report.md").read_text()
+    html = (tmp_path / "out" / "report.html").read_text()
+    headline_line = md.splitlines()[2]
+    assert headline_line.startswith(f"**{first.rstrip()}") and "rule " not in headline_line
+    assert 'class="headline"' in html and "rule int32-kernel" not in html.split('class="headline"')[1].split("</p>")[0]
+    if args is QUICK_213:
+        assert "rule int32-kernel" in md  # in the guard-off line under the table
 
 
 def test_verbose_shows_every_message_in_full(tmp_path):

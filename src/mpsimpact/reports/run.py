@@ -17,7 +17,7 @@ def render_markdown(run: dict) -> str:
     g, p, env = run["geometry"], run["prediction"], run["environment"]
     lines = [
         f"# mpsimpact run: {run['config']['scenario']}", "",
-        f"**{kind_of(run).headline(run)}**", "",
+        f"**{kind_of(run).headline(run, plain=True)}**", "",
         f"**{g['mode']}** on {env['machine']}, torch {env['torch']}, transformers {env['transformers']}.", "",
         f"Model `{run['model']}`, data: {run['data_source']}. Batch {g['batch_size']}, "
         f"max length {g['max_length']}"
@@ -73,7 +73,7 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
 .headline{{font-size:1.5em;font-weight:bold}}</style>
 </head><body>
 <h1>mpsimpact run: {scenario}</h1>
-<p class="headline">{esc(kind_of(run).headline(run))}</p>
+<p class="headline">{esc(kind_of(run).headline(run, plain=True))}</p>
 <p class="banner">{esc(g['mode'])}</p>
 <p>Model <code>{model}</code>; data: {data}; batch {g['batch_size']}, max length {g['max_length']};
 torch {esc(env['torch'])} on {esc(env['machine'])}.</p>

@@ -72,8 +72,8 @@ class RunKind(abc.ABC):
 
     def headline(self, report: dict, plain: bool = False) -> str:
         """The run in one plain sentence for a slide: was the damage silent, and how much of it (led by
-        the emulated label when no Apple GPU was used). `plain`: the console's, a stop in words and
-        without the rules' names."""
+        the emulated label when no Apple GPU was used). `plain` (the console, report.md, report.html): a
+        stop in words and without the rules' names, which the condition's own line below keeps."""
         sentence = self._headline(report, plain)
         return f"{EMULATED_LABEL}. {sentence}" if report["geometry"].get("emulated") else sentence
 
