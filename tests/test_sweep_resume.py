@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -93,32 +94,38 @@ def test_the_memory_and_time_of_each_cell_are_known_before_it_runs():
     assert clock.seconds_left() == pytest.approx(2 * clock.estimates[1])
 
 
-KILLED_RUN = """
-import sys, time
-import mpsimpact.runs.sweep as sweep
-real = sweep.observe
+SLOWED_SWEEP = """
+import importlib, sys, time
+module = importlib.import_module(sys.argv[1])
+real = module.observe
 def slow(*args, **kwargs):
-    time.sleep(0.3)
+    time.sleep(float(sys.argv[2]))
     return real(*args, **kwargs)
-sweep.observe = slow
+module.observe = slow
 from mpsimpact.cli import app
-app(sys.argv[1:], prog_name="mpsimpact")
+app(sys.argv[3:], prog_name="mpsimpact")
 """
 
 
-def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeypatch):
-    out = tmp_path / "s"
-    partial = tmp_path / ".s.partial"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, *SMALL, "--out", str(out)],
+def kill_a_slowed_sweep(module: str, delay: float, log: str, out: Path) -> Path:
+    """Runs the SMALL sweep into `out` with `module.observe` slowed by `delay` seconds, SIGKILLs it once its
+    partial folder's `log` holds 3 rows (or after 240 s); returns the partial folder."""
+    partial = out.parent / f".{out.name}.partial"
+    proc = subprocess.Popen([sys.executable, "-c", SLOWED_SWEEP, module, str(delay), *SMALL, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        log = partial / "sweep.jsonl"
-        if log.exists() and log.read_text().count("\n") >= 3:
+        if (partial / log).exists() and (partial / log).read_text().count("\n") >= 3:
             break
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    return partial
+
+
+def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    partial = kill_a_slowed_sweep("mpsimpact.runs.sweep", 0.3, "sweep.jsonl", out)
     finished = rows_of(partial)
     assert 3 <= len(finished) < len(CELLS) and not out.exists()
     ran = []
@@ -139,33 +146,11 @@ def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeyp
     assert json.loads((out / "summary.json").read_text())["resumed_cells"] == len(finished)
 
 
-KILLED_IN_FAMILIES = """
-import sys, time
-import mpsimpact.runs.family_cells as families
-real = families.observe
-def slow(*args, **kwargs):
-    time.sleep(0.5)
-    return real(*args, **kwargs)
-families.observe = slow
-from mpsimpact.cli import app
-app(sys.argv[1:], prog_name="mpsimpact")
-"""
-
-
 def test_a_sweep_killed_among_its_family_cells_resumes_without_redoing_any_finished_cell(tmp_path, monkeypatch):
     import mpsimpact.runs.family_cells as family_module
 
-    out, partial = tmp_path / "s", tmp_path / ".s.partial"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_IN_FAMILIES, *SMALL, "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        log = partial / "families.jsonl"
-        if log.exists() and log.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    out = tmp_path / "s"
+    partial = kill_a_slowed_sweep("mpsimpact.runs.family_cells", 0.5, "families.jsonl", out)
     finished = [json.loads(line) for line in (partial / "families.jsonl").read_text().splitlines()]
     assert 3 <= len(finished) < 16 and len(rows_of(partial)) == len(CELLS) and not out.exists()
     ran, ran_bmm = [], []
