@@ -200,7 +200,7 @@ class CheckConfig(Validated):
 # `sweep --dtypes` and `--layouts`: the keys of runs.sweep.DTYPES and its LAYOUTS.
 SWEEP_DTYPES = ("fp32", "fp16", "bf16")
 SWEEP_LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
-GIB = 1 << 30
+GIB = 1 << 30  # bytes; every GiB figure the commands print or check
 
 
 def memory_bytes(text: str) -> int:

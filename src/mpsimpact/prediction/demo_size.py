@@ -13,8 +13,8 @@ from mpsimpact.errors import UsageError
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.memory import estimate_peak_bytes
 from mpsimpact.prediction.safe_size import plan_at
+from mpsimpact.config import GIB
 
-GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEMO_LENGTHS = (512, 384, 256, 128)
 MAC_SIZES_GB = (16, 24, 32, 48, 64, 96, 128, 192)

@@ -13,10 +13,9 @@ from typing import Any
 
 from mpsimpact.output.page import rich_table
 from mpsimpact.errors import UsageError
-from mpsimpact.config import SweepConfig, memory_bytes
+from mpsimpact.config import GIB, SweepConfig, memory_bytes
 from mpsimpact.runs.sweep import NOT_RUN, is_measured
 
-GIB = 1 << 30
 PROGRESS_EVERY_S = 5.0  # a progress line at least this far apart (and for every cell that disagrees)
 FILES = ("sweep.jsonl", "families.jsonl", "summary.json", "profile.json", "outcome_map.png")
 

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from mpsimpact.errors import DeviceError, MemoryPreflightError, UsageError
-from mpsimpact.config import DEVICES
-GIB = 1 << 30
+from mpsimpact.config import DEVICES, GIB
 
 
 def machine_name() -> str:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.runs.device import GIB, check_memory, device_memory, resolve_emulation
+from mpsimpact.config import GIB
+from mpsimpact.runs.device import check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, UsageError
 from mpsimpact.prediction.memory import (TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes,

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.runs.device import GIB, resolve_device
+from mpsimpact.config import GIB
+from mpsimpact.runs.device import resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
 from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import predict
