@@ -13,6 +13,7 @@ from mpsimpact.errors import UsageError
 
 # A sample is corrupted above this relative error against the reference (the study's criterion).
 CORRUPTION_THRESHOLD = 1e-3
+GRADIENT_THRESHOLD = CORRUPTION_THRESHOLD  # a gradient tensor is wrong above it, as a text is
 DEVICES = ("auto", "mps", "cuda", "cpu")
 
 

@@ -92,8 +92,8 @@ def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict
         demo = min(options, key=lambda o: o["estimated_peak_gib"])
         return {"command": None, "why": (
             f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's attention scores and "
-            f"softmax alone are 2 x 2^32 elements ({2 * 2**32 * 2 / GIB:.0f} GiB in half precision, "
-            f"{2 * 2**32 * 4 / GIB:.0f} GiB in float32) at any length; the smallest demo "
+            f"softmax alone are 2 x 2^{MPS_INDEX_BITS} elements ({2 * 2**MPS_INDEX_BITS * 2 / GIB:.0f} GiB in half "
+            f"precision, {2 * 2**MPS_INDEX_BITS * 4 / GIB:.0f} GiB in float32) at any length; the smallest demo "
             f"({demo['batch_size']} x {demo['max_length']}, {demo['dtype']}) needs about "
             f"{demo['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU or CUDA "
             "machine.")}

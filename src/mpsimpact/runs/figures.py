@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
 
@@ -136,7 +137,8 @@ def gradient_error_by_layer(errors: dict[str, dict[str, float]], title: str) -> 
     for guard_mode, per_tensor in errors.items():
         ax.plot(range(len(names)), [max(per_tensor[n], 1e-9) for n in names], marker="o", markersize=3,
                 linewidth=1, label=f"guard {guard_mode}")
-    ax.axhline(1e-3, color="black", linestyle=":", linewidth=1, label="wrong above 1e-3")
+    ax.axhline(GRADIENT_THRESHOLD, color="black", linestyle=":", linewidth=1,
+               label=f"wrong above {GRADIENT_THRESHOLD:g}")
     ticks = [i for i, n in enumerate(names)
              if n.endswith("query.weight") or "embeddings.word" in n or n.startswith("head")]
     short = [names[i].replace("encoder.encoder.", "").replace(".attention.self.query.weight", " attn")

@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.config import CORRUPTION_THRESHOLD
+from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.runs.activations import MATMULS, recompute_activations
 from mpsimpact.runs.device_pass import Geometry, build_batch, condition, tokenize
 
-GRADIENT_THRESHOLD = CORRUPTION_THRESHOLD  # a gradient tensor is wrong above it, as a text is
 
 
 @dataclasses.dataclass
