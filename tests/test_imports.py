@@ -193,3 +193,18 @@ def test_the_readme_guard_one_liner_works_after_emulate_and_after_importing_the_
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "function"
+
+
+def test_the_readme_layout_names_every_module_in_its_room():
+    section = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
+    unnamed = []
+    for name in module_files():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[1] == "scenarios" or parts[2] == "__init__":
+            continue
+        row = next((line for key, line in rows.items() if f"`{parts[1]}/`" in key), "")
+        if f"`{parts[2]}`" not in row:
+            unnamed.append(name)
+    assert len(rows) >= 8  # the table was found
+    assert unnamed == []
