@@ -11,8 +11,9 @@ def main(
     out: str | None = options.out("Also write compare.md, compare.html and compare.json"),
     as_json: bool = options.as_json(),
 ) -> None:
-    """Compare two run (or sweep) folders across an upgrade; exit 1 when something that matters changed, 3 when
-    a side could not run (cannot tell)."""
+    """Compare two run or sweep folders across an upgrade; exit 1 on a change that matters, 3 if it cannot tell.
+
+    It cannot tell when nothing changed but a side did not run or ran an unmeasured release. Bad input: exit 2."""
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.reports.compare import print_comparison, write_comparison_folder
     from mpsimpact.upgrade.compare import compare_folders
