@@ -72,11 +72,6 @@ def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
     return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
 
 
-def cat_dim(args: tuple, kwargs: dict) -> int:
-    """aten.cat's dimension, positional or by keyword."""
-    return args[1] if len(args) > 1 else kwargs.get("dim", 0)
-
-
 def check_index_bits(index_bits: Any, name: str = "index_bits") -> None:
     """Raises UsageError unless `index_bits` is an integer in INDEX_BITS_RANGE: the API's arguments are
     checked as the CLI checks --index-bits, in the same words."""

@@ -23,7 +23,7 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     check_index_bits,
-    MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
+    MatmulMode, activated, active_emulator, current_phase, needs_grad, op_name,
     push_active, remove_active, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
@@ -46,11 +46,6 @@ GUARD_MODES = ("raise", "warn", "chunk")
 _INSTALLED = threading.local()
 _HOLDERS: dict[int, tuple[str, int]] = {}  # thread id -> (thread name, installed guards)
 _HOLDERS_LOCK = threading.Lock()
-
-
-def is_guarding() -> bool:
-    """True while a guard is active on this thread."""
-    return innermost("guard") is not None
 
 
 class MpsImpactWarning(UserWarning):

@@ -19,9 +19,6 @@ from mpsimpact.engine.release import (
 from mpsimpact.runs.family_cells import TESTS_BY_NAME
 from mpsimpact.runs.sweep import Cell, agrees, cell_name, is_measured
 
-# What the sweep measures: the bmm cells, and one first-pass cell per rule of the other aspects
-# (runs.family_cells); an aspect none of whose cells was measured stays null (conservative).
-MEASURED_ASPECTS = ("bmm", "mm", "sdpa", "families")
 NOT_MEASURED_NOTE = (
     "The sweep measures bmm around every threshold, and each op family once above 2**index_bits elements "
     "(the study's first-pass tests, scaled): a family's row between 2**(index_bits - 1) and 2**index_bits "
