@@ -74,3 +74,33 @@ def test_references_to_the_fault_model_name_existing_sections():
         cited += [(path.name, name) for name in re.findall(re.escape(DOC) + r', "([^"]+)"', text)]
     assert len(cited) >= 3  # README, faults.py, scenarios/sentiment.py at least
     assert [(file, name) for file, name in cited if name not in headings] == []
+
+
+def missing_paths_and_notes(root, paths):
+    """Paths under src/ that a file names but that do not exist, and Notes cited but written nowhere."""
+    texts = {path: path.read_text(errors="replace") for path in paths if path.suffix in {".py", ".md", ".sh"}}
+    named = {(p.relative_to(root).as_posix(), m) for p, text in texts.items()
+             for m in re.findall(r"src/mpsimpact/[\w/]+\.py", text)}
+    flat = [re.sub(r"\s*\n\s*(#\s*)?", " ", text) for text in texts.values()]  # a citation may wrap
+    notes = {m for text in flat for m in re.findall(r"Note \[([^\]]+)\]", text)}
+    written = {m for path, text in texts.items() if path.suffix == ".py"
+               for m in re.findall(r"^ *# Note \[([^\]]+)\] *$", text, re.MULTILINE)}
+    return sorted((f, m) for f, m in named if not (root / m).is_file()), sorted(notes - written)
+
+
+def test_every_named_source_path_and_cited_note_exists():
+    paths = list_project_files(ROOT)
+    missing, unwritten = missing_paths_and_notes(ROOT, paths)
+    assert len(paths) > 50
+    assert missing == [] and unwritten == []
+
+
+def test_the_path_check_catches_a_moved_module_and_an_unwritten_note(tmp_path):
+    # Built from pieces, so that this file names no missing path and cites no Note.
+    moved, note = "src/mpsimpact/" + "faults.py", "No" + "te ["
+    (tmp_path / "src" / "mpsimpact" / "engine").mkdir(parents=True)
+    (tmp_path / "src" / "mpsimpact" / "engine" / "faults.py").write_text(f"# {note}Real]\n# rules\n")
+    (tmp_path / "README.md").write_text(
+        f"See {note}Real] in `src/mpsimpact/engine/faults.py` and {note}Gone]\nin `{moved}`.\n")
+    paths = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert missing_paths_and_notes(tmp_path, paths) == ([("README.md", moved)], ["Gone"])
