@@ -12,24 +12,32 @@ from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
 
 
-def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float,
-                      title: str) -> bytes:
-    """Relative logit error per batch position, one series per completed guard condition."""
+GUARD_STYLES = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}  # color, dot size
+
+
+def by_position(series: dict[str, np.ndarray], predicted: int | None, line: float, line_label: str,
+                axes: tuple[str, str], title: str) -> bytes:
+    """One series per completed guard condition over batch positions (log scale, floored at 1e-9), the
+    threshold line and the boundary predicted from shapes; `axes` is (x label, y label)."""
     fig, ax = pyplot().subplots(figsize=(9, 4))
-    styles = {"off": ("tab:red", 3, "guard off"), "chunk": ("tab:green", 2, "guard chunk"),
-              "raise": ("tab:blue", 2, "guard raise")}
-    for guard_mode, err in errors.items():
-        color, size, label = styles.get(guard_mode, ("gray", 2, guard_mode))
-        ax.scatter(np.arange(err.size), np.clip(err, 1e-9, None), s=size, color=color, label=label, alpha=0.7,
-                   linewidths=0)
-    ax.axhline(threshold, color="black", linestyle=":", linewidth=1, label=f"corrupted above {threshold:g}")
+    for guard_mode, values in series.items():
+        color, size = GUARD_STYLES.get(guard_mode, ("gray", 2))
+        ax.scatter(np.arange(values.size), np.clip(values, 1e-9, None), s=size, color=color,
+                   label=f"guard {guard_mode}", alpha=0.7, linewidths=0)
+    ax.axhline(line, color="black", linestyle=":", linewidth=1, label=line_label)
     if predicted is not None:
         ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5,
                    label=f"predicted from shapes: text {predicted}")
-    ax.set(yscale="log", xlabel="position in batch", title=title,
-           ylabel="max |logit - ref| / max |ref|  (floored at 1e-9)")
+    ax.set(yscale="log", xlabel=axes[0], title=title, ylabel=f"{axes[1]}  (floored at 1e-9)")
     ax.legend(loc="upper left", fontsize=8, markerscale=4)
     return png(fig)
+
+
+def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float,
+                      title: str) -> bytes:
+    """Relative logit error per batch position, one series per completed guard condition."""
+    return by_position(errors, predicted, threshold, f"corrupted above {threshold:g}",
+                       ("position in batch", "max |logit - ref| / max |ref|"), title)
 
 
 def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
@@ -183,22 +191,9 @@ def run_tag(run: dict[str, Any]) -> str:
 def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float,
                        title: str) -> bytes:
     """1 - cosine to the reference vector per batch position, one series per completed condition."""
-    fig, ax = pyplot().subplots(figsize=(9, 4))
-    styles = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}
-    for key, cos in cosines.items():
-        color, size = styles.get(key, ("gray", 2))
-        distance = np.clip(np.nan_to_num(1.0 - cos, nan=2.0), 1e-9, None)
-        ax.scatter(np.arange(cos.size), distance, s=size, color=color, label=f"guard {key}", alpha=0.7,
-                   linewidths=0)
-    ax.axhline(1 - threshold, color="black", linestyle=":", linewidth=1,
-               label=f"corrupted below cosine {threshold:g}")
-    if predicted is not None:
-        ax.axvline(predicted, color="tab:orange", linestyle="--", linewidth=1.5,
-                   label=f"predicted from shapes: text {predicted}")
-    ax.set(yscale="log", xlabel="position in batch (corpus document)", title=title,
-           ylabel="1 - cosine to reference  (floored at 1e-9)")
-    ax.legend(loc="upper left", fontsize=8, markerscale=4)
-    return png(fig)
+    distances = {key: np.nan_to_num(1.0 - cos, nan=2.0) for key, cos in cosines.items()}
+    return by_position(distances, predicted, 1 - threshold, f"corrupted below cosine {threshold:g}",
+                       ("position in batch (corpus document)", "1 - cosine to reference"), title)
 
 
 def recall_per_query(recalls: dict[str, np.ndarray], title: str) -> bytes:
