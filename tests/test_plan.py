@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
+from mpsimpact.errors import UsageError
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at, trace_classifier
@@ -42,6 +43,7 @@ def test_embedded_model_at_4096_by_512_matches_the_published_arithmetic():
 
 PLAN_IN_A_CHILD = """
 from mpsimpact.cli import app
+from mpsimpact.errors import UsageError
 try:
     app(['plan', 'sentiment', '--batch-size', '4096', '--max-length', '512', '--torch-profile', '2.14.0'])
 except SystemExit as done:
@@ -159,3 +161,44 @@ def test_plan_and_run_agree_under_an_unmeasured_release(tmp_path):
     assert run.exit_code == 0, run.output
     off = json.loads((tmp_path / "run" / "report.json").read_text())["conditions"][0]
     assert off["status"] == "not_emulated" and off["message"].startswith("bmm[192, 256, 32] @ [192, 32, 256]")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_scaled_calls_equal_direct_traces_forward_and_backward(backward):
+    calls = per_text_calls(tiny_bert("meta"), 64, backward=backward)
+    # Backward: the weight gradients' x^T (16, B*64) grows in its last dim, with its stride.
+    assert any(p.a_scales and p.call.a.shape[-1] != p.a4.shape[-1] for p in calls) == backward
+    for batch in (3, 40, 100_000):
+        direct = trace_classifier(tiny_bert("meta"), batch, 64, backward=backward, every_op=True, index_bits=16)
+        scaled = plan_at(calls, batch, index_bits=16)
+        assert [(c.op, c.a, c.b, c.fault) for c in scaled.calls] == [(c.op, c.a, c.b, c.fault) for c in direct.calls]
+
+
+def test_backward_largest_safe_batch_at_128_is_where_a_direct_trace_first_faults():
+    report = plan_json("--backward", "--batch-size", "2048")
+    safe = report["largest_safe_batch_by_length"]["128"]
+    assert safe == 10922  # P^T (B*12, 128, 128) as a view reaches 2**31 elements from 10923 texts on
+    meta = meta_classifier_of_the_scenario()
+    for batch, clean in ((safe, True), (safe + 1, False)):
+        plan = trace_classifier(meta, batch, 128, backward=True, every_op=True, profile=PROFILE)
+        assert all(c.fault.is_ok for c in plan.calls) == clean
+
+
+def meta_classifier_of_the_scenario():
+    from mpsimpact.runs.scenario import get_scenario
+
+    scenario = get_scenario("sentiment")()
+    return scenario.meta_module(scenario.load_config())
+
+
+class BatchBranching(torch.nn.Module):
+    """Makes one more op from 4 texts on: its calls cannot be scaled from 2 and 4 texts."""
+
+    def forward(self, input_ids):
+        y = input_ids.float().unsqueeze(-1) @ torch.ones(1, 8, device=input_ids.device)  # (B, L, 8)
+        return y * 2 if input_ids.shape[0] > 2 else y
+
+
+def test_a_model_whose_calls_depend_on_the_batch_is_refused_not_scaled():
+    with pytest.raises(UsageError, match="other calls at 2 texts than at 4"):
+        per_text_calls(BatchBranching(), 16)

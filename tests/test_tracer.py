@@ -111,3 +111,16 @@ def test_minilm_geometry_at_4096_by_512_predicts_six_pv_wraps_only():
         assert (call.fault.kind, call.fault.first_bad_batch) == ("wrong_tail", 16384)
         assert divmod(call.fault.first_bad_batch, 12) == (1365, 4)
     print(f"traced {len(plan.calls)} calls in {elapsed:.2f}s")
+
+
+def test_a_backward_trace_is_a_first_step_and_leaves_the_grads_as_they_were():
+    meta = tiny_bert("meta")
+    inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
+    first = trace_module(meta, inputs, backward=True)
+    bias = meta.pooler.dense.bias
+    kept = bias.grad = torch.zeros(16, device="meta")  # a grad the caller holds: restored, and no add_ into it
+    again = trace_module(meta, inputs, backward=True)
+    assert [(c.op, c.a, c.b) for c in first.calls] == [(c.op, c.a, c.b) for c in again.calls]
+    assert not any(c.op == "add_" for c in first.calls)  # nothing accumulated into a grad
+    assert bias.grad is kept
+    assert all(p.grad is None for name, p in meta.named_parameters() if name != "pooler.dense.bias")

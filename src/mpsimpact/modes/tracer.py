@@ -151,14 +151,23 @@ def trace_module(
     profile: Profile = None,
     every_op: bool = False,
 ) -> FaultPlan:
-    """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked."""
+    """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked: a first
+    step, with every parameter's grad None (as after `zero_grad()`), and the grads restored after it, so that
+    every trace makes the same calls (an accumulated grad would add an `add_` per parameter)."""
 
     def step() -> None:
         if not backward:
             with torch.no_grad():
                 module(**inputs)
             return
-        output = module(**inputs)
-        (output if isinstance(output, torch.Tensor) else output[0]).float().sum().backward()
+        kept = [(p, p.grad) for p in module.parameters()]
+        for p, _ in kept:
+            p.grad = None
+        try:
+            output = module(**inputs)
+            (output if isinstance(output, torch.Tensor) else output[0]).float().sum().backward()
+        finally:
+            for p, grad in kept:
+                p.grad = grad
 
     return trace_faults(step, index_bits=index_bits, module=module, profile=profile, every_op=every_op)

@@ -15,6 +15,7 @@ from mpsimpact.engine.call import CallRecord, classify_record, out_elements
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.errors import UsageError
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
 Fit = tuple[int, int, int, int]
@@ -216,32 +217,43 @@ def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, b
 
 @dataclasses.dataclass(frozen=True)
 class PerTextCall:
-    """A call traced at two texts, with which operands grow with the batch (to rescale it).
+    """A call traced at 2 and 4 texts, each entry of its operands' shapes, strides and offsets linear in the
+    batch: constant, or growing with it (a leading batch dim, the B*L columns of a weight gradient's
+    transposed activations, the stride that steps over them).
 
     Two, not one: at one text torch.matmul can fold a transposed view without copying, so its
     layout differs from every larger batch.
     """
 
     call: CallRecord
-    a_scales: bool
-    b_scales: bool
+    a4: TensorSpec  # the operands at 2 * TRACE_TEXTS texts
+    b4: TensorSpec
+
+    @property
+    def a_scales(self) -> bool:
+        return self.a4 != self.call.a
+
+    @property
+    def b_scales(self) -> bool:
+        return self.b4 != self.call.b
 
     def at(self, batch: int) -> tuple[Any, Any]:
-        return _scaled(self.call.a, batch, self.a_scales), _scaled(self.call.b, batch, self.b_scales)
+        return _scaled(self.call.a, self.a4, batch), _scaled(self.call.b, self.b4, batch)
 
 
-def _scaled(spec, batch: int, scales: bool):
-    # Strides of dims > 0 and the batch stride do not depend on the batch size (batch-major).
-    if not scales:
-        return spec
-    return dataclasses.replace(spec, shape=(spec.shape[0] // TRACE_TEXTS * batch, *spec.shape[1:]))
+def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
+    if two == four:
+        return two
+    entries = [x + (y - x) // TRACE_TEXTS * (batch - TRACE_TEXTS) for x, y in zip(_flat(two), _flat(four))]
+    ndim = len(two.shape)
+    return TensorSpec(tuple(entries[:ndim]), tuple(entries[ndim:2 * ndim]), entries[-1], two.dtype)
 
 
 TRACE_TEXTS = 2
 
 
 def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
-    """Traces at 2 and 4 texts; an operand scales when its leading dim doubles. Every call of the
+    """Traces at 2 and 4 texts, whose calls give each operand entry's growth per text. Every call of the
     trace is kept (SDPA and its math path, and every op but views, whatever its size: the same calls at
     every batch): `plan_at` picks those a release makes."""
     two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True)
@@ -250,14 +262,23 @@ def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool 
 
 
 def per_text(two: FaultPlan, four: FaultPlan) -> list[PerTextCall]:
-    """The calls of traces at 2 and 4 texts, each with which of its tensors grow with the batch."""
-    pairs = zip(two.trace, four.trace)
-    return [PerTextCall(c2, doubles(c2.a, c4.a), doubles(c2.b, c4.b)) for c2, c4 in pairs]
+    """The calls of traces at 2 and 4 texts, each with its operands at both (to rescale it).
+
+    Raises:
+        UsageError: the two traces do not make the same calls (the model's ops depend on the batch size).
+    """
+    if not same_calls(two, four):
+        raise UsageError(f"The model makes other calls at {TRACE_TEXTS} texts than at {2 * TRACE_TEXTS} "
+                         "(its ops depend on the batch size), so its calls cannot be scaled by arithmetic; "
+                         "trace it at the batch size you need (mpsimpact.trace_module).")
+    return [PerTextCall(c2, c4.a, c4.b) for c2, c4 in zip(two.trace, four.trace)]
 
 
-def doubles(two: TensorSpec, four: TensorSpec) -> bool:
-    """Whether a tensor's leading dim doubled from 2 to 4 texts (it grows with the batch)."""
-    return bool(two.shape) and four.shape == (2 * two.shape[0], *two.shape[1:])
+def same_calls(two: FaultPlan, four: FaultPlan) -> bool:
+    """Whether two traces make the same calls in the same order (ops, phases, ranks, dtypes), sizes aside."""
+    def kinds(plan: FaultPlan) -> list[tuple[Any, ...]]:
+        return [(c.op, c.phase, c.within, len(c.a.shape), len(c.b.shape), c.a.dtype, c.b.dtype) for c in plan.trace]
+    return kinds(two) == kinds(four)
 
 
 def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
