@@ -378,3 +378,22 @@ def test_plan_and_check_answer_with_one_pipeline_on_the_same_model_and_geometry(
     first = ("first_bad_batch", "first_bad_sample", "first_bad_head")
     assert {tuple(r[k] for k in first) for r in plan_rows + check_rows} == {(16384, 1365, 4)}
     assert plan["largest_safe_batch"] == check["largest_safe_batch"] == 1365
+
+
+def test_plan_backward_and_check_training_answer_alike_for_one_training_step():
+    # The logits go wrong from text 1365 (P V), then backward raises at P^T's view (2**31 elements or more);
+    # a training step keeps more than a forward pass: the same estimate in both.
+    from mpsimpact.models.classifier import embedded_model_path
+
+    plan = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--max-length", "512",
+                                          "--backward", "--json", "--torch-profile", PROFILE]).stdout)
+    check = check_json(embedded_model_path(), "--batch-size", 2048, "--seq-len", 512, "--attention", "eager",
+                       "--phase", "training")
+    same = ("outcome", "describe", "first_wrong_sample", "first_wrong_head", "wrong_samples")
+    assert [plan["prediction"][w] for w in same] == [check["prediction"][w] for w in same]
+    assert plan["prediction"]["outcome"] == "error" and plan["prediction"]["first_wrong_sample"] == 1365
+    assert "then error in backward" in plan["prediction"]["describe"]
+    assert plan["largest_safe_batch"] == check["largest_safe_batch"] == 682
+    inference = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--json",
+                                               "--torch-profile", PROFILE]).stdout)
+    assert plan["estimated_peak_gib"] == check["estimated_peak_gib"] > 2 * inference["estimated_peak_gib"]

@@ -15,7 +15,7 @@ from mpsimpact.prediction.meta_model import (
     MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
-from mpsimpact.prediction.memory import traced_peak_bytes
+from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
 from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at, same_calls
 from mpsimpact.engine.release import FaultProfile, resolve_profile
@@ -115,10 +115,10 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
                      "index_bits": cfg.index_bits},
         "calls_traced": len(plan.products), "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, "all" if model.backward else "forward"),
+        "prediction": summarise(plan, batch, heads, training=model.backward),
         "largest_safe_batch": by_batch.largest_safe, "largest_safe_batch_search": by_batch.to_json(),
         "longest_safe_length": by_length.largest_safe, "longest_safe_length_search": by_length.to_json(),
-        "estimated_peak_gib": round(peak / 2**30, 2), "estimated_peak_basis": peak_basis,
+        "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
         "guard_advice": guard_advice(plan, batch, Subject(heads, info["class"], info["supports_attention_interface"])),
         "generation": generation_note(plan, info["task"], batch, length),
         "traces": model.traces,

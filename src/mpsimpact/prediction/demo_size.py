@@ -11,7 +11,7 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction import memory
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.prediction.memory import estimate_peak_bytes
+from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib
 from mpsimpact.prediction.safe_size import plan_at
 from mpsimpact.config import GIB
 
@@ -68,7 +68,7 @@ def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[in
                 "dtype": dtype, "max_length": length, "batch_size": batch,
                 "first_corrupted_text": prediction.first_corrupted_text,
                 "corrupted_count": prediction.corrupted_count, "outcome": prediction.describe(),
-                "estimated_peak_gib": round(estimate_peak_bytes(config, batch, length, size) / GIB, 1)})
+                "estimated_peak_gib": in_gib(estimate_peak_bytes(config, batch, length, size))})
     return options
 
 
@@ -110,7 +110,7 @@ def mac_table(config: Any, first_corrupted: int, length: int = 512) -> list[dict
     rows = []
     for gb in MAC_SIZES_GB:
         budget = int(gb * GIB * RECOMMENDED_SHARE)
-        row: dict[str, Any] = {"mac_gb": gb, "usable_gib": round(budget / GIB, 1)}
+        row: dict[str, Any] = {"mac_gb": gb, "usable_gib": in_gib(budget)}
         for dtype in DTYPE_BYTES:
             batch = largest_fitting_batch(config, length, dtype, budget)
             row[dtype] = {"largest_batch": batch, "corrupted_texts": max(0, batch - first_corrupted)}

@@ -7,8 +7,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from mpsimpact.config import GIB
+
 # What the training-step estimate counts, for the preflight's message.
 TRAINING_PARTS = "activations kept for backward, gradients, Adam state"
+
+
+def in_gib(n_bytes: int) -> float:
+    """Bytes as GiB to one decimal: how plan, check and the demo tables state memory."""
+    return round(n_bytes / GIB, 1)
 
 
 def parameter_count(config: Any, length: int) -> int:

@@ -5,6 +5,7 @@ and which guard makes the run safe. `run`, `plan` and `check` all use it, so the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.attention import Blocks, attention_blocks
@@ -237,10 +238,34 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
             f"dispatch mode{tail}.")
 
 
-def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, Any]:
-    """The first wrong (sample, head), the fraction of the batch that goes wrong (None where nobody
-    characterised which samples), and the calls where MPS stops the run."""
-    prediction = predict(plan, batch, heads, phase)
+def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callable[[Prediction], str],
+                 outputs: str = "") -> tuple[str, str]:
+    """(outcome, words) of an inference pass (`whole` None) or of a training step (`whole`: both phases):
+    the forward pass's, then what its backward pass adds (a stop, or gradient products silently wrong).
+    `describe` puts a prediction in words; `outputs`, if given, names what the forward pass returns."""
+    stop = (whole or forward).stop
+    outcome, words = (stop.fault.kind if stop is not None else forward.outcome), describe(forward)
+    said = f"{words} ({outputs})" if outputs else words
+    if whole is None:
+        return outcome, words
+    if stop is not None and stop.phase == "backward" and forward.outcome != "clean":
+        what = "process abort" if stop.fault.kind == "abort" else "error"
+        return outcome, f"{said}, then {what} in backward: {stop.fault.message}"
+    if stop is not None:
+        return outcome, describe(whole)
+    if wrong := [c for c in whole.silent if c.phase == "backward"]:
+        outcome = "wrong" if outcome == "clean" else outcome
+        return outcome, f"{said}; {len(wrong)} gradient products silently wrong in backward"
+    return outcome, words
+
+
+def summarise(plan: FaultPlan, batch: int, heads: int, training: bool = False) -> dict[str, Any]:
+    """The first wrong (sample, head) of the outputs, the fraction of the batch that goes wrong (None where
+    nobody characterised which samples), the outcome in words (for a training step, with what its backward
+    pass adds: step_outcome), and the calls where MPS stops the run."""
+    prediction = predict(plan, batch, heads, "forward")
+    whole = predict(plan, batch, heads, "all") if training else None
+    outcome, words = step_outcome(prediction, whole, lambda p: _describe(p, batch))
     first, wrong = prediction.first_corrupted_text, prediction.corrupted_count
     unknown = bool(prediction.uncharacterised) and prediction.stop is None
     if prediction.stop is not None:  # the run ends there: no output, right or wrong
@@ -248,12 +273,12 @@ def summarise(plan: FaultPlan, batch: int, heads: int, phase: str) -> dict[str, 
     elif unknown and first is None:  # wrong_other alone: some sample is wrong, which is not known...
         first, wrong = (0, 1) if batch == 1 else (None, None)  # ...unless there is only one
     return {
-        "outcome": prediction.outcome, "describe": _describe(prediction, batch),
+        "outcome": outcome, "describe": words,
         "first_wrong_sample": first,
         "first_wrong_head": prediction.first_corrupted_head if first is not None else None,
         "wrong_samples": wrong, "wrong_fraction": None if wrong is None else wrong / batch,
-        "uncharacterised_calls": len(prediction.uncharacterised),
-        "unmeasured_calls": len(prediction.unmeasured),
+        "uncharacterised_calls": len((whole or prediction).uncharacterised),
+        "unmeasured_calls": len((whole or prediction).unmeasured),
         "note": _note(prediction) if unknown else "",
         "stops": [call_row(c, batch, heads) for c in plan.calls if c.fault.is_stop],
     }

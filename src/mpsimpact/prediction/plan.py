@@ -9,7 +9,7 @@ from typing import Any
 from mpsimpact.errors import UsageError
 from mpsimpact.config import PlanConfig
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
-from mpsimpact.prediction.memory import estimate_peak_bytes
+from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
@@ -48,15 +48,18 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     plan = plan_at(traced[length], batch, config.index_bits, profile)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
+    parameters, dtype = sum(p.numel() for p in meta.parameters()), next(meta.parameters()).dtype
+    peak, peak_basis = traced_peak_bytes(plan, parameters, batch, length, model_config.hidden_size, heads, dtype,
+                                         config.backward)
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
         "profile": profile.to_json(), "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads,
         "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
         "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, "forward"), "largest_safe_batch": safe[length],
+        "prediction": summarise(plan, batch, heads, training=config.backward), "largest_safe_batch": safe[length],
         "largest_safe_batch_by_length": dict(sorted(safe.items())),
-        "estimated_peak_gib": round(estimate_peak_bytes(model_config, batch, length) / 2**30, 1),
+        "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
         "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
@@ -79,7 +82,7 @@ def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config
 
     budget, basis = usable_bytes(config.memory)
     options = demo_options(traced, model_config, heads, safe, config.index_bits, profile)
-    return {"budget_gib": round(budget / 2**30, 1), "basis": basis, "options": options,
+    return {"budget_gib": in_gib(budget), "basis": basis, "options": options,
             "recommendation": recommend(options, budget, scenario),
             "mac_table": mac_table(model_config, safe.get(512, 0) + 1)}
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.prediction.outcome import Prediction, predict
+from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
 
@@ -20,17 +20,7 @@ NEWER = "unmeasured newer"
 
 def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
     """One cell: the forward pass's outcome, and for a training step what the backward adds."""
-    stop = (whole or forward).stop
-    outcome = stop.fault.kind if stop is not None else forward.outcome
-    message = forward.describe()
-    if whole is not None and stop is not None and stop.phase == "backward" and forward.outcome != "clean":
-        what = "process abort" if stop.fault.kind == "abort" else "error"
-        message = f"{forward.describe()} (logits), then {what} in backward: {stop.fault.message}"
-    elif whole is not None and stop is not None:
-        message = whole.describe()
-    elif whole is not None and (wrong := [c for c in whole.silent if c.phase == "backward"]):
-        outcome = "wrong" if outcome == "clean" else outcome
-        message = f"{message} (logits); {len(wrong)} gradient products silently wrong in backward"
+    outcome, message = step_outcome(forward, whole, Prediction.describe, outputs="logits")
     return {"outcome": outcome, "first_corrupted_text": forward.first_corrupted_text,
             "corrupted_count": forward.corrupted_count if forward.first_corrupted_text is not None else None,
             "message": message}
