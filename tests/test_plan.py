@@ -200,5 +200,18 @@ class BatchBranching(torch.nn.Module):
 
 
 def test_a_model_whose_calls_depend_on_the_batch_is_refused_not_scaled():
-    with pytest.raises(UsageError, match="other calls at 2 texts than at 4"):
+    with pytest.raises(UsageError, match="calls at 2 texts and at 4 differ"):
         per_text_calls(BatchBranching(), 16)
+
+
+class HalfTheBatch(torch.nn.Module):
+    """A product over ceil(B / 2) texts: 1 at 2 texts, 2 at 4, not a whole number of rows per text."""
+
+    def forward(self, input_ids):
+        x = input_ids.float().unsqueeze(-1)[: (input_ids.shape[0] + 1) // 2]  # (ceil(B/2), L, 1)
+        return x @ torch.ones(1, 8, device=x.device)
+
+
+def test_a_size_that_does_not_grow_by_whole_amounts_per_text_is_refused():
+    with pytest.raises(UsageError, match="differ in more than sizes"):
+        per_text_calls(HalfTheBatch(), 15)  # rows ceil(B / 2) * 15: 15 at 2 texts, 30 at 4

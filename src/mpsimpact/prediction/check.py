@@ -17,7 +17,7 @@ from mpsimpact.prediction.meta_model import (
 from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
-from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at, same_calls
+from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at, scalable
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 from mpsimpact.engine.fault_plan import FaultPlan
 
@@ -72,7 +72,7 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
         return model.trace(n, length)
 
     two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
-    if not same_calls(two, four):
+    if not scalable(two, four):
         return bisect_clean(trace_at, BATCH_CEILING, "the calls change with the batch size")
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"

@@ -265,20 +265,25 @@ def per_text(two: FaultPlan, four: FaultPlan) -> list[PerTextCall]:
     """The calls of traces at 2 and 4 texts, each with its operands at both (to rescale it).
 
     Raises:
-        UsageError: the two traces do not make the same calls (the model's ops depend on the batch size).
+        UsageError: the traces cannot be scaled (`scalable`): the model's calls depend on the batch size.
     """
-    if not same_calls(two, four):
-        raise UsageError(f"The model makes other calls at {TRACE_TEXTS} texts than at {2 * TRACE_TEXTS} "
-                         "(its ops depend on the batch size), so its calls cannot be scaled by arithmetic; "
-                         "trace it at the batch size you need (mpsimpact.trace_module).")
+    if not scalable(two, four):
+        raise UsageError(f"The model's calls at {TRACE_TEXTS} texts and at {2 * TRACE_TEXTS} differ in more than "
+                         "sizes that grow with the batch (its ops depend on the batch size), so they cannot be "
+                         "scaled by arithmetic; trace it at the batch size you need (mpsimpact.trace_module).")
     return [PerTextCall(c2, c4.a, c4.b) for c2, c4 in zip(two.trace, four.trace)]
 
 
-def same_calls(two: FaultPlan, four: FaultPlan) -> bool:
-    """Whether two traces make the same calls in the same order (ops, phases, ranks, dtypes), sizes aside."""
-    def kinds(plan: FaultPlan) -> list[tuple[Any, ...]]:
-        return [(c.op, c.phase, c.within, len(c.a.shape), len(c.b.shape), c.a.dtype, c.b.dtype) for c in plan.trace]
-    return kinds(two) == kinds(four)
+def scalable(two: FaultPlan, four: FaultPlan) -> bool:
+    """Whether traces at 2 and 4 texts make the same calls in the same order (ops, phases, ranks, dtypes)
+    whose every shape, stride and offset grows by a whole amount per text."""
+    def kind(c: CallRecord) -> tuple[Any, ...]:
+        return c.op, c.phase, c.within, len(c.a.shape), len(c.b.shape), c.a.dtype, c.b.dtype
+
+    return len(two.trace) == len(four.trace) and all(
+        kind(c2) == kind(c4) and not any((y - x) % TRACE_TEXTS for s2, s4 in ((c2.a, c4.a), (c2.b, c4.b))
+                                         for x, y in zip(_flat(s2), _flat(s4)))
+        for c2, c4 in zip(two.trace, four.trace))
 
 
 def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
