@@ -94,7 +94,7 @@ def test_longest_safe_length_at_batch_1_is_the_hand_arithmetic(llama_16k):
     first_bad = model.trace(1, 11586).faults
     assert len(first_bad) == 32 and {c.fault.rule for c in first_bad} == {"unmeasured-layout"}
     # Wrong in a pattern nobody characterised: with one sample, that sample is wrong; its head is not known.
-    summary = summarise(model.trace(1, 11586), 1, 32, "forward")
+    summary = summarise(model.trace(1, 11586), 1, 32)
     keys = ("outcome", "first_wrong_sample", "first_wrong_head", "wrong_fraction")
     assert pick(summary, *keys) == ("wrong_other", 0, None, 1.0)
 

@@ -259,7 +259,7 @@ def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callab
     return outcome, words
 
 
-def summarise(plan: FaultPlan, batch: int, heads: int, training: bool = False) -> dict[str, Any]:
+def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False) -> dict[str, Any]:
     """The first wrong (sample, head) of the outputs, the fraction of the batch that goes wrong (None where
     nobody characterised which samples), the outcome in words (for a training step, with what its backward
     pass adds: step_outcome), and the calls where MPS stops the run."""
