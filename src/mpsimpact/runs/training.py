@@ -22,7 +22,6 @@ from mpsimpact.runs.activations import MATMULS, recompute_activations
 from mpsimpact.runs.device_pass import Geometry, build_batch, condition, tokenize
 
 
-
 @dataclasses.dataclass
 class ReferenceRun:
     """What every condition is compared with: the CPU reference's first-step logits and gradients,
