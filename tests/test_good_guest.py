@@ -1,5 +1,6 @@
-"""The entry-point wrappers are good guests: after a guard has run, TorchScript, pickle, FX, export and
-torch.compile treat torch.matmul, F.linear, torch.bmm, torch.cat and friends as torch's own.
+"""The entry-point wrappers are good guests: while a guard is installed, TorchScript, pickle, FX, export and
+torch.compile treat torch.matmul, F.linear, torch.bmm, torch.cat and friends as torch's own; without a
+guard torch is untouched; and the guard (strict too) stays out of program transforms' way.
 See Note [Wrappers as good guests] in mpsimpact/entrypoint.py."""
 
 import copy
@@ -18,7 +19,7 @@ from torch import nn
 
 from mpsimpact.modes.entrypoint import ENTRY_POINTS, _INSTALLED
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.modes.guard import guard
+from mpsimpact.modes.guard import guard, install_thread_guard, uninstall_thread_guard
 
 D = 8
 
@@ -40,10 +41,13 @@ class UsesAll(nn.Module):
         return torch.cat([h3[0], x], dim=0)
 
 
+ORIGINALS = {attribute: getattr(owner, attribute) for places in ENTRY_POINTS.values()
+             for owner, attribute in places if owner is not torch.Tensor}  # no guard yet: torch's own
+
+
 def originals():
-    """torch's own callables, as the installed wrappers hold them (plain calls, no guard)."""
-    return {attribute: entry.original for (owner, attribute), entry in _INSTALLED.items()
-            if owner is not torch.Tensor}
+    """torch's own callables (plain calls, no guard)."""
+    return ORIGINALS
 
 
 def expected(x, w):
@@ -54,12 +58,19 @@ def expected(x, w):
 
 @pytest.fixture
 def after_a_guard():
-    """A guard has run (and still works): the wrappers are in place, as for a user of the one-liner."""
+    """A guard is installed on this thread (and works): the wrappers are in place, as for a user of the
+    one-liner; uninstalled after the test, which leaves torch as it was."""
     a, b = torch.randn(20, 64, 64), torch.randn(20, 64, 2)  # wraps at index width 16: see test_guard_coverage
-    with guard("raise", index_bits=16, devices=("cpu",)) as g, pytest.raises(OversizedOpError):
-        torch.bmm(a, b)
-    assert len(g.stopped) == 1
-    assert torch.matmul is not originals()["matmul"] and F.linear is not originals()["linear"]  # wrapped
+    installed = install_thread_guard("raise", index_bits=16, devices=("cpu",))
+    try:
+        with pytest.raises(OversizedOpError):
+            torch.bmm(a, b)
+        assert len(installed.stopped) == 1
+        assert torch.matmul is not originals()["matmul"] and F.linear is not originals()["linear"]  # wrapped
+        yield installed
+    finally:
+        uninstall_thread_guard()
+    assert torch.matmul is originals()["matmul"] and F.linear is originals()["linear"] and not _INSTALLED
 
 
 def run_python(code: str, cwd=None) -> str:
@@ -258,19 +269,19 @@ def test_names_bound_before_installation_still_script_and_compile(tmp_path):
             return torch.cat([early_matmul(x, w), early_linear(x, w), torch.matmul(x, w)])
 
         with mpsimpact.modes.guard.guard("raise"):
-            pass
-        assert torch.matmul is not early_matmul
-        x, w = torch.randn(3, 3), torch.randn(3, 3)
-        counter = CompileCounter()
-        same = torch.equal(torch.jit.script(f)(x, w), f(x, w))
-        compiled = torch.compile(f, backend=counter, fullgraph=True)(x, w)
-        print(same, torch.allclose(compiled, f(x, w)), counter.frame_count)
+            assert torch.matmul is not early_matmul
+            x, w = torch.randn(3, 3), torch.randn(3, 3)
+            counter = CompileCounter()
+            same = torch.equal(torch.jit.script(f)(x, w), f(x, w))
+            compiled = torch.compile(f, backend=counter, fullgraph=True)(x, w)
+            print(same, torch.allclose(compiled, f(x, w)), counter.frame_count)
     """))
     assert run_python("import early", cwd=tmp_path).split() == ["True", "True", "1"]
 
 
-def test_uninstall_restores_torch_exactly():
+def test_the_import_alone_leaves_torch_untouched_and_the_last_guard_restores_it_exactly():
     out = run_python(textwrap.dedent("""
+        import threading
         import torch, torch.nn.functional as F
         from torch.jit import _builtins
         def state():  # every attribute of the three namespaces, and TorchScript's builtin table
@@ -285,21 +296,32 @@ def test_uninstall_restores_torch_exactly():
             kept = all(table_now.get(k) == v for k, v in table.items())
             return sorted(moved), kept, [w.__name__ for w in wrappers if id(w) in table_now]
         before = state()
+        import mpsimpact
         import mpsimpact.modes.entrypoint as entrypoint
         from mpsimpact.modes.guard import guard
+        print(same(before, []))  # imported: nothing moved
+        with guard("raise"):
+            wrappers = [entry.wrapper for entry in entrypoint._INSTALLED.values()]  # alive: ids stay theirs
+            print(same(before, [])[0], len(same(before, wrappers)[2]))
+            with guard("chunk"):  # nested: still in place when the inner one leaves
+                pass
+            print(torch.matmul is not before[0][("torch", "matmul")][0])
+        print(same(before, wrappers))
+        # A guard on another thread keeps them in place until its thread removes it.
+        entered, leave = threading.Event(), threading.Event()
+        def other():
+            mpsimpact.install_thread_guard("raise")
+            entered.set(); leave.wait()
+            mpsimpact.uninstall_thread_guard()
+        thread = threading.Thread(target=other); thread.start(); entered.wait()
         with guard("raise"):
             pass
-        wrappers = [entry.wrapper for entry in entrypoint._INSTALLED.values()]  # alive: ids stay theirs
-        print(same(before, [])[0], len(same(before, wrappers)[2]))
-        entrypoint.uninstall()
-        print(same(before, wrappers))
-        with guard("raise"):  # entering a guard installs them again
-            print(torch.matmul is not before[0][("torch", "matmul")][0])
-        wrappers += [entry.wrapper for entry in entrypoint._INSTALLED.values()]
-        entrypoint.uninstall()
+        print(torch.matmul is not before[0][("torch", "matmul")][0])
+        leave.set(); thread.join()
         print(same(before, wrappers))
     """))
     wrapped = sorted((owner.__name__, a) for places in ENTRY_POINTS.values() for owner, a in places)
-    installed, *after = out.splitlines()
+    imported, installed, nested, *after = out.splitlines()
+    assert imported == "([], True, [])"
     assert installed == f"{wrapped} 11"  # installed: exactly the entry points moved; 11 are jit builtins
-    assert after == ["([], True, [])", "True", "([], True, [])"]
+    assert after == ["([], True, [])", "True", "([], True, [])"] and nested == "True"

@@ -15,19 +15,23 @@ from tiny import tiny_bert, token_batch
 BITS = 20
 
 
+def bmm(a, b):
+    return torch.bmm(a, b)  # looked up when called: the guard's wrappers are in place only while it is active
+
+
 def case_wrong_tail():
     # a (200, 64, 128): 1,638,400 > 2**20 elements, contiguous: wraps from 2**20 / 8192 = 128.
-    return torch.bmm, (torch.randn(200, 64, 128), torch.randn(200, 128, 2))
+    return bmm, (torch.randn(200, 64, 128), torch.randn(200, 128, 2))
 
 
 def case_wrong_all():
     # output 17 * 256 * 256 = 1,114,112 > 2**20 with a transposed: every batch wrong.
-    return torch.bmm, (torch.randn(17, 4, 256).transpose(1, 2), torch.randn(17, 4, 256))
+    return bmm, (torch.randn(17, 4, 256).transpose(1, 2), torch.randn(17, 4, 256))
 
 
 def case_error():
     # b a transposed view of 2 * 256 * 1024 = 524,288 = 2**19 elements, output 4096: raises.
-    return torch.bmm, (torch.randn(2, 2, 256), torch.randn(2, 1024, 256).transpose(1, 2))
+    return bmm, (torch.randn(2, 2, 256), torch.randn(2, 1024, 256).transpose(1, 2))
 
 
 def case_abort():
@@ -92,6 +96,19 @@ def test_guard_ignores_cpu_tensors_outside_emulation_unless_asked():
         op(*args)  # CPU tensors, no emulator: nothing to guard
     with guard("raise", index_bits=BITS, devices=("cpu",)), pytest.raises(OversizedOpError):
         op(*args)
+
+
+def test_a_name_bound_before_the_guard_is_seen_by_strict_only():
+    # The wrappers stand in for torch.bmm only while a guard is active (so the import alone leaves torch as it
+    # is): a name bound to torch's own callable earlier reaches the kernel past the fast path.
+    early, (a, b) = torch.bmm, case_wrong_tail()[1]
+    with guard("raise", index_bits=BITS, devices=("cpu",)) as g:
+        assert torch.bmm is not early
+        early(a, b)
+    assert not g.stopped
+    with guard("raise", index_bits=BITS, devices=("cpu",), strict=True), pytest.raises(OversizedOpError):
+        early(a, b)
+    assert torch.bmm is early  # the last guard has left: torch's own again
 
 
 def test_emulate_inside_a_guard_is_refused():

@@ -64,8 +64,12 @@ SILENT_KINDS = frozenset({"wrong_all", "wrong_tail", "truncated", "wrong_other"}
 STOP_KINDS = frozenset({"error", "abort"})
 # The index width of MPS's kernels; every limit is a power of two of it (smaller widths scale them).
 MPS_INDEX_BITS = 32
-# The widths the emulator, the guard, the planner and the CLI accept (the rules below take 2..62).
+# The widths the planner and the CLI accept (the rules below take 2..62).
 INDEX_BITS_RANGE = (8, MPS_INDEX_BITS)
+# The widths the modes (guard, emulator, tracer) accept: narrower too, so that at 4 bits (LIMIT 16) every
+# operand of PyTorch's OpInfo samples crosses a limit and a differential test sees the guard split all
+# it can.
+MODE_INDEX_BITS_RANGE = (4, MPS_INDEX_BITS)
 
 
 @dataclasses.dataclass(frozen=True)

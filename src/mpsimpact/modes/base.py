@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS, Fault
+from mpsimpact.engine.faults import MODE_INDEX_BITS_RANGE, MPS_INDEX_BITS, Fault
 from mpsimpact.errors import UsageError
 
 aten = torch.ops.aten
@@ -38,7 +38,11 @@ def is_composite(func: Any) -> bool:
     """Whether `func` has a CompositeImplicitAutograd kernel (cached: asked for every op)."""
     found = _COMPOSITE.get(func)
     if found is None:
-        found = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _IMPLICIT)
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _IMPLICIT)
+        except RuntimeError:  # an op the dispatcher does not hold (prim::device, seen under torch.export)
+            found = False
+        _COMPOSITE[func] = found
     return found
 
 
@@ -57,25 +61,45 @@ def needs_grad(tensors: Any) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+# scaled_dot_product_attention's arguments, in their positional order.
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A scaled_dot_product_attention call's arguments by name (positional ones named), defaults left out."""
+    return dict(zip(SDPA_ARGUMENTS, args)) | kwargs
+
+
 def sdpa_operands(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query, key, value) of a scaled_dot_product_attention call, positional or by keyword."""
     return tuple(  # type: ignore[return-value]
-        args[i] if i < len(args) else kwargs[name] for i, name in enumerate(("query", "key", "value")))
+        args[i] if i < len(args) else kwargs[name] for i, name in enumerate(SDPA_ARGUMENTS[:3]))
+
+
+def sdpa_dropout(args: tuple, kwargs: dict) -> float:
+    """The call's dropout_p (0 when not given)."""
+    return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))
 
 
 def sdpa_math(*args: Any, **kwargs: Any) -> torch.Tensor:
     """SDPA computed by its math path (matmul, softmax, matmul), as MPS runs it with gradients and on
-    2.4.1, so a dispatch mode sees its bmm calls."""
-    query, key, value = sdpa_operands(args, kwargs)
-    rest = {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
-    rest.update(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))
-    return aten._scaled_dot_product_attention_math(query, key, value, **rest)[0]
+    2.4.1, so a dispatch mode sees its bmm calls. The value F.scaled_dot_product_attention gives for every
+    argument it accepts: a boolean mask becomes the additive mask torch makes of it (0 where True, -inf
+    where False; the math kernel would add the booleans as 0/1), `scale` and `enable_gqa` by name or
+    position."""
+    bound = sdpa_arguments(args, kwargs)
+    query, key, value = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    mask = bound.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        bound["attn_mask"] = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
+            mask.logical_not(), float("-inf"))
+    return aten._scaled_dot_product_attention_math(query, key, value, **bound)[0]
 
 
 def check_index_bits(index_bits: Any, name: str = "index_bits") -> None:
-    """Raises UsageError unless `index_bits` is an integer in INDEX_BITS_RANGE: the API's arguments are
-    checked as the CLI checks --index-bits, in the same words."""
-    low, high = INDEX_BITS_RANGE
+    """Raises UsageError unless `index_bits` is an integer in MODE_INDEX_BITS_RANGE, in the words the CLI
+    uses for --index-bits."""
+    low, high = MODE_INDEX_BITS_RANGE
     if isinstance(index_bits, bool) or not isinstance(index_bits, int) or not low <= index_bits <= high:
         raise UsageError(f"{name} must be in {low}..{high} ({MPS_INDEX_BITS} is MPS), got {index_bits!r}.",
                          option=name)

@@ -7,6 +7,7 @@ computed. Also: running a call with its backward pass under a dispatch mode (for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mpsimpact.modes.base import MATMUL_OPS, sdpa_operands
+from mpsimpact.modes.base import MATMUL_OPS, sdpa_arguments
 from mpsimpact.engine.faults import TensorSpec, rows_per_safe_chunk, limits
 
 
@@ -58,6 +59,9 @@ def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, op: str = "bmm") ->
 
 def run_in_pieces(func, family: str, args: tuple, kwargs: dict, split: Split, copy: bool = False) -> torch.Tensor:
     """Computes one bmm/baddbmm/mm/addmm piece by piece (see `split_bmm`) into one output."""
+    _, ia, ib = MATMUL_OPS[func]
+    if not args[ia].numel() or not args[ib].numel():  # nothing to read: the plain call makes its empty result
+        return func(*args, **kwargs)
     if split.rows is not None:
         return _run_in_blocks(func, args, kwargs, split)
     return _run_chunked(func, family, args, kwargs, split.batches, copy)
@@ -116,22 +120,23 @@ class SdpaSplit:
 
 
 def split_sdpa(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
-               index_bits: int, causal: bool = False) -> SdpaSplit | None:
+               index_bits: int, causal: bool = False, full_mask: bool = False) -> SdpaSplit | None:
     """Pieces whose scores stay at or below LIMIT and whose operands (slices, so views) stay below
     VIEW_LIMIT on every release: whole batch-head rows where one row fits, else one row over blocks of
     query rows (`causal`: each block's mask, made for it, also at most DIM_MAX elements, which no op
-    family faults on). None when one key or value head alone crosses the view limit."""
+    family faults on; `full_mask`: a mask with a row per query and batch row, sliced like the scores, so
+    below VIEW_LIMIT too). None when one key or value head alone crosses the view limit."""
     limit, view_limit = limits(index_bits)
     lq, d = query_shape[-2], query_shape[-1]
     lk = key_shape[-2]
     if max(lk * d, lk * value_dim) >= view_limit:
         return None
-    per_row_view = max(lq * d, lk * d, lk * value_dim, lq * value_dim)
+    per_row_view = max(lq * d, lk * d, lk * value_dim, lq * value_dim, lq * lk if full_mask else 0)
     rows = min(limit // (lq * lk), (view_limit - 1) // per_row_view)
     if rows >= 1:
         return SdpaSplit(rows, lq if not causal or lq * lk < view_limit else (view_limit - 1) // lk)
     block = min(limit // lk, (view_limit - 1) // max(d, value_dim))
-    return SdpaSplit(1, min(block, (view_limit - 1) // lk) if causal else block)
+    return SdpaSplit(1, min(block, (view_limit - 1) // lk) if causal or full_mask else block)
 
 
 def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
@@ -146,71 +151,117 @@ def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
             yield slice(text, text + 1), slice(start, min(heads, start + rows))
 
 
-def _mask_piece(mask: Any, texts: slice, heads: slice, batch: int, num_heads: int, queries: slice) -> Any:
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
-        return mask
-    rows = mask[..., queries, :] if mask.shape[-2] > 1 else mask  # a (.., 1, Lk) mask broadcasts
-    if mask.dim() == 2:
-        return rows
-    if mask.dim() == 3:  # (H or 1, Lq, Lk), broadcast over the batch
-        return rows[heads] if mask.shape[0] == num_heads else rows
-    rows = rows[texts] if mask.shape[0] == batch else rows
-    return rows[:, heads] if mask.shape[1] == num_heads else rows
-
-
 def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, split: SdpaSplit,
                      copy: bool = False) -> torch.Tensor:
-    """scaled_dot_product_attention over pieces of at most `split.rows` (batch, head) rows and
-    `split.block` query rows, written into one output. Queries, keys and values are (B, H, L, D) (4-D,
-    as transformers passes them); grouped key/value heads are read, never copied per query head."""
-    query, key, value = sdpa_operands(args, kwargs)
-    batch, heads, lq = query.shape[0], query.shape[1], query.shape[2]
-    groups = heads // key.shape[1]
-    rows = split.rows if groups == 1 else (max(split.rows // groups, 1) * groups if split.rows >= groups else 1)
-    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    rest = dict(zip(names, args[3:])) | {k: v for k, v in kwargs.items() if k not in ("query", "key", "value")}
-    mask, causal = rest.pop("attn_mask", None), rest.pop("is_causal", False)
-    if rows < groups:
-        rest.pop("enable_gqa", None)  # one query head and its own key/value head a piece
-    out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # (B, H, Lq, Dv)
-    for texts, head in pieces(batch, heads, rows):
-        kv = head if groups == 1 else _kv_heads(head, groups, heads)
+    """scaled_dot_product_attention over pieces of at most `split.rows` rows of its (broadcast) batch and
+    `split.block` query rows, each piece computed by `proceed` (the plain call) and written into one
+    output: the plain call's value for every argument it accepts (any number of batch dims,
+    broadcasting, boolean or float masks, `is_causal` as the mask torch makes of it at each block's
+    offset, `scale`, `enable_gqa` with key/value heads read per group, never copied per query head).
+    Not for dropout_p > 0: no split reproduces the plain call's random mask (the guard stops such a call).
+    """
+    bound = sdpa_arguments(args, kwargs)
+    query, key, value = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    mask, causal = bound.pop("attn_mask", None), bound.pop("is_causal", False)
+    if mask is not None and causal:
+        return proceed(*args, **kwargs)  # torch's own error for a mask with is_causal
+    groups = query.shape[-3] // key.shape[-3] if bound.get("enable_gqa") and key.dim() > 2 else 1
+    batch = _sdpa_batch(query, key, value, mask, groups)
+    lq, lk = query.shape[-2], key.shape[-2]
+    out = query.new_empty((*batch, lq, value.shape[-1]))  # (*batch, Lq, Dv)
+    for index in _batch_blocks(batch, split.rows, groups):
+        k, v = (_piece(_batch_part(x, index, batch, groups), copy) for x in (key, value))
+        q_rows = _batch_part(query, index, batch)
+        mask_rows = _batch_part(mask, index, batch) if isinstance(mask, torch.Tensor) and mask.dim() > 2 else mask
         for start in range(0, lq, split.block):
-            queries = slice(start, min(lq, start + split.block))
-            q, k, v = (_piece(x[texts][:, h], copy) for x, h in ((query, head), (key, kv), (value, kv)))
-            piece_mask = _mask_piece(mask, texts, head, batch, heads, queries)
-            if causal:  # rows `queries` of tril(ones(Lq, Lk)): torch's top-left causal mask, at this offset
-                piece_mask = torch.ones(queries.stop - start, key.shape[2], dtype=torch.bool,
-                                        device=query.device).tril(diagonal=start)
-            out[texts, head, queries] = proceed(_piece(q[:, :, queries], copy), k, v, piece_mask, **rest)
+            rows = slice(start, min(lq, start + split.block))
+            if causal:  # rows `rows` of tril(ones(Lq, Lk)): torch's top-left causal mask, at this offset
+                piece_mask = torch.ones(rows.stop - start, lk, dtype=torch.bool, device=query.device).tril(start)
+            elif isinstance(mask_rows, torch.Tensor) and mask_rows.dim() > 1 and mask_rows.shape[-2] > 1:
+                piece_mask = mask_rows[..., rows, :]
+            else:
+                piece_mask = mask_rows
+            out[(*index, rows)] = proceed(_piece(q_rows[..., rows, :], copy), k, v, piece_mask, **bound)
     return out
 
 
-def _kv_heads(head: slice, groups: int, heads: int) -> slice:
-    """The key/value heads of a piece of query heads: whole groups, or the one head a single query reads."""
-    start, stop = head.start or 0, heads if head.stop is None else head.stop
-    return slice(start // groups, (stop - 1) // groups + 1)
+def _sdpa_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+                groups: int) -> tuple[int, ...]:
+    """The output's batch dims: the operands' (and the mask's) batch dims broadcast, with grouped
+    key/value heads counted as the query heads they serve."""
+    shapes = [query.shape[:-2]]
+    for x in (key, value):
+        shape = list(x.shape[:-2])
+        if shape and groups > 1:
+            shape[-1] *= groups
+        shapes.append(tuple(shape))
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2:
+        shapes.append(mask.shape[:-2])
+    return tuple(torch.broadcast_shapes(*shapes))
 
 
-def cat_in_place(tensors: Any, dim: int = 0, most: int | None = None) -> torch.Tensor:
-    """torch.cat computed by copying each piece into a preallocated output (no cat kernel); with `most`,
-    each copy in blocks of at most `most` elements along `dim` (a 1-D input past the per-dimension limit
-    is copied in pieces too)."""
-    tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]  # cat's legacy empty rule
+def _batch_blocks(batch: tuple[int, ...], rows: int, groups: int) -> Iterator[tuple[slice, ...]]:
+    """Blocks of at most `rows` rows of the batch, in row-major order: the first dim whose trailing dims
+    fit is stepped, every dim before it one index at a time; on the head dim (the last) a step covers
+    whole groups of query heads or lies within one."""
+    if not batch:
+        yield ()
+        return
+    dim = next(d for d in range(len(batch)) if math.prod(batch[d + 1:]) <= rows)
+    step = max(1, min(batch[dim], rows // max(math.prod(batch[dim + 1:]), 1)))
+    if dim == len(batch) - 1 and groups > 1:
+        step = step - step % groups if step >= groups else max(d for d in range(1, step + 1) if groups % d == 0)
+    whole = (slice(None),) * (len(batch) - dim - 1)
+    for lead in itertools.product(*(range(n) for n in batch[:dim])):
+        for start in range(0, batch[dim], step):
+            yield (*(slice(i, i + 1) for i in lead), slice(start, min(batch[dim], start + step)), *whole)
+
+
+def _batch_part(x: torch.Tensor, index: tuple[slice, ...], batch: tuple[int, ...], groups: int = 1) -> torch.Tensor:
+    """The part of a (broadcast) operand that a block of the batch reads: a view. A dim of size 1 that
+    broadcasts is kept whole; on the head dim of grouped keys/values, the key/value heads of the block's
+    query heads."""
+    parts = []
+    offset = len(batch) - (x.dim() - 2)
+    for j in range(x.dim() - 2):
+        at = j + offset
+        if at < 0 or (x.shape[j] == 1 and batch[at] != 1):
+            parts.append(slice(None))
+        elif groups > 1 and at == len(batch) - 1:
+            start, stop, _ = index[at].indices(batch[at])
+            parts.append(slice(start // groups, (stop - 1) // groups + 1))
+        else:
+            parts.append(index[at])
+    return x[tuple(parts)]
+
+
+def cat_in_place(func: Any, args: tuple, kwargs: dict, most: int | None = None) -> torch.Tensor:
+    """torch.cat (or stack, concat, their `out=` forms) computed by copying each piece into a preallocated
+    output (no cat kernel); with `most`, each copy in blocks of at most `most` elements along the dim (a
+    1-D input past the per-dimension limit is copied in pieces too)."""
+    bound = dict(zip(("tensors", "dim"), args)) | kwargs
+    tensors, dim, out = list(bound["tensors"]), bound.get("dim", 0), bound.get("out")
+    if func.__name__.split(".")[0] == "stack":
+        tensors = [t.unsqueeze(dim) for t in tensors]  # stack = cat of the inputs, each one index along dim
+    else:
+        tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]  # cat's legacy empty rule
+    if not tensors:
+        return func(*args, **kwargs)
     first = tensors[0]
     dim = dim % first.dim()
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    out = first.new_empty(shape, dtype=torch.result_type(*tensors) if len(tensors) > 1 else first.dtype)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    target = out.resize_(shape) if out is not None else first.new_empty(shape, dtype=dtype)
     offset = 0
     for t in tensors:
         per = max(1, t.numel() // max(t.shape[dim], 1))  # elements of one index along dim
         step = t.shape[dim] if most is None else max(1, most // per)
         for start in range(0, t.shape[dim], step):
             size = min(step, t.shape[dim] - start)
-            out.narrow(dim, offset + start, size).copy_(t.narrow(dim, start, size))
+            target.narrow(dim, offset + start, size).copy_(t.narrow(dim, start, size))
         offset += t.shape[dim]
-    return out
+    return target
 
 
 def entry_bound(name: str, args: tuple, kwargs: dict) -> float:

@@ -16,7 +16,8 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     check_index_bits,
-    MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_math, sdpa_operands,
+    MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
+    sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call
@@ -239,6 +240,8 @@ class EmulateMode(MatmulMode):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
+            if sdpa_dropout(args, kwargs):
+                return self._math_path_with_dropout(proceed, args, kwargs, query.device)
             return self._math_path(*args, **kwargs)  # its calls come through on_matmul and on_other
         index = self.calls
         self.calls += 1
@@ -246,6 +249,23 @@ class EmulateMode(MatmulMode):
         if not fault.is_ok:
             self._refuse(self._record(index, "sdpa", query, key, fault))
         passing, self._passing = self._passing, True  # what runs it here is not what MPS runs
+        try:
+            return proceed(*args, **kwargs)
+        finally:
+            self._passing = passing
+
+    def _math_path_with_dropout(self, proceed, args: tuple, kwargs: dict, device: torch.device) -> Any:
+        """The math path with dropout: MPS draws its random mask in the math kernel, this device's SDPA kernel
+        draws another. Where the math path altered no call, its values are this device's plain ones: the
+        plain call is made again from the same random state; else the emulated (wrong) values stand."""
+        rng = torch.cuda if device.type == "cuda" else torch
+        state = rng.get_rng_state()
+        altered = len(self.records)
+        out = self._math_path(*args, **kwargs)
+        if len(self.records) != altered:
+            return out
+        rng.set_rng_state(state)
+        passing, self._passing = self._passing, True
         try:
             return proceed(*args, **kwargs)
         finally:

@@ -22,22 +22,27 @@ from torch.jit import _builtins as jit_builtins
 # A TorchDispatchMode sees every aten op with its real operands, which is what the fault rules need,
 # but puts Python on every op of the model (about 200 per forward of a 6-layer encoder): a fixed
 # cost of milliseconds that small, latency-bound batches feel most. Only a few entry points reach
-# the kernels that can fault: the callables below. While any handler is active they are replaced by
-# wrappers that hand the call to the innermost handler (which may pass it on to the next, and the
-# last one to the original). A handler answers a small call at once, and sends a call that may
-# cross a limit through a dispatch mode, where decompositions (4-D matmul, einsum, linear on 3-D
-# inputs) cannot hide the bmm/mm they reach. The wrappers are put in place when this module is
-# first imported (so code that looks `torch.bmm` up before entering a guard still meets them), and
-# cost one thread-local lookup per call while no handler is active. Calls made from C++
-# (autograd's backward, TorchScript, compiled graphs) and names bound before mpsimpact was imported
-# (`from torch import matmul`) bypass them: handlers cover backward themselves, and
-# `guard(strict=True)` covers the rest. See Note [Wrappers as good guests] for what the rest of
-# the process sees of them.
+# the kernels that can fault: the callables below. While any handler is active (on any thread) they
+# are replaced by wrappers that hand the call to the innermost handler of the calling thread (which
+# may pass it on to the next, and the last one to the original). A handler answers a small call at
+# once, and sends a call that may cross a limit through a dispatch mode, where decompositions (4-D
+# matmul, einsum, linear on 3-D inputs) cannot hide the bmm/mm they reach. The wrappers are put in
+# place when the first handler is entered and taken away when the last one leaves, so a process that
+# only imports mpsimpact sees torch exactly as it is (an FX pass testing `node.target is torch.bmm`
+# finds its nodes). Calls made from C++ (autograd's backward, TorchScript, compiled graphs), names
+# bound before the first handler was entered (`from torch import matmul`, `op = torch.bmm`) and
+# arguments that are not tensors (FX's proxies: symbolic tracing records torch's own callable) bypass
+# them: handlers cover backward themselves, and `guard(strict=True)` covers the rest. A
+# TorchFunctionMode would see those too without replacing anything, but it runs Python on every torch
+# call, not only these (about 220 per forward of the encoder): measured 1.14x to 1.16x at 1 x 16 on
+# this project's CPU against 1.03x for the wrappers (benchmarks/README.md). See Note [Wrappers as good
+# guests] for what the rest of the process sees of them while they are in place.
 
 # Note [Wrappers as good guests]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The wrappers replace torch's callables for the whole process, also for code that never enters a
-# guard, so everything but the guard must take them for torch's own:
+# While a handler is active, the wrappers replace torch's callables for the whole process, also for
+# code on other threads that never enters a guard, so everything but the guard must take them for
+# torch's own:
 # - TorchScript resolves a Python callable it meets in scripted code through
 #   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
 #   source; each wrapper is entered there under the aten op of the callable it replaces
@@ -57,9 +62,12 @@ from torch.jit import _builtins as jit_builtins
 #   more freely, but costs a slot call more on every call. Identity that holds: `torch.matmul is
 #   torch.matmul` everywhere, also after a pickle round trip. Identity that cannot: the `func` a
 #   `__torch_function__` override receives is torch's builtin (the C++ side passes it), not the
-#   wrapper now at torch.matmul; `isinstance(torch.matmul, types.BuiltinFunctionType)` is False, so
-#   torch.fx.operator_schemas.normalize_function(torch.matmul, ...) raises (FX graphs record
-#   torch's builtins, so FX passes do not meet the wrappers).
+#   wrapper now at torch.matmul, and FX graphs record torch's builtins (a wrapper called with a
+#   proxy hands it to the original at once), so while a handler is active an FX pass comparing
+#   `node.target is torch.bmm` compares a builtin with the wrapper. Once the last handler has left,
+#   torch.bmm is torch's own again and the same pass finds its nodes; `isinstance(torch.matmul,
+#   types.BuiltinFunctionType)` is False while installed, so torch.fx.operator_schemas.
+#   normalize_function(torch.matmul, ...) raises then (FX passes meet the builtins, not the wrappers).
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -94,6 +102,9 @@ class _Installed(NamedTuple):
 
 
 _INSTALLED: dict[tuple[Any, str], _Installed] = {}
+# Handlers active on all threads: the wrappers are in place while there is one.
+_ACTIVE = 0
+_ACTIVE_LOCK = threading.Lock()
 
 _compiling = torch.compiler.is_compiling
 
@@ -116,7 +127,10 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = None if _compiling() else _LOCAL.__dict__.get("handlers")
-        if not handlers:  # also while torch.compile traces: the wrapper folds away there
+        # Not while torch.compile traces (the wrapper folds away there), nor for arguments that are not
+        # tensors (an FX proxy: symbolic tracing records torch's own callable).
+        if not handlers or not (args and isinstance(args[0], torch.Tensor)
+                                or isinstance(_first_operand(args, kwargs), torch.Tensor)):
             return original(*args, **kwargs)
         if len(handlers) == 1:
             return handlers[0].on_entry(name, original, args, kwargs)
@@ -131,6 +145,17 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
     return wrapped
 
 
+def _first_operand(args: tuple, kwargs: dict) -> Any:
+    """The call's first operand: the first argument that is not einsum's equation, the first tensor of
+    cat's list."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, str):
+        first = args[1] if len(args) > 1 else next(iter(kwargs.values()), None)
+    if isinstance(first, (list, tuple)):
+        return first[0] if first else None
+    return first
+
+
 def _public_path(owner: Any, attribute: str) -> tuple[str, str]:
     """(module, qualified name) of `owner.attribute` as reached from outside: ("torch", "matmul"),
     ("torch.nn.functional", "linear"), ("torch", "Tensor.bmm")."""
@@ -140,20 +165,18 @@ def _public_path(owner: Any, attribute: str) -> tuple[str, str]:
 
 
 def install() -> None:
-    """Puts the wrappers in place (done when this module is first imported; idempotent).
+    """Puts the wrappers in place (idempotent); `push_handler` does it for the first handler.
 
     Each wrapper is also entered in TorchScript's builtin table under its original's aten op, so
     scripted code that calls it compiles as before (Note [Wrappers as good guests]).
 
     Note:
-        Installation happens on import, not when a guard, emulator or tracer is first entered:
-        code often takes `torch.bmm` or `F.linear` before it enters a guard (a test that builds
-        its case `op = torch.bmm` first, a library that binds a kernel at import, a closure made
-        by a model's constructor); waiting for the first `with guard()` would leave those calls
-        unseen by that guard and by every later one (tests/test_guard.py's
-        test_guard_ignores_cpu_tensors_outside_emulation_unless_asked, run alone, fails that way).
-        The wrappers cost one thread-local lookup per call while no handler is active;
-        `uninstall()` removes them.
+        The wrappers are in place only while some handler is active: a process that imports
+        mpsimpact and never guards sees torch's own callables, so identity checks (an FX pass
+        testing `node.target is torch.bmm`, a table keyed by torch.matmul) behave as without it.
+        The price: a name bound to torch's callable before the first handler was entered (`op =
+        torch.bmm`, `from torch import matmul`) is not seen by the fast path; `guard(strict=True)`
+        sees every op whatever its name.
     """
     if _INSTALLED:
         return
@@ -191,14 +214,23 @@ def uninstall() -> None:
 
 
 def push_handler(handler: EntryHandler) -> None:
-    """Activates `handler` on this thread (innermost)."""
-    install()
+    """Activates `handler` on this thread (innermost); the first active handler of the process puts
+    the wrappers in place."""
+    global _ACTIVE
+    with _ACTIVE_LOCK:
+        _ACTIVE += 1
+        install()
     _handlers().append(handler)
 
 
 def remove_handler(handler: EntryHandler) -> None:
-    """Deactivates `handler`."""
+    """Deactivates `handler`; the last active handler of the process takes the wrappers away."""
+    global _ACTIVE
     _handlers().remove(handler)
+    with _ACTIVE_LOCK:
+        _ACTIVE -= 1
+        if not _ACTIVE:
+            uninstall()
 
 
 @contextlib.contextmanager
@@ -209,6 +241,3 @@ def handling(handler: EntryHandler) -> Iterator[EntryHandler]:
         yield handler
     finally:
         remove_handler(handler)
-
-
-install()

@@ -24,7 +24,7 @@ from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, needs_grad, op_name,
-    push_active, remove_active, sdpa_math, sdpa_operands,
+    push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, run_with_backward_under, split_bmm,
@@ -41,6 +41,7 @@ from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
+_tracing_state = torch._C._get_tracing_state
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
 # hold one, so a call from another thread can say where its guard is.
 _INSTALLED = threading.local()
@@ -76,6 +77,23 @@ class GuardMode(MatmulMode):
         self._warned: set[tuple[str, int]] = set()
         self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
 
+    def __enter__(self) -> GuardMode:
+        self._entering = True  # TorchDispatchMode.__enter__ asks ignore_compile_internals too
+        try:
+            return super().__enter__()
+        finally:
+            self._entering = False
+
+    def ignore_compile_internals(self) -> bool:
+        """Yes: torch.compile compiles with this mode off (Dynamo skips every frame while a mode that says
+        no is active, so `fullgraph=True` would find none) and the compiled code runs past it; the guard
+        says so once, when Dynamo first asks."""
+        if not getattr(self, "_entering", True):
+            _say_once("torch.compile", "mpsimpact guard: torch.compile traces with the strict guard stepped aside, "
+                      "and the compiled code's fused kernels run past it; run the model eagerly under the guard "
+                      "to have every op judged.")
+        return True
+
     def _applies(self, tensor: torch.Tensor) -> bool:
         if self.devices is not None:
             return tensor.device.type in self.devices
@@ -83,11 +101,42 @@ class GuardMode(MatmulMode):
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        plain = self._cannot_fault(name, args, kwargs) if _tracing_state() is None else \
+            self._cannot_fault_untraced(name, args, kwargs)
+        if plain:  # the hot path
+            return proceed(*args, **kwargs)
         if name == "sdpa":
             return self._on_sdpa(proceed, args, kwargs)
-        if self.everywhere or self._quick_pass(name, args, kwargs):
-            return proceed(*args, **kwargs)
         return self._through_dispatch(proceed, args, kwargs)
+
+    def _cannot_fault_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """`_cannot_fault` while torch.jit.trace records: sizes read with tracing paused (a traced size is a
+        tensor, whose reading would warn and be recorded), so the trace holds nothing of the guard."""
+        state = _tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            return self._cannot_fault(name, args, kwargs)
+        finally:
+            torch._C._set_tracing_state(state)
+
+    def _cannot_fault(self, name: str, args: tuple, kwargs: dict) -> bool:
+        if name == "sdpa":
+            return self._sdpa_is_plain(args, kwargs)
+        return self.everywhere or self._quick_pass(name, args, kwargs)
+
+    def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
+        """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
+        gradients), too small to meet a rule; fused, decided safe (outside a dispatch mode, which would
+        otherwise judge the kernel that runs it here)."""
+        query, key, value = sdpa_operands(args, kwargs)
+        if not self._applies(query):
+            return True
+        if active_emulator() is not None:
+            return False  # the emulator decides every SDPA call: see _on_sdpa
+        if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
+            return max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) \
+                < self._view_limit
+        return not self.everywhere and classify_call("sdpa", query, key, self.index_bits, self.profile).is_ok
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
         """True when the call cannot meet any rule (or is not on a guarded device): the hot path."""
@@ -121,15 +170,19 @@ class GuardMode(MatmulMode):
 
     def _on_sdpa(self, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         query, key, value = sdpa_operands(args, kwargs)
-        if not self._applies(query):
-            return proceed(*args, **kwargs)
         active = active_emulator()
+        dropout = sdpa_dropout(args, kwargs)
         if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
-            if self.everywhere:  # the emulator runs the math path, or we do: our dispatch mode sees it
-                return proceed(*args, **kwargs) if active else sdpa_math(*args, **kwargs)
-            if max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) < self._view_limit:
+            if active is not None:  # the emulator runs the math path: our dispatch mode sees its calls
                 return proceed(*args, **kwargs)
-            return self._through_dispatch(sdpa_math, args, kwargs)
+            if dropout and not query.is_mps:
+                raise OversizedOpError(
+                    f"mpsimpact guard: scaled_dot_product_attention with dropout_p={dropout} near MPS's index "
+                    f"limits on {query.device.type}: the guard looks at it through SDPA's math path (what MPS "
+                    "runs with gradients), whose random mask is not this device's kernel's, so it stops "
+                    "instead of computing other values. Use dropout_p=0, or run it on MPS.",
+                    op="sdpa", phase=current_phase())
+            return sdpa_math(*args, **kwargs) if self.everywhere else self._through_dispatch(sdpa_math, args, kwargs)
         fault, full_q, full_k = (
             active.peek("sdpa", None, query, key) if active
             else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
@@ -137,13 +190,17 @@ class GuardMode(MatmulMode):
         if fault.is_ok:
             return self._as_one_op(proceed, *args, **kwargs)
         spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
-        causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
-        split = split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active), causal)
+        bound = sdpa_arguments(args, kwargs)
+        mask = bound.get("attn_mask")
+        full_mask = isinstance(mask, torch.Tensor) and mask.dim() > 2 and mask.shape[-2] > 1
+        split = None if dropout else split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active),
+                                                bool(bound.get("is_causal")), full_mask)
         record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
         copies = self._copies(active)
+        why_not = f"its dropout_p={dropout} draws one random mask, which no split reproduces" if dropout else None
         return self._act(record, fault, split and split.rows,
                          lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, copies),
-                         lambda: self._as_one_op(proceed, *args, **kwargs), active)
+                         lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
 
     def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs a fused SDPA call decided at its entry: what runs it here (a CPU kernel, or on meta its
@@ -222,7 +279,7 @@ class GuardMode(MatmulMode):
     def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
                      most: int, active) -> Any:
         if family == "cat":
-            return self._act(record, record.fault, 1, lambda: cat_in_place(*args, **kwargs, most=most),
+            return self._act(record, record.fault, 1, lambda: cat_in_place(func, args, kwargs, most),
                              lambda: func(*args, **kwargs), active, op_name(func))
         pieces = split_call(func, args, kwargs, out, most)
         return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
@@ -252,7 +309,7 @@ class GuardMode(MatmulMode):
         return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
 
     def _act(self, record: CallRecord, fault: Fault, chunk: int | Pieces | None, split: Callable[[], Any],
-             unguarded: Callable[[], Any], active, op: str | None = None) -> Any:
+             unguarded: Callable[[], Any], active, op: str | None = None, why_not: str | None = None) -> Any:
         """The one place a decision turns into raise, warn or chunk; a call no split makes safe (chunk
         None) is refused in every mode but warn. `op`: a call of the other families (an emulator replaying
         a plan counts it as one call of that op)."""
@@ -261,7 +318,7 @@ class GuardMode(MatmulMode):
             self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)
             with active.as_one_call(op) if active else contextlib.nullcontext():
                 return split()
-        message = describe_stop(record, fault, chunk)
+        message = describe_stop(record, fault, chunk, why_not)
         if self.mode == "warn":
             self._warn_once(message)
             return unguarded()
@@ -284,6 +341,16 @@ class GuardMode(MatmulMode):
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(what: str, message: str) -> None:
+    """Warns `message` the first time this process meets `what` (a transform the guard steps aside for)."""
+    if what not in _SAID:
+        _SAID.add(what)
+        warnings.warn(message, MpsImpactWarning, stacklevel=3)
+
+
 def _user_site() -> tuple[str, int]:
     # The innermost frame outside torch and mpsimpact: where the op was asked for.
     for frame in reversed(traceback.extract_stack()[:-3]):
@@ -301,8 +368,9 @@ def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Te
     return split
 
 
-def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None) -> str:
-    """The error text: what, the numbers, the rule it would hit, the safe chunk, what to do."""
+def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None) -> str:
+    """The error text: what, the numbers, the rule it would hit, the safe chunk (or `why_not` none is
+    taken), what to do."""
     what = {
         "wrong_all": "return wrong values in every batch",
         "wrong_tail": f"return wrong values from batch {fault.first_bad_batch} onward",
@@ -325,6 +393,7 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None) 
     unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
     advice = (f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode "
               "'chunk'." if chunk is not None else
+              f"The guard does not split it: {why_not}; lower the batch size." if why_not else
               "No split makes it safe (one row of it alone crosses a limit): shorten the sequence.")
     return (
         f"mpsimpact guard: {record.describe()} in {record.phase} (output {record.out_numel} elements, "
