@@ -1,6 +1,9 @@
 """Guard cost on latency-bound inference, as ratios measured in one run: the embedded classifier
 (all-MiniLM-L6-v2 + head) on B texts x L tokens, plain vs guard "raise" (entry points, the default)
-vs guard "raise" strict (the dispatch mode on every op: the route before issue 17).
+vs guard "raise" strict (the dispatch mode on every op: the route before issue 17); with
+--function-mode also the design the entry points were weighed against (issue 31): a TorchFunctionMode
+that hands the same calls to the same guard, seeing them without replacing torch's callables, but
+running Python on every torch call (about 220 a forward here, against 50 entry-point calls).
 
 Run: python benchmarks/guard_latency.py [--device cpu --threads 1 --shapes 1x16 --reps 30]
      python benchmarks/guard_latency.py --device cuda --shapes 8x128,64x128,512x128 --reps 30
@@ -16,21 +19,43 @@ import statistics
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mpsimpact.models.classifier import load_embedded_classifier
-from mpsimpact.modes.guard import guard
+from mpsimpact.modes.entrypoint import ENTRY_POINTS
+from mpsimpact.modes.guard import GuardMode, guard
 
 
-def conditions(device: str) -> dict[str, object]:
-    return {
+class EntryFunctionMode(TorchFunctionMode):
+    """The alternative to the entry-point wrappers: the guard's `on_entry` for the same callables, found
+    by identity in a TorchFunctionMode (nothing replaced; every torch call comes through here)."""
+
+    NAMES = {getattr(owner, attribute): name for name, places in ENTRY_POINTS.items() for owner, attribute in places}
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.guard = GuardMode("raise", devices=(device,))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = self.NAMES.get(func)
+        if name is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self.guard.on_entry(name, func, args, kwargs or {})
+
+
+def conditions(device: str, function_mode: bool) -> dict[str, object]:
+    conds = {
         "off": contextlib.nullcontext,
         "raise": lambda: guard("raise", devices=(device,)),
         "raise_strict": lambda: guard("raise", devices=(device,), strict=True),
     }
+    if function_mode:
+        conds["function_mode"] = lambda: EntryFunctionMode(device)
+    return conds
 
 
-def measure(module, ids, mask, device: str, reps: int) -> dict[str, float]:
-    conds = conditions(device)
+def measure(module, ids, mask, device: str, reps: int, function_mode: bool = False) -> dict[str, float]:
+    conds = conditions(device, function_mode)
     names = list(conds)
     times: dict[str, list[float]] = {name: [] for name in names}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -54,6 +79,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--shapes", default="1x16")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--function-mode", action="store_true", help="also time the TorchFunctionMode design")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_embedded_classifier()
@@ -63,10 +89,12 @@ def main() -> None:
         batch, length = map(int, shape.split("x"))
         ids = torch.randint(1000, 20000, (batch, length), device=args.device)
         mask = torch.ones_like(ids)
-        med = measure(module, ids, mask, args.device, args.reps)
+        med = measure(module, ids, mask, args.device, args.reps, args.function_mode)
+        extra = (f"; function mode {med['function_mode'] * 1e3:.2f} ms ({med['function_mode'] / med['off']:.3f}x)"
+                 if args.function_mode else "")
         print(f"{batch} x {length}: off {med['off'] * 1e3:.2f} ms; guard raise {med['raise'] * 1e3:.2f} ms "
               f"({med['raise'] / med['off']:.3f}x); strict (dispatch on every op) {med['raise_strict'] * 1e3:.2f} ms "
-              f"({med['raise_strict'] / med['off']:.3f}x)")
+              f"({med['raise_strict'] / med['off']:.3f}x){extra}")
 
 
 if __name__ == "__main__":
