@@ -14,4 +14,5 @@ expected = {
 }
 assert expected == {"off": ("completed", 35, 1365, 1365), "raise": ("stopped_by_guard", 0), "chunk": ("completed", 0)}, expected
 assert report["geometry"]["emulated"] and "EMULATED" in (Path(sys.argv[1]) / "report.md").read_text()
+assert report["release"]["judged"] == "2.14.0" and report["config"]["torch_profile"] is None, report["release"]
 print(f"main command check passed: {expected}")

@@ -67,7 +67,8 @@ def write_run(folder, run, corrupted=None):
 
 
 def compare(*args):
-    result = runner.invoke(app, ["compare", *map(str, args)])
+    # A wide terminal: a verdict reads on one line (at 80 columns it wraps: test_console_width checks that).
+    result = runner.invoke(app, ["compare", *map(str, args)], env={"COLUMNS": "200"})
     return result, result.output
 
 
@@ -335,7 +336,7 @@ def test_out_writes_markdown_html_and_json(tmp_path):
     assert result.exit_code == 1, text
     markdown, page = (out / "compare.md").read_text(), (out / "compare.html").read_text()
     assert "**changed**: guard regression: chunk no longer clean" in markdown and "| chunk | completed | 0 -> 3 |" in markdown
-    assert page.count('class="banner"') == 2 and "(emulated): EMULATED MPS on cuda" in page
+    assert page.count('class="banner"') == 2 and "old: " in page and ": EMULATED MPS on cuda" in page
     assert "<style>" in page and "src=" not in page  # self-contained
     assert json.loads((out / "compare.json").read_text())["exit_code"] == 1
     result, text = compare(old, new, "--out", out)
@@ -401,7 +402,7 @@ def test_a_side_that_could_not_be_emulated_gets_no_verdict_and_exit_3(tmp_path):
     result = runner.invoke(app, ["compare", str(tmp_path / "old"), str(tmp_path / "new")], env={"COLUMNS": "200"})
     assert result.exit_code == 3, result.output
     text = " ".join(result.stdout.split())
-    assert "cannot tell: guard off: the new side could not be emulated (not emulated); torch 2.15.0 is an unmeasured " \
+    assert "cannot tell guard off: the new side could not be emulated (not emulated); torch 2.15.0 is an unmeasured " \
            "release" in text
     assert "mpsimpact sweep --device mps" in text
     assert "bug still present" not in text and "bug fixed" not in text  # no verdict for a side that did not run

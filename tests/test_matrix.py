@@ -306,3 +306,22 @@ def test_neighbouring_release_groups_with_the_same_outcomes_share_a_column():
         ("2.15.0 (file)", "p5")]
     cells["sdpa"]["p2"] = {"outcome": "wrong_other"}
     assert [c["group"] for c in merged_columns(report)][1:3] == ["2.9.1", "2.10.0-2.12.1"]
+
+
+def test_the_console_view_fits_80_columns_and_names_the_release_judged(tmp_path, probed, monkeypatch, capsys):
+    from mpsimpact.reports.matrix import print_matrix
+
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    config = MatrixConfig("sentiment", ("4.57.6",), batch_size=4096, max_length=512)
+    report = build_matrix(config, cache=OverlayCache(tmp_path, FakeBuilder()), prober=fake_prober(probed))
+    monkeypatch.setenv("COLUMNS", "80")
+    print_matrix(report)
+    out = capsys.readouterr().out
+    assert not [line for line in out.splitlines() if len(line) > 80], out
+    said = " ".join(out.split())
+    if not torch.backends.mps.is_available():
+        assert "Judged as torch 2.14.0, the published demo's release" in said
+        assert "On a Mac, the installed torch 2.13.0: its column (2.13.0) below says" in said
+        assert "2.14.0 (judged)" in said and "2.13.0 (installed)" in said
+    for word in ("not_emulated", "stopped_by_guard", "(1 calls)"):
+        assert word not in out

@@ -223,16 +223,26 @@ def captured_config(monkeypatch, target: str, args: list[str]):
     return seen[0]
 
 
-def other_value(param, default, hint):
-    """(argv, the config's value) for a value other than the field's default."""
-    flag = param.opts[0]
+def other_value(param, field, hint):
+    """(argv, the config's value) for a valid value other than the field's default (the command checks its
+    options before it hands them on)."""
+    flag, default, check = param.opts[0], field.default, field.metadata.get("check")
     if param.is_flag:  # on unless given, or an on/off pair: the other one
         off_given = bool(param.secondary_opts) and bool(default)
         return [param.secondary_opts[0] if off_given else flag], not off_given
+    if check is not None and check.choices and isinstance(default, tuple):  # a subset: comma-separated
+        return [flag, check.choices[0]], (check.choices[0],)
+    if check is not None and check.choices:
+        choice = next(c for c in reversed(check.choices) if c != default)
+        return [flag, choice], choice
     if isinstance(default, tuple):  # comma-separated on the command line, as --help shows it
         return [flag, "4.44.2, 5.24.0"], ("4.44.2", "5.24.0")
+    if check is not None and check.parse is not None:  # --torch-profile, --max-memory
+        value = "2.12.1" if flag == "--torch-profile" else "20GiB"
+        return [flag, value], value
     if hint in (int, int | None):
-        return [flag, "7"], 7
+        value = 7 if check is None or check.low is None or check.low <= 7 <= (check.high or 7) else int(check.low) + 1
+        return [flag, str(value)], value
     return ([flag, "0.25"], 0.25) if hint in (float, float | None) else ([flag, "x"], "x")
 
 
@@ -248,7 +258,7 @@ def test_options_not_given_keep_the_config_defaults_and_every_given_one_reaches_
     for field in dataclasses.fields(config):
         if field.name in positional:
             continue
-        argv, value = other_value(params[field.name], field.default, hints[field.name])
+        argv, value = other_value(params[field.name], field, hints[field.name])
         given += argv
         expected[field.name] = value
     assert captured_config(monkeypatch, target, given) == config(**expected)

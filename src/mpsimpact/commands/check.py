@@ -35,14 +35,15 @@ def main(
 ) -> None:
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
     from mpsimpact.output.files import claimed_out_dir
-    from mpsimpact.prediction.check import build_check_report
-    from mpsimpact.reports.check import print_check, write_check_folder
 
-    check_config = options.config_from(
+    check_config = options.config_from(  # validated before anything heavy is imported
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
         out=out,
     )
+    from mpsimpact.prediction.check import build_check_report
+    from mpsimpact.reports.check import print_check, write_check_folder
+
     with claimed_out_dir(out, "check", default=False) as folder:
         report = build_check_report(check_config)
         options.print_result(report, as_json, lambda: print_check(report, verbose))

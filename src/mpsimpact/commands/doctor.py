@@ -4,24 +4,32 @@
 def main() -> None:
     """Print versions, devices, memory and which MPS fault profile applies here."""
     from rich.console import Console
-    from rich.table import Table
 
+    from mpsimpact.engine.release import judge_release
+    from mpsimpact.output.page import fitted_table
     from mpsimpact.runs.environment import collect_environment
 
     env = collect_environment()
-    table = Table(title="mpsimpact doctor", show_header=False)
-    for key, value in env.items():
-        table.add_row(key, str(value))
+    rows = [[key, str(value) if value is not None else "not set" if key == "mps_fallback_env" else "none"]
+            for key, value in env.items()]
     console = Console()
-    console.print(table)
+    console.print(fitted_table("mpsimpact doctor", ("what", "here"), rows))
     if not env["mps_available"]:
-        console.print("No MPS here: mpsimpact will [bold]emulate[/] MPS's faults (said in every result).")
-    console.print(profile_sentence(env))
+        console.print("No MPS here: mpsimpact will emulate MPS's faults (said in every result).", markup=False)
+    console.print(profile_sentence(env), markup=False)
+    console.print(release_rule(judge_release(None, apple_gpu=env["mps_available"])), markup=False)
     fallback = env["mps_fallback_env"]
-    console.print(
-        f"PYTORCH_ENABLE_MPS_FALLBACK={fallback!r}: it only reroutes ops MPS does not implement; "
-        "bmm is implemented, so it does not help against this bug."
-    )
+    said = "is not set" if fallback is None else f"is {fallback!r}"
+    console.print(f"PYTORCH_ENABLE_MPS_FALLBACK {said}. Setting it would not help: it only reroutes ops MPS does "
+                  "not implement, and bmm is implemented.", markup=False)
+
+
+def release_rule(release) -> str:
+    """The rule every command (run, plan, check, matrix) follows for the release it judges, and its
+    outcome here."""
+    return ("Which torch release the commands judge: the one --torch-profile names; else on a Mac the "
+            "installed torch; else (no Apple GPU: the installed torch says nothing about a Mac) 2.14.0, the "
+            f"published demo's release, where the bug is silent. Here: {release.sentence()}")
 
 
 def profile_sentence(env: dict) -> str:

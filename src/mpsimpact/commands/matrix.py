@@ -25,14 +25,16 @@ def main(
 ) -> None:
     """Per transformers release: its attention, what reaches MPS, whether the guard holds (exit 1 if not)."""
     from mpsimpact.output.files import claimed_out_dir
-    from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder
-    from mpsimpact.upgrade.matrix import build_matrix, split_versions
+    from mpsimpact.upgrade.matrix import split_versions
 
     releases = None if transformers is None else split_versions(transformers)
-    matrix_config = options.config_from(
+    matrix_config = options.config_from(  # validated before anything heavy is imported
         config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
         max_length=max_length, out=out, offline=offline, torch_profile=torch_profile,
     )
+    from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder
+    from mpsimpact.upgrade.matrix import build_matrix
+
     with claimed_out_dir(out, "matrix") as folder:
         with progress_bars() as progress:
             report = build_matrix(matrix_config, progress=progress)

@@ -69,8 +69,15 @@ def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> 
 
 def config_from(config: type, **given: Any) -> Any:
     """The command's config from its options, by keyword; an option not given (None) keeps the config's
-    default. Not validated here: the library call validates it, first thing."""
-    return config(**{name: value for name, value in given.items() if value is not None})
+    default. Validated here, and its scenario's name checked, before the command imports torch or anything
+    heavy (a typo answers at once); the library call validates it again."""
+    from mpsimpact.runs.scenario import check_scenario_name
+
+    made = config(**{name: value for name, value in given.items() if value is not None})
+    if getattr(made, "scenario", None) is not None:
+        check_scenario_name(made.scenario)
+    made.validate()
+    return made
 
 
 def shows_config_defaults(config: Callable[[], type]) -> type[TyperCommand]:

@@ -35,15 +35,16 @@ def main(
     """From shapes alone (no weights, nothing big allocated): which calls fault and which outputs go wrong."""
     from mpsimpact.errors import UsageError
     from mpsimpact.output.files import check_out_file, claimed_out_dir
-    from mpsimpact.prediction.plan import build_plan_report
-    from mpsimpact.reports.plan import print_plan, write_plan_folder, write_sweep_figure
-    from mpsimpact.runs.scenario import get_scenario
 
-    plan_config = options.config_from(
+    plan_config = options.config_from(  # validated before anything heavy is imported
         config(), scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,
         versions=versions, out=out, memory=memory,
     )
+    from mpsimpact.prediction.plan import build_plan_report
+    from mpsimpact.reports.plan import print_plan, write_plan_folder, write_sweep_figure
+    from mpsimpact.runs.scenario import get_scenario
+
     if figure is not None:
         if not sweep:
             raise UsageError("--figure needs --sweep (it draws the batch-size sweep).", option="--figure")
@@ -51,7 +52,7 @@ def main(
     with claimed_out_dir(out, "plan", default=bool(versions)) as folder:
         report = build_plan_report(plan_config, get_scenario(scenario)(model=model))
         if figure:
-            write_sweep_figure(report["sweep"], figure, report["model"])
+            write_sweep_figure(report["sweep"], figure, report["model"], report["profile"]["label"])
         options.print_result(report, as_json, lambda: print_plan(report, verbose))
         if folder is not None:
             write_plan_folder(report, folder)

@@ -49,22 +49,22 @@ def main(
     verbose: bool = options.verbose(),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from mpsimpact.reports.run import write_run_folder
-    from mpsimpact.output.files import claimed_out_dir
-    from mpsimpact.runs.runner import run_scenario
-
     if quick:
         batch_size, max_length, index_bits = (given if given is not None else default for given, default in
                                               zip((batch_size, max_length, index_bits), QUICK))
-    run_config = options.config_from(
+    run_config = options.config_from(  # validated before anything heavy is imported
         config(), scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
         emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
         steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype,
     )
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mpsimpact.output.files import claimed_out_dir
+    from mpsimpact.reports.run import write_run_folder
+    from mpsimpact.runs.runner import run_scenario
+
     with claimed_out_dir(run_config.out, run_config.scenario) as folder:
         console = Console(stderr=True)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -105,7 +105,7 @@ def _rich_progress(progress: Any) -> Any:
 def _print_summary(report: dict, folder: Any, verbose: bool = False) -> None:
     from rich.console import Console
 
-    from mpsimpact.output.page import Footnotes
+    from mpsimpact.output.page import Footnotes, release_lines
     from mpsimpact.runs.kind import kind_of
 
     kind, footnotes = kind_of(report), Footnotes()
@@ -113,6 +113,8 @@ def _print_summary(report: dict, folder: Any, verbose: bool = False) -> None:
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
     console.print(kind.headline(report, plain=not verbose), style="bold", markup=False)
+    for line in release_lines(report):
+        console.print(line, markup=False)
     console.print(geometry["mode"], style=style, markup=False)
     console.print(kind.console_table(report, footnotes, verbose))
     for line in [*footnotes.lines(), *kind.console_lines(report, verbose)]:

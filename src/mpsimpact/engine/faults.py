@@ -197,6 +197,12 @@ class Fault:
         "unmeasured"). An unmeasured layout is not this: its value is inferred from a measured rule."""
         return self.rule.removeprefix("conservative:").startswith("unmeasured:")
 
+    @property
+    def nobody_measured(self) -> bool:
+        """Nobody measured what MPS does here: an unmeasured case, or any call of an unmeasured release
+        (rule conservative:<rule>): a speaker says "cannot tell", never what the rule guesses."""
+        return self.is_unmeasured or self.rule.startswith("conservative")
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -343,6 +343,62 @@ def installed_profile() -> FaultProfile:
     return profile_for(torch.__version__)
 
 
+# The release of the study's published demo (docs/fault-model.md, "The published downstream demo"): measured,
+# and the bug is silent there. Without an Apple GPU, commands judge it unless --torch-profile says otherwise.
+PUBLISHED_DEMO_RELEASE = "2.14.0"
+# Why a command judges the release it judges.
+ASKED, ON_THIS_MAC, NO_APPLE_GPU = "--torch-profile", "installed on this Mac", "no Apple GPU here"
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedRelease:
+    """The torch release whose MPS faults a command emulates, guards against and plans, and why: the one
+    --torch-profile names; else on a Mac the installed torch (its GPU runs that release); else, where the
+    installed torch says nothing about a Mac, the published demo's release (`PUBLISHED_DEMO_RELEASE`)."""
+
+    profile: FaultProfile
+    reason: str  # ASKED, ON_THIS_MAC or NO_APPLE_GPU
+    installed: FaultProfile
+
+    @property
+    def is_installed(self) -> bool:
+        """Whether the judged release is the installed one (so nothing else to say about a Mac)."""
+        return self.profile.ref == self.installed.ref
+
+    def sentence(self) -> str:
+        """Which release, and why, in one sentence."""
+        judged = f"torch {self.profile.label}"
+        if self.reason == ASKED:
+            return f"Judged as {judged}, as --torch-profile asked (torch {self.installed.label} is installed)."
+        if self.reason == ON_THIS_MAC:
+            return f"Judged as {judged}, the release installed on this Mac."
+        return (f"Judged as {judged}, the published demo's release, where the bug is silent: there is no "
+                f"Apple GPU here, and the installed torch {self.installed.label} says nothing about a Mac.")
+
+    def to_json(self) -> dict[str, object]:
+        return {"judged": self.profile.ref, "release": self.profile.release, "label": self.profile.label,
+                "measured": not self.profile.conservative, "why": self.reason,
+                "installed": self.installed.release, "sentence": self.sentence()}
+
+
+def judge_release(asked: str | None, apple_gpu: bool | None = None) -> JudgedRelease:
+    """The release a command judges (see JudgedRelease); `apple_gpu` None: whether torch sees MPS here.
+
+    Raises:
+        ValueError, ProfileFileError: as `resolve_profile` for a bad --torch-profile.
+    """
+    installed = installed_profile()
+    if asked is not None:
+        return JudgedRelease(resolve_profile(asked), ASKED, installed)
+    if apple_gpu is None:
+        import torch
+
+        apple_gpu = torch.backends.mps.is_available()
+    if apple_gpu:
+        return JudgedRelease(installed, ON_THIS_MAC, installed)
+    return JudgedRelease(resolve_profile(PUBLISHED_DEMO_RELEASE), NO_APPLE_GPU, installed)
+
+
 def load_profile(path: str | Path) -> FaultProfile:
     """The profile in a profile.json (written by `mpsimpact sweep`; format: engine.profile_file), read
     once per version of the file; its `source` is the file's absolute path.

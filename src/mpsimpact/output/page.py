@@ -25,11 +25,18 @@ FAULT_WORDS = {"wrong_all": "silent, every row wrong", "wrong_tail": "silent, ta
 
 # A run condition's status (runs.runner) in plain words, for the console; the JSON keeps the status itself.
 STATUS_WORDS = {"completed": "completed", "stopped_by_guard": "stopped by guard", "error": "error",
-                "not_emulated": "not emulated (unmeasured)", "skipped_predicted_abort": "skipped: would abort"}
+                "not_emulated": "not emulated (values unknown)", "skipped_predicted_abort": "skipped: would abort"}
 # The fault rules' names inside a message ("rule int32-kernel", "rule conservative: int32-kernel"), with
 # what replaces each form; see without_rule_names.
 _RULE_NAMES = ((r", rule [^;,)]+;", ";"), (r"\(rule [^;,)]+; inferred\)", "(inferred)"), (r" ?\(rule [^;,)]+\)", ""),
                (r"; rule [^;,)]+, inferred\)", "; inferred)"), (r"; rule [^;,)]+\)", ")"))
+
+
+def release_lines(report: dict[str, Any]) -> list[str]:
+    """Which torch release a report judged and why, and what the installed release would do on a Mac
+    (with the flag that shows it): the lines under every report's first line (report["release"])."""
+    release = report.get("release") or {}
+    return [line for line in (release.get("sentence"), release.get("on_a_mac")) if line]
 
 
 def without_rule_names(text: str) -> str:
@@ -125,7 +132,8 @@ def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list
         return None
     widths = least[:]
     for cells in (lambda column: column[1:], lambda column: column):  # the cells unwrapped first, then titles
-        most = [max(len(line) for cell in cells(c) for line in cell.splitlines() or [""]) for c in columns]
+        most = [max((len(line) for cell in cells(c) for line in cell.splitlines() or [""]), default=0)
+                for c in columns]
         for i in sorted(range(len(columns)), key=lambda i: most[i] - widths[i]):
             more = max(0, min(most[i] - widths[i], spare))
             widths[i], spare = widths[i] + more, spare - more

@@ -16,9 +16,9 @@ from mpsimpact.prediction.meta_model import (
 )
 from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
-from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, summarise
+from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at, scalable
-from mpsimpact.engine.release import FaultProfile, resolve_profile
+from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
 
 def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
@@ -32,9 +32,11 @@ def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
     return length, hard or max(LENGTH_CEILING, length)
 
 
-def profile_info(cfg: CheckConfig, profile: FaultProfile) -> dict[str, Any]:
-    """Which release's rules decide, and whether that release was measured."""
-    source = "--torch-profile" if cfg.torch_profile else f"the installed torch {torch.__version__}"
+def profile_info(release: JudgedRelease) -> dict[str, Any]:
+    """Which release's rules decide, why, and whether that release was measured."""
+    profile = release.profile
+    source = {ASKED: "--torch-profile", ON_THIS_MAC: f"the installed torch {release.installed.label}"}.get(
+        release.reason, f"the published demo's release ({release.reason})")
     return {"release": profile.release, "label": profile.label, "group": profile.group,
             "measured": profile.measured, "conservative": profile.conservative, "source": source,
             "notes": list(profile.notes)}
@@ -49,10 +51,11 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     module = build_meta_model(model_class, config, cfg.attention)
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
-    profile = resolve_profile(cfg.torch_profile)
-    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, profile,
+    release = judge_release(cfg.torch_profile)
+    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, release.profile,
                       cfg.target_len, cfg.cache)
     info = {
+        "release": release,
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
         "task": task, "task_basis": task_basis, "attention": module.config._attn_implementation,
         "attention_basis": basis, "heads": heads_of(config), "layers": getattr(config, "num_hidden_layers", None),
@@ -95,6 +98,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
     cfg.validate()
     model, info = prepare(cfg)
+    release = info.pop("release")
     length, high = geometry(model.config, cfg)
     batch, heads = cfg.batch_size, info["heads"]
     plan = model.trace(batch, length)
@@ -110,7 +114,9 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
                                    f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)")},
-        "torch_profile": profile_info(cfg, model.profile),
+        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(plan.under(release.installed),
+                                                                             batch, heads))},
+        "torch_profile": profile_info(release),
         "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
                      "index_bits": cfg.index_bits},
         "calls_traced": len(plan.products), "ops_traced": len(plan.calls),

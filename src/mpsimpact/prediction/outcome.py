@@ -306,3 +306,78 @@ def _describe(prediction: Any, batch: int) -> str:
         which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
         return f"silently wrong ({which})"
     return "clean"
+
+
+# An op on attention scores, by what it does there (for the words a speaker reads out).
+_ON_SCORES = {"mul": "scale", "div": "scale", "_softmax": "softmax", "_safe_softmax": "softmax", "softmax": "softmax",
+              "add": "mask", "masked_fill": "mask", "masked_fill_": "mask", "where": "mask", "exp": "softmax",
+              "native_dropout": "dropout", "clone": "copy", "copy_": "copy", "_to_copy": "copy"}
+
+
+def site(call: CallRecord) -> str:
+    """Where a call is, in words: 'the scale of the attention scores (mul on 16x12x256x256)', 'eager
+    attention's P V product (bmm: 192x256x256 @ 192x256x32)', 'gelu in encoder.layer.0 (...)'."""
+    from mpsimpact.output.page import op_cell
+
+    shape = op_cell(call.op, list(call.a.shape), list(call.b.shape))
+    a = call.a.shape
+    square = len(a) >= 3 and a[-1] == a[-2]
+    if call.family == "sdpa":
+        return f"fused attention (SDPA; {shape})"
+    if call.family == "bmm" and square and call.b.shape[-2] == a[-1] and call.b.shape[-1] < a[-1]:
+        return f"eager attention's P V product ({shape})"
+    if call.family == "bmm" and call.out_numel == a[0] * a[-2] * call.b.shape[-1] and call.b.shape[-1] == a[-2]:
+        return f"eager attention's Q K^T product ({shape})"
+    if not call.is_product and square and call.op in _ON_SCORES:
+        return f"the {_ON_SCORES[call.op]} of the attention scores ({shape})"
+    where = f" in {call.module}" if call.module else ""
+    return f"{call.op}{where} ({shape})"
+
+
+def spoken(prediction: Prediction) -> str:
+    """What a release does to the run, as a speaker says it: 'silently returns wrong outputs for 6 of 16
+    texts, from text 10', 'kills the process at the scale of the attention scores (...)', 'raises ...'."""
+    if prediction.stop is not None:
+        stop = prediction.stop
+        if stop.fault.kind == "abort":
+            return f"kills the process at {site(stop)}"
+        return f"raises '{stop.fault.message}' at {site(stop)}"
+    if prediction.first_corrupted_text is not None:
+        return (f"silently returns wrong outputs for {prediction.corrupted_count} of {prediction.batch} texts, "
+                f"from text {prediction.first_corrupted_text}")
+    if prediction.uncharacterised:
+        return f"silently returns wrong values nobody characterised, first at {site(prediction.uncharacterised[0])}"
+    return "runs clean: nothing crosses a limit"
+
+
+def undecided_at(profile: Any, prediction: Prediction) -> CallRecord | None:
+    """The call whose outcome nobody measured and on which the run's outcome turns, or None: on a release
+    nobody measured (`profile.conservative`) its first faulting call; else a stop nobody measured, or, where
+    no text is known to go wrong and nothing stops, the first call nobody measured."""
+    calls = sorted((*prediction.silent, *([prediction.stop] if prediction.stop else ())), key=lambda c: c.index)
+    if profile.conservative:
+        return calls[0] if calls else None
+    if prediction.stop is not None:
+        return prediction.stop if prediction.stop.fault.nobody_measured else None
+    if prediction.first_corrupted_text is not None:
+        return None
+    return next((c for c in calls if c.fault.nobody_measured), None)
+
+
+def cannot_tell(release: str, call: CallRecord) -> str:
+    """The words for what nobody measured: which call, that nobody measured it, what measures it."""
+    return (f"nobody measured torch {release} on MPS at {site(call)}, so nobody can tell what it does there; "
+            "`mpsimpact sweep` on a Mac measures it")
+
+
+def on_a_mac(release: Any, installed: Prediction) -> str | None:
+    """What the installed torch would do to this run on a Mac, with the flag that shows it; None when the
+    installed release is the one judged (`release`: engine.release.JudgedRelease)."""
+    if release.is_installed:
+        return None
+    profile = release.installed
+    unknown = undecided_at(profile, installed)
+    if unknown is not None:
+        return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
+    return (f"On a Mac, the installed torch {profile.label} {spoken(installed)}: --torch-profile "
+            f"{profile.release} shows it.")

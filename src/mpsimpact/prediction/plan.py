@@ -8,7 +8,7 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.config import PlanConfig
-from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, predict, summarise
+from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 
@@ -31,7 +31,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         config: what was asked (validated here).
         scenario: the scenario instance (runs.scenario.Scenario) whose model and defaults are planned.
     """
-    from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.engine.release import judge_release
     from mpsimpact.models.classifier import usable_positions
 
     config.validate()
@@ -43,7 +43,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    profile = resolve_profile(config.torch_profile)
+    release = judge_release(config.torch_profile)
+    profile = release.profile
     traced = {L: per_text_calls(meta, L, backward=config.backward)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     plan = plan_at(traced[length], batch, config.index_bits, profile)
@@ -53,6 +54,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
                                          config.backward)
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
+        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
+            plan_at(traced[length], batch, config.index_bits, release.installed), batch, heads))},
         "profile": profile.to_json(), "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads,
         "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
         "ops_traced": len(plan.calls),

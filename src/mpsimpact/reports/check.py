@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.output.page import (
-    FAULT_WORDS, fitted_table, format_cell, markdown_table, op_cell, without_rule_names,
+    FAULT_WORDS, fitted_table, format_cell, markdown_table, op_cell, without_rule_names, release_lines,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
@@ -142,6 +142,8 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
     from rich.console import Console
     console = Console()
     console.print(headline(report, every_op=True), markup=False)
+    for line in release_lines(report):
+        console.print(line, markup=False)
     if report["faulting_calls"]:
         console.print(console_calls(report["faulting_calls"], verbose))
     else:
@@ -157,7 +159,8 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """check.md: the same content as the console."""
-    lines = [f"# mpsimpact check: {report['model']['source']}", "", headline(report), ""]
+    lines = [f"# mpsimpact check: {report['model']['source']}", "", headline(report), "",
+             *[f"{line}  " for line in release_lines(report)], ""]
     if report["faulting_calls"]:
         table = markdown_table(CALL_HEADER, grouped_calls(report["faulting_calls"]))
         lines += ["## Calls that hit a rule", "", *table]

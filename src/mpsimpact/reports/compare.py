@@ -11,17 +11,12 @@ from typing import Any
 from mpsimpact.runs.sweep import cell_name
 from mpsimpact.upgrade.compare import Comparison, Verdict
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, rich_table
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, fitted_table
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
 from mpsimpact.output.page import format_cell as _show
 
-# Condition statuses as the run command prints them.
-STATUS_NAMES = {"stopped_by_guard": "stopped", "skipped_predicted_abort": "skipped (abort)"}
-
-
 def _old_new(old: Any, new: Any) -> str:
     """'x' when unchanged, 'old -> new' otherwise."""
-    old, new = STATUS_NAMES.get(old, old), STATUS_NAMES.get(new, new)
     return _show(new) if old == new else f"{_show(old)} -> {_show(new)}"
 
 
@@ -65,11 +60,10 @@ def result_line(comparison: Comparison) -> str:
 
 
 def _side(comparison: Comparison, index: int) -> str:
-    """'old: /path (emulated): EMULATED MPS on cpu ...'."""
+    """'old: /path: EMULATED MPS (torch 2.13.0) on cpu ...' (the mode says emulated or real)."""
     name = ("old", "new")[index]
     path = (comparison.old, comparison.new)[index]
-    realness = "emulated" if comparison.emulated[index] else "real"
-    return f"{name}: {path} ({realness}): {comparison.modes[index]}"
+    return f"{name}: {path}: {comparison.modes[index]}"
 
 
 def render_markdown(comparison: Comparison) -> str:
@@ -126,17 +120,17 @@ def write_comparison_folder(out: Path, comparison: Comparison) -> Path:
 def print_comparison(comparison: Comparison, folder: Path | None = None) -> None:
     """The console view: both sides, the environment and condition (or cell) tables, the verdicts."""
     from rich.console import Console
-    from rich.markup import escape
+    from rich.text import Text
     console = Console()
     for index in (0, 1):
         style = "bold yellow" if comparison.emulated[index] else "bold green"
-        console.print(f"[{style}]{escape(_side(comparison, index))}[/]", soft_wrap=True)
+        console.print(_side(comparison, index), style=style, markup=False)
     for title, header, rows in tables(comparison):
-        console.print(rich_table(title, header, rows, justify="right"))
+        console.print(fitted_table(title, header, rows, justify="right"))
+    styles = {"changed": ("changed", "bold red"), "cannot-tell": ("cannot tell", "bold yellow")}
     for verdict in comparison.verdicts:
-        styles = {"changed": "[bold red]changed[/]", "cannot-tell": "[bold yellow]cannot tell[/]"}
-        tag = styles.get(_tag(verdict), "[dim]info[/]")
-        console.print(f"{tag}  {escape(verdict.text)}", soft_wrap=True)
-    console.print(result_line(comparison), soft_wrap=True)
+        tag, style = styles.get(_tag(verdict), ("info", "dim"))
+        console.print(Text.assemble((tag, style), f"  {verdict.text}"))
+    console.print(result_line(comparison), markup=False)
     if folder is not None:
-        console.print(f"Written to {folder}/ (compare.md, compare.html, compare.json)", soft_wrap=True)
+        console.print(f"Written to {folder}/ (compare.md, compare.html, compare.json)", markup=False)

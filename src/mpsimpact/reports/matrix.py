@@ -14,8 +14,8 @@ from typing import Any
 
 from mpsimpact.upgrade.matrix import ATTENTIONS, Progress
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, html_table, markdown_table,
-                                   rich_table)
+from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, fitted_table,
+                                   html_table, markdown_table, release_lines)
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
 UNPROBED_COLOUR = "#dddddd"
@@ -49,8 +49,9 @@ def guard_rows(report: dict[str, Any]) -> list[list[str]]:
             first = off.get("first_corrupted_text")
             wrong = f", {off['corrupted_count']} texts from {first}" if first is not None else ""
             attention = run["attention"] + (" (default)" if label == "default" else "")
-            calls = f"{off['status']}{wrong} ({len(off['faulted_calls'])} calls)"
-            rows.append([row["transformers"], attention, calls, run["raise"]["status"],
+            count = len(off["faulted_calls"])
+            calls = f"{STATUS_WORDS.get(off['status'], off['status'])}{wrong} ({count} call{'s' * (count != 1)})"
+            rows.append([row["transformers"], attention, calls, STATUS_WORDS.get(run["raise"]["status"], run["raise"]["status"]),
                          f"{chunk['status']} ({chunk['chunked_calls']} calls split)"])
     return rows
 
@@ -81,6 +82,25 @@ def merged_columns(report: dict[str, Any]) -> list[dict[str, str]]:
     return merged
 
 
+def column_title(report: dict[str, Any], column: dict[str, str]) -> str:
+    """A release group's column title, saying which holds the release judged and the installed one."""
+    release = report.get("release") or {}
+    which = [word for word, ref in (("judged", release.get("judged")), ("installed", release.get("installed")))
+             if ref and column_holds(column, ref)]
+    return column["group"] + (f" ({', '.join(which)})" if which else "")
+
+
+def column_holds(column: dict[str, str], ref: str) -> bool:
+    """Whether a (merged) release group column stands for this release (or profile.json)."""
+    if column["profile"] == ref or column["group"] == ref:
+        return True
+    ends = column["group"].split("-")
+    if len(ends) != 2 or not RELEASE_RANGE.match(column["group"]) or not RELEASE_RANGE.match(ref):
+        return False
+    key = lambda version: tuple(int(part) for part in version.split("."))  # noqa: E731
+    return key(ends[0]) <= key(ref) <= key(ends[1])
+
+
 def release_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per release and attention, one cell per torch release group: the outcome in short."""
     rows = []
@@ -108,7 +128,7 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                    f"{EMULATED_LABEL} {emu['profile']}, {emu['index_bits']}-bit index")
     return [
         ("By transformers release", summary, summary_rows(report)),
-        (outcome_title, [*lead, *[c["group"] for c in merged_columns(report)]], release_rows(report)),
+        (outcome_title, [*lead, *[column_title(report, c) for c in merged_columns(report)]], release_rows(report)),
         (guard_title, [*lead, "guard off", "guard raise", "guard chunk"], guard_rows(report)),
         ("Attention calls that reach MPS (bmm and SDPA, per layer)", [*lead, "calls: a @ b (layouts)"], ops),
     ]
@@ -151,7 +171,8 @@ def result_line(report: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """matrix.md: the headline, every table, the notes and the heatmap."""
-    lines = [f"# mpsimpact matrix: {report['config']['scenario']}", "", headline(report), ""]
+    lines = [f"# mpsimpact matrix: {report['config']['scenario']}", "", headline(report), "",
+             *[f"{line}  " for line in release_lines(report)], ""]
     for title, header, rows in tables(report):
         lines += [f"## {title}", "", *markdown_table(header, rows), ""]
     lines += [f"- {note}" for note in notes(report)]
@@ -170,6 +191,7 @@ def render_html(report: dict[str, Any], figure: bytes) -> str:
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[True]}}}</style></head><body>
 <h1>{title}</h1><p class="banner">{esc(headline(report))}</p>
+{"".join(f"<p>{esc(line)}</p>" for line in release_lines(report))}
 <figure><img alt="matrix" src="data:image/png;base64,{image}"><figcaption>matrix.png</figcaption></figure>
 {sections}<ul>{items}</ul><p><strong>{esc(result_line(report))}</strong></p></body></html>
 """
@@ -232,16 +254,17 @@ def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
 def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
     """The console view: the headline, every table, the notes and the exit line."""
     from rich.console import Console
-    from rich.markup import escape
     console = Console()
-    console.print(f"[bold yellow]{escape(headline(report))}[/]", soft_wrap=True)
+    console.print(headline(report), style="bold yellow", markup=False)
+    for line in release_lines(report):
+        console.print(line, markup=False)
     for title, header, rows in tables(report):
-        console.print(rich_table(title, header, rows, show_lines=True))
+        console.print(fitted_table(title, header, rows, show_lines=True))
     for note in notes(report):
-        console.print(f"note: {escape(note)}", soft_wrap=True)
-    console.print(result_line(report), soft_wrap=True)
+        console.print(f"note: {note}", markup=False)
+    console.print(result_line(report), markup=False)
     if folder is not None:
-        console.print(f"Written to {folder}/ ({', '.join(FILES)})", soft_wrap=True)
+        console.print(f"Written to {folder}/ ({', '.join(FILES)})", markup=False)
 
 
 @contextlib.contextmanager

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import Footnotes, fitted_table, without_rule_names
+from mpsimpact.output.page import Footnotes, fitted_table, release_lines, without_rule_names
 from mpsimpact.reports.check import console_calls, stop_line
 
 
-def write_sweep_figure(table: dict, path: str, model: str) -> None:
+def write_sweep_figure(table: dict, path: str, model: str, release: str = "") -> None:
     from mpsimpact.runs.figures import sweep_figure
     from mpsimpact.output.files import atomic_write_bytes
 
-    title = f"{model}: predicted corrupted fraction (MPS, eager attention)"
+    on = f"MPS, torch {release}" if release else "MPS"
+    title = f"{model}: predicted corrupted fraction ({on}, eager attention)"
     atomic_write_bytes(path, sweep_figure(table, title))
 
 
@@ -28,6 +29,8 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     console.print(f"{report['model']} ({report['heads']} heads, {report['layers']} layers): "
                   f"batch {cfg['batch_size']}, max length {cfg['max_length']}, {traced} on meta (shapes "
                   f"only), decided for MPS on torch {report['profile']['label']}.", markup=False)
+    for line in release_lines(report):
+        console.print(line, markup=False)
     calls = report["faulting_calls"]
     console.print(console_calls(calls, verbose) if calls else "No call crosses a limit.")
     if pred["stops"]:
@@ -51,8 +54,9 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
 def _print_memory(console, memory: dict[str, Any]) -> None:
     rows = [[o["dtype"], o["max_length"], o["batch_size"], o["outcome"], f"{o['estimated_peak_gib']} GiB",
              "yes" if o["fits"] else "no"] for o in memory["options"]]
-    console.print(fitted_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
-                               ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
+    if rows:  # none where no length shows the silent effect: the recommendation below says why
+        console.print(fitted_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
+                                   ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
     rec = memory["recommendation"]
     console.print(f"Run: {rec['command']}  ({rec['why']})" if rec["command"] else rec["why"],
                   style="bold" if rec["command"] else "bold red", markup=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, html_table, markdown_table
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, html_table, markdown_table, release_lines
 from mpsimpact.output.page import format_cell as _fmt
 from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
 from mpsimpact.runs.kind import columns, condition_rows, kind_of
@@ -18,6 +18,7 @@ def render_markdown(run: dict) -> str:
     lines = [
         f"# mpsimpact run: {run['config']['scenario']}", "",
         f"**{kind_of(run).headline(run, plain=True)}**", "",
+        *[f"{line}  " for line in release_lines(run)], "",
         f"**{g['mode']}** on {env['machine']}, torch {env['torch']}, transformers {env['transformers']}.", "",
         f"Model `{run['model']}`, data: {run['data_source']}. Batch {g['batch_size']}, "
         f"max length {g['max_length']}"
@@ -74,6 +75,7 @@ def render_html(run: dict, figures: dict[str, bytes]) -> str:
 </head><body>
 <h1>mpsimpact run: {scenario}</h1>
 <p class="headline">{esc(kind_of(run).headline(run, plain=True))}</p>
+{"".join(f"<p>{esc(line)}</p>" for line in release_lines(run))}
 <p class="banner">{esc(g['mode'])}</p>
 <p>Model <code>{model}</code>; data: {data}; batch {g['batch_size']}, max length {g['max_length']};
 torch {esc(env['torch'])} on {esc(env['machine'])}.</p>

@@ -82,12 +82,13 @@ class ClassifyKind(RunKind):
         return fitted_table(title, header, [_console_row(c, footnotes, verbose) for c in report["conditions"]],
                             justify="right")
 
-    def damage(self, report: dict, off: dict) -> str:
+    def damage(self, report: dict, off: dict) -> tuple[str, str]:
+        # Outputs (the logits) go wrong; a prediction (the label) changes only where the wrong logits cross.
         wrong, flips, c = off["corrupted_count"], off.get("flips", 0), off.get("collapse", {})
-        line = f"{wrong} of {report['geometry']['batch_size']} predictions came back wrong; {flips} changed class"
+        then = f"{flips} prediction{'s' if flips != 1 else ''} changed class"
         if c.get("class") and c.get("device_share", 0) > 0.5:
-            line += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
-        return line + "."
+            then += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
+        return f"{wrong} of {report['geometry']['batch_size']} outputs came back wrong", then
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         lines = []

@@ -74,10 +74,10 @@ class EmbedKind(RunKind):
     def markdown_lines(self, report: dict) -> list[str]:
         return [f"- {line}" for line in retrieval_lines(report)]
 
-    def damage(self, report: dict, off: dict) -> str:
+    def damage(self, report: dict, off: dict) -> tuple[str, str]:
         s = off["self_retrieval"]
-        return (f"{off['corrupted_count']} of {report['geometry']['batch_size']} embeddings came back wrong; "
-                f"{s['failures']} documents no longer find themselves as their own nearest neighbour.")
+        return (f"{off['corrupted_count']} of {report['geometry']['batch_size']} embeddings came back wrong",
+                f"{s['failures']} documents no longer find themselves as their own nearest neighbour")
 
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         g = report["geometry"]

@@ -10,6 +10,7 @@ import numpy as np
 from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
+from mpsimpact.runs.kind import kind_of
 
 
 GUARD_STYLES = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}  # color, dot size
@@ -22,6 +23,7 @@ def by_position(series: dict[str, np.ndarray], predicted: int | None, line: floa
     fig, ax = pyplot().subplots(figsize=(9, 4))
     for guard_mode, values in series.items():
         color, size = GUARD_STYLES.get(guard_mode, ("gray", 2))
+        size = min(30, size * max(1, 400 // max(values.size, 1)))  # a few texts: dots a room can see
         ax.scatter(np.arange(values.size), np.clip(values, 1e-9, None), s=size, color=color,
                    label=f"guard {guard_mode}", alpha=0.7, linewidths=0)
     ax.axhline(line, color="black", linestyle=":", linewidth=1, label=line_label)
@@ -82,7 +84,7 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
     batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
     figures = {"error_by_position.png": error_by_position(
         errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"],
-        f"{tag}: batch {batch}, max length {length}")}
+        f"{tag}: batch {batch}, max length {length}\n{kind_of(run).figure_line(run)}")}
     off = next((c for c in run["conditions"] if c["guard"] == "off" and c["status"] == "completed"), None)
     if off is not None:
         classes_title = f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts"
@@ -184,8 +186,10 @@ def render_training(run: dict[str, Any], arrays: dict[str, Any]) -> dict[str, by
 
 
 def run_tag(run: dict[str, Any]) -> str:
-    """How a figure title names where it ran."""
-    return EMULATED_LABEL if run["geometry"]["emulated"] else run["geometry"]["device"]
+    """How a figure title names where it ran, and which torch release it judged."""
+    release = (run.get("release") or {}).get("release") or run["geometry"].get("profile")
+    where = EMULATED_LABEL if run["geometry"]["emulated"] else run["geometry"]["device"]
+    return f"{where} (torch {release})" if release else where
 
 
 def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float,
@@ -226,7 +230,8 @@ def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarr
     threshold, first = run["reference"]["threshold"], run["prediction"]["first_corrupted_text"]
     figures = {}
     if per_text:
-        title = f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference"
+        title = (f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference\n"
+                 f"{kind_of(run).figure_line(run)}")
         cosines = {k: v["cosine"] for k, v in per_text.items()}
         figures["cosine_by_position.png"] = cosine_by_position(cosines, first, threshold, title)
         figures["recall_per_query.png"] = recall_per_query(

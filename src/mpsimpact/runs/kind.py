@@ -81,21 +81,63 @@ class RunKind(abc.ABC):
         off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
         if off is None:
             return "No unguarded condition ran: see the guarded conditions below."
-        if off["status"] != "completed" and plain:
-            return (f"Not silent: without a guard the run did not complete ({status_words(off)}: "
-                    f"{without_rule_names(str(off.get('message')))}).")
+        release = report.get("release") or {}
+        unmeasured = release.get("measured") is False
         if off["status"] != "completed":
-            return f"Not silent: without a guard the run did not complete ({off['status']}: {off.get('message')})."
+            return self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain)
         wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
         if not wrong:
             return "Clean: without a guard every output matches the reference (nothing crossed a limit)."
         if off.get("non_finite_count"):
             return f"Not silent: {off['non_finite_count']} outputs came back NaN or infinite."
-        return f"Silent: no error, no warning, no NaN. {self.damage(report, off)}"
+        what, then = self.damage(report, off)
+        said = f"{what}, no error, no warning, no NaN" + (f"; {then}" if then else "")
+        if unmeasured:  # the values are the worst a measured release gives: a guess, and said to be one
+            return (f"Cannot tell: nobody measured torch {release['release']} on MPS. If it behaves as the "
+                    f"worst measured release does: {said}. `mpsimpact sweep` on a Mac measures it.")
+        return f"Silent: {said}."
 
-    def damage(self, report: dict, off: dict) -> str:
-        """What went wrong without a guard, in a sentence (the kind's words)."""
-        return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong."
+    def _not_completed(self, off: dict, release: str, plain: bool) -> str:
+        """Without a guard the run did not complete: a crash (which op; the process would die), MPS's own
+        error, or values nobody can tell (never "not silent" for what nobody measured)."""
+        where = off.get("where")
+        if where is None:  # a report from before "where": the message, as it was
+            message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
+            return f"Not silent: without a guard the run did not complete ({status_words(off)}: {message})."
+        if off.get("unmeasured"):
+            return (f"Cannot tell: nobody measured torch {release} on MPS at {where}, so nobody can tell what "
+                    "it does there; `mpsimpact sweep` on a Mac measures it.")
+        if off["status"] == "not_emulated":
+            return (f"Silent on MPS, but not shown: torch {release} returns wrong values at {where}, which "
+                    "nobody characterised, so the emulator does not invent them.")
+        if stop_kind(off) == "abort" or off["status"] == "skipped_predicted_abort":
+            return f"Not silent: the process would die at {where}: torch {release} aborts there, no result at all."
+        message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
+        return f"Not silent: MPS raises an error at {where} ({message})."
+
+    def figure_line(self, report: dict) -> str:
+        """The headline's verdict in a figure's few words: "guard off: 6 of 16 outputs wrong, no error",
+        "guard off: the process would die", "guard off: cannot tell (nobody measured torch 2.15.0)"."""
+        off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
+        release = report.get("release") or {}
+        if off is None:
+            return "no unguarded condition"
+        if off.get("unmeasured") or (release.get("measured") is False and off["status"] == "completed"):
+            return f"guard off: cannot tell (nobody measured torch {release.get('release', '?')} on MPS)"
+        if off["status"] == "not_emulated":
+            return "guard off: wrong on MPS, not shown (values nobody characterised)"
+        if off["status"] != "completed":
+            dies = stop_kind(off) == "abort" or off["status"] == "skipped_predicted_abort"
+            return "guard off: the process would die" + (f" at {off['where']}" if off.get("where") else "") \
+                if dies else "guard off: MPS raises an error"
+        wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
+        what = self.damage(report, off)[0]
+        return f"guard off, silent: {what}" if wrong else "guard off: clean"
+
+    def damage(self, report: dict, off: dict) -> tuple[str, str]:
+        """What went wrong without a guard ("N of M outputs came back wrong"), and what it did to the task
+        ("K predictions changed class"; "" for nothing more): the kind's words."""
+        return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong", ""
 
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         """The console's conditions table (output.page.FittedTable): by default the report's columns, a

@@ -15,9 +15,9 @@ from mpsimpact.config import GIB
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
 from mpsimpact.config import RunConfig
-from mpsimpact.prediction.outcome import predict
+from mpsimpact.prediction.outcome import on_a_mac, predict, site
 from mpsimpact.prediction.safe_size import trace_classifier
-from mpsimpact.engine.release import STUDY, resolve_profile
+from mpsimpact.engine.release import STUDY, judge_release, resolve_profile
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, condition
 
@@ -48,6 +48,11 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
         result.update(status="error", message=str(error).splitlines()[0])
     emu, g = state.get("emu"), state.get("guard")
     result["wall_s"] = time.perf_counter() - start
+    stopped_at = (g.stopped[-1] if result["status"] == "stopped_by_guard" and g and g.stopped else
+                  emu.records[-1] if result["status"] in ("error", "not_emulated") and emu and emu.records else None)
+    if stopped_at is not None:  # in a speaker's words, and whether anybody measured it (headlines read these)
+        result["where"] = site(stopped_at)
+        result["unmeasured"] = stopped_at.fault.nobody_measured
     if geometry.device == "cuda":
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
@@ -121,11 +126,12 @@ def run_scenario(config: RunConfig,
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
     kind.check(config)
+    release = judge_release(config.torch_profile, apple_gpu=torch.backends.mps.is_available())
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
     geometry = dataclasses.replace(kind.geometry(config, model, device, batch, max_length),
-                                   profile=resolve_profile(config.torch_profile).ref, dtype=config.dtype)
+                                   profile=release.profile.ref, dtype=config.dtype)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it.
     dtype = getattr(torch, config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a).to(dtype), batch, max_length,
@@ -133,6 +139,8 @@ def run_scenario(config: RunConfig,
                                  profile=geometry.profile) for a in config.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
+    installed = predict(plans[config.attentions[0]].under(release.installed), batch, model.heads)
+    report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
     report["columns"] = [list(pair) for pair in columns_of(kind, report["conditions"])]
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
     return report, arrays
@@ -204,7 +212,8 @@ def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
 def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
     call = prediction.stop
     return {
-        "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0,
+        "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0, "where": site(call),
+        "unmeasured": call.fault.nobody_measured,
         "predicted_first_corrupted_index": prediction.first_corrupted_text,
         "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process "
                    f"on MPS ({call.fault.message}); see `mpsimpact plan`.",

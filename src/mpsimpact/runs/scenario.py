@@ -88,14 +88,24 @@ def available() -> dict[str, type[Scenario]]:
     return dict(sorted(_REGISTRY.items()))
 
 
+def scenario_names() -> list[str]:
+    """The scenarios' names without importing them (each registers under its file's name), so that a typo is
+    refused before torch is imported."""
+    package = importlib.import_module("mpsimpact.scenarios")
+    return sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
+
+
+def check_scenario_name(name: str) -> None:
+    """Raises a UsageError that suggests the closest name when no scenario is called `name`."""
+    names = scenario_names()
+    if name in names:
+        return
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise UsageError(f"Unknown scenario '{name}'.{hint} Available: {', '.join(names) or 'none'}.", scenario=name)
+
+
 def get_scenario(name: str) -> type[Scenario]:
     """The scenario class called `name`, or a UsageError that suggests the closest name."""
-    scenarios = available()
-    if name in scenarios:
-        return scenarios[name]
-    close = difflib.get_close_matches(name, scenarios, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise UsageError(
-        f"Unknown scenario '{name}'.{hint} Available: {', '.join(scenarios) or 'none'}.",
-        scenario=name,
-    )
+    check_scenario_name(name)
+    return available()[name]

@@ -42,9 +42,9 @@ class TrainKind(RunKind):
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         return {"gradients.json": (json.dumps(arrays["gradient_errors"], indent=1) + "\n").encode("utf-8")}
 
-    def damage(self, report: dict, off: dict) -> str:
+    def damage(self, report: dict, off: dict) -> tuple[str, str]:
         return (f"{off.get('corrupted_count') or 0} of {report['geometry']['batch_size']} logits and "
-                f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong.")
+                f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong", "")
 
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         g = report["geometry"]

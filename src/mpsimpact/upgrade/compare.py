@@ -10,7 +10,8 @@ from typing import Any
 
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
-from mpsimpact.runs.kind import SCHEMA_VERSION, columns
+from mpsimpact.output.page import without_rule_names
+from mpsimpact.runs.kind import SCHEMA_VERSION, columns, status_words, stop_kind
 from mpsimpact.runs.sweep import cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
 from mpsimpact.upgrade.profile_change import describe_change
@@ -181,6 +182,9 @@ def _outcome(condition: dict[str, Any], positions: frozenset[int] | None) -> _Ou
     elif status == "stopped_by_guard":
         when = f"after {wrong} wrong values" if wrong else "before any wrong value"
         state, detail = "stopped", f"stops{where} {when}"
+    elif status == "error" and stop_kind(condition) == "abort":
+        after = f" after corrupting {count} texts" if count else ""
+        state, detail = "abort", f"dies (the process aborts){where}{after}"
     elif status == "error":
         after = f" after corrupting {count} texts" if count else ""
         state, detail = "error", f"fails with an error{where}{after}"
@@ -203,7 +207,7 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
     rows, verdicts = [], []
     for key in [*old_conditions, *(k for k in new_conditions if k not in old_conditions)]:
         a, b = old_conditions.get(key), new_conditions.get(key)
-        values = {title: [(a or {}).get(name), (b or {}).get(name)] for name, title in compared}
+        values = {title: [_value(a, name), _value(b, name)] for name, title in compared}
         rows.append({"guard": key[0], "attention": key[1], "values": values})
         if a is None or b is None:
             side = "new" if a is None else "old"
@@ -219,13 +223,20 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
     return {"columns": [title for _, title in compared], "conditions": rows, "verdicts": verdicts}
 
 
+def _value(condition: dict[str, Any] | None, name: str) -> Any:
+    """A condition's value for the table; its status in words ("abort", "stopped by guard")."""
+    if condition is None:
+        return None
+    return status_words(condition) if name == "status" else condition.get(name)
+
+
 def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
     """A condition one side could not run: no verdict on it, why, and what to do about that."""
     from mpsimpact.engine.release import is_profile_path, profile_for
 
     release = str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
     why = folder.conditions()[key].get("message") or "not emulated"
-    text = f"cannot tell: {_label(key)}: the {side} side could not be emulated ({why})"
+    text = f"{_label(key)}: the {side} side could not be emulated ({without_rule_names(why)})"
     if is_profile_path(release):
         text += f"; the profile {release} leaves these calls unmeasured: measure them on a Mac with `mpsimpact sweep"
         text += " --device mps`"

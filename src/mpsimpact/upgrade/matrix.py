@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.engine.release import judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
 from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
@@ -73,15 +74,15 @@ def split_versions(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
-def profile_columns(torch_profile: str | None = None) -> list[dict[str, str]]:
-    """One torch profile per release group, oldest first, the conservative one for newer releases, and
-    the --torch-profile asked for (a release or a profile.json: its FaultProfile.ref) unless one of those."""
+def profile_columns(*profiles: str) -> list[dict[str, str]]:
+    """One torch profile per release group, oldest first, the conservative one for newer releases, and each
+    of `profiles` (a release or a profile.json, as --torch-profile takes: its FaultProfile.ref) unless one of
+    those; a column of one of `profiles` says which ("judged", "installed")."""
     from mpsimpact.engine.release import CONSERVATIVE, STUDY, group_representatives, resolve_profile
 
     columns = [{"profile": p.release, "group": p.group} for p in group_representatives()]
     columns.append({"profile": CONSERVATIVE, "group": NEWER})
-    if torch_profile is not None:
-        asked = resolve_profile(torch_profile)
+    for asked in map(resolve_profile, profiles):
         group = asked.group if asked.source == STUDY else f"{asked.release} (file)"
         if asked.ref not in {c["profile"] for c in columns}:
             columns.append({"profile": asked.ref, "group": group})
@@ -103,7 +104,7 @@ def probe_job(config: MatrixConfig) -> dict[str, Any]:
         "model": config.model or str(embedded_model_path()),
         "task": "sequence-classification" if config.model else "base",
         "batch_size": batch, "max_length": length,
-        "profiles": [c["profile"] for c in profile_columns(config.torch_profile)],
+        "profiles": [c["profile"] for c in profile_columns(*released(config))],
         "emulated_profile": EMULATED_PROFILE,
     }
 
@@ -123,15 +124,33 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
     progress = progress or (lambda *_: None)
     rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
     compare_op_paths(rows)
+    release = judge_release(config.torch_profile)
     return {
+        "release": release.to_json() | {"on_a_mac": None if release.is_installed else (
+            f"On a Mac, the installed torch {release.installed.label}: its column ({column_of(release.installed)}) "
+            f"below says what each release of transformers does there; --torch-profile "
+            f"{release.installed.release} judges it.")},
         "schema": SCHEMA_VERSION, "kind": "matrix",
         "config": dataclasses.asdict(config) | {"batch_size": job["batch_size"], "max_length": job["max_length"]},
         "model": config.model or EMBEDDED, "job": job, "offline": offline, "cache": str(cache.root),
         "emulated": {"profile": EMULATED_PROFILE, **TINY_RUN},
-        "environment": collect_environment(), "columns": profile_columns(config.torch_profile), "rows": rows,
+        "environment": collect_environment(), "columns": profile_columns(*released(config)), "rows": rows,
         "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def released(config: MatrixConfig) -> tuple[str, str]:
+    """The releases the matrix must show beside the groups': the one judged and the installed one."""
+    release = judge_release(config.torch_profile)
+    return release.profile.ref, release.installed.ref
+
+
+def column_of(profile: Any) -> str:
+    """The matrix column (release group) a profile falls in."""
+    from mpsimpact.engine.release import STUDY
+
+    return profile.group if profile.source == STUDY else f"{profile.release} (file)"
 
 
 def environment_row(version: str, job: dict[str, Any], cache: OverlayCache, prober: Prober, offline: bool,
