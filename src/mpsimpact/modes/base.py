@@ -174,11 +174,14 @@ class MatmulMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS or (is_composite(func) and self.decomposes(func, args, kwargs)):
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+        if func in DECOMPOSED_OPS or is_composite(func):
+            if self.decomposes(func, args, kwargs):
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            elif func in DECOMPOSED_OPS:  # a product the mode judged whole: below every limit
+                return func(*args, **kwargs)
         if func in MATMUL_OPS:
             family, a, b = operands(func, args)
             return self.on_matmul(func, family, a, b, args, kwargs)
@@ -186,7 +189,8 @@ class MatmulMode(TorchDispatchMode):
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """Whether to decompose this CompositeImplicitAutograd op (one that reached the mode whole, under
-        inference_mode) into the kernels it runs: always, unless a mode says it can judge it whole."""
+        inference_mode) into the kernels it runs: always, unless a mode says it can judge it whole (a
+        product of DECOMPOSED_OPS judged whole runs as it is)."""
         return True
 
     def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):

@@ -22,7 +22,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    check_index_bits,
+    DECOMPOSED_OPS, aten, check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, needs_grad, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
@@ -41,6 +41,10 @@ from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.release import resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
+# The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
+# can meet a rule; einsum, tensordot and bilinear are always decomposed.
+_DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
+                     aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
 # hold one, so a call from another thread can say where its guard is.
@@ -71,6 +75,7 @@ class GuardMode(MatmulMode):
         self.everywhere = strict or active_emulator() is not None
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
         self._view_limit = limits(index_bits)[1]
+        self._most = dim_max(index_bits)
         self.stopped: list[CallRecord] = []
         self.chunked: list[CallRecord] = []
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
@@ -217,7 +222,16 @@ class GuardMode(MatmulMode):
         names them as a traced plan does): decomposing every one would double strict mode's cost."""
         if active_emulator() is not None:
             return True
-        most = dim_max(self.index_bits)
+        if func in DECOMPOSED_OPS:  # a product: decomposed to see its bmm/mm unless below every limit
+            name = _DECOMPOSED_ENTRY.get(func)
+            if name is None:
+                return True
+            bound = entry_bound(name, args, kwargs)
+            if name == "sdpa":
+                query, key = args[0], args[1]
+                bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
+            return bound >= self._view_limit
+        most = self._most
         return any(t.numel() > most for t in tensors_of(args, kwargs))
 
     # Dispatch level: one bmm/mm with its real operands.

@@ -13,6 +13,7 @@ whatever the width an emulation runs at."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -61,6 +62,7 @@ def tensors_of(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def judged_at(index_bits: int) -> tuple[int, int]:
     """(most, full_most): DIM_MAX at this width, for activations, and at MPS's, for parameters."""
     return dim_max(index_bits), dim_max(max(index_bits, MPS_INDEX_BITS))
