@@ -89,10 +89,11 @@ def available() -> dict[str, type[Scenario]]:
 
 
 def scenario_names() -> list[str]:
-    """The scenarios' names without importing them (each registers under its file's name), so that a typo is
-    refused before torch is imported."""
+    """The scenarios' names without importing them (each module registers under its file's name), so that a
+    typo is refused before torch is imported; and any scenario registered from elsewhere (a test's)."""
     package = importlib.import_module("mpsimpact.scenarios")
-    return sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
+    files = {info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_")}
+    return sorted(files | set(_REGISTRY))
 
 
 def check_scenario_name(name: str) -> None:
