@@ -178,3 +178,102 @@ def test_the_blocked_estimate_against_a_peak_measured_on_the_cpu():
     assert 0.95 < estimate / measured < 1.05, (estimate, measured)
     eager_estimate = estimate_peak_bytes(config, 128, 256, 4, "eager") - held
     assert measured < 0.5 * eager and 0.95 < eager_estimate / eager < 1.05
+
+
+# The run: --attention blocked_eager, and on a Mac's GPU in place of eager where only it fits.
+
+MINILM = types.SimpleNamespace(hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522,
+                               num_hidden_layers=6)
+GIB = 2**30
+
+
+def plan_memory(size):
+    result = runner.invoke(app, ["plan", "sentiment", "--memory", size, "--json", "--torch-profile", "2.14.0"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["memory"]
+
+
+def run_report(tmp_path, name, *args):
+    out = tmp_path / name
+    result = runner.invoke(app, ["run", "sentiment", *args, "--guard", "off", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "report.json").read_text())
+
+
+def test_the_16gb_demo_fits_and_corrupts_exactly_what_eager_does_replayed_small(tmp_path, monkeypatch):
+    from mpsimpact.prediction.demo_size import HEADROOM
+
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    rec = plan_memory("16GB")["recommendation"]
+    option = rec["option"]
+    assert rec["command"] == ("mpsimpact run sentiment --batch-size 1438 --max-length 512 --dtype float16 "
+                              "--attention blocked_eager")
+    # P (1438*12, 512, 512) in fp16 is 8.4 GiB; with V, the product's output and the hidden states 10.1 GiB.
+    assert option["estimated_peak_gib"] * HEADROOM <= 10.7 and option["estimated_peak_gib"] >= 8.4
+    assert (option["corrupted_count"], option["first_corrupted_text"]) == (73, 1365)
+    # Its flags at a small geometry and a narrow width (the later --batch-size, --max-length win): traced at
+    # 160 x 256 under 2**26, run at 64 tokens replaying that plan. P per text 12 * 256**2: the wrap starts at
+    # batch-head 2**26 / 256**2 = 1024, text 85 (head 4); blocks of 2**26 // (12 * 256**2) = 85 texts. Nothing
+    # else crosses the narrow limits: the feed-forward output 160 * 256 * 1536 < 2**26, the embeddings' output
+    # 160 * 256 * 384 < 2**25.
+    small = ["--batch-size", "160", "--max-length", "256", "--index-bits", "26", "--torch-profile", "2.14.0"]
+    flags = rec["command"].split()[3:]
+    mine = run_report(tmp_path, "blocked", *flags, *small)
+    eager = run_report(tmp_path, "eager", *flags, *small, "--attention", "eager")
+    (got,), (expected,) = mine["conditions"], eager["conditions"]
+    assert mine["geometry"]["attentions"] == ["blocked_eager"] and mine["geometry"]["dtype"] == "float16"
+    assert eager["geometry"]["attentions"] == ["eager"] and mine["geometry"]["replayed"]
+    assert (got["corrupted_count"], got["first_corrupted_index"]) == (expected["corrupted_count"],
+                                                                      expected["first_corrupted_index"]) == (75, 85)
+    assert [c["a"] for c in got["altered_calls"]] == [c["a"] for c in expected["altered_calls"]]
+    assert "blocked_eager attention: the same P V call eager attention makes" in " ".join(mine["notes"])
+
+
+@pytest.mark.slow
+def test_the_16gb_demo_as_typed_replayed_at_64_tokens_corrupts_what_eager_does(tmp_path, monkeypatch):
+    # The command itself on the CPU: 1438 x 512 traced, run at 64 tokens replaying the plan (4 to 8 minutes).
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    flags = plan_memory("16GB")["recommendation"]["command"].split()[3:]
+    mine = run_report(tmp_path, "blocked", *flags, "--torch-profile", "2.14.0")
+    eager = run_report(tmp_path, "eager", *flags, "--attention", "eager", "--torch-profile", "2.14.0")
+    for report in (mine, eager):  # measured: 73 of 1438 from text 1365, the six P V calls, both
+        (off,) = report["conditions"]
+        assert (off["corrupted_count"], off["first_corrupted_index"], len(off["altered_calls"])) == (73, 1365, 6)
+
+
+def test_on_a_mac_where_eager_does_not_fit_the_run_takes_blocked_eager_and_says_so(monkeypatch):
+    import mpsimpact.runs.device as device
+    import mpsimpact.runs.device_pass as device_pass
+    from mpsimpact.config import RunConfig
+    from mpsimpact.errors import MemoryPreflightError
+    from mpsimpact.runs.runner import run_notes
+
+    model = types.SimpleNamespace(config=MINILM, max_positions=512)
+    for module in (device, device_pass):
+        monkeypatch.setattr(module, "device_memory", lambda device: int(10.7 * GIB))  # a 16 GB Mac
+    geometry = device_pass.decide_geometry(RunConfig(device="mps", dtype="float16"), model, "mps", 1438, 512,
+                                           training=False)
+    assert geometry.attentions == ("blocked_eager",) and (geometry.run_length, geometry.emulated) == (512, False)
+    note = run_notes(geometry, 0, {})[1]
+    assert note == ("Eager attention would need about 19.7 GiB and mps offers 10.7 GiB, so blocked_eager attention "
+                    "runs instead (the same P V call eager attention makes; scores computed in blocks to fit a "
+                    "16 GB Mac; about 10.1 GiB).")
+    # Where neither fits (float32: 20.1 GiB blocked), the preflight names the plan command, as before.
+    with pytest.raises(MemoryPreflightError, match="plan sentiment --memory auto"):
+        device_pass.decide_geometry(RunConfig(device="mps"), model, "mps", 1438, 512, training=False)
+    # Asked for another attention, emulated, or where eager fits: what was asked.
+    for config, device in ((RunConfig(device="mps", dtype="float16", attention="both"), "mps"),
+                           (RunConfig(device="cpu", dtype="float16"), "cpu")):
+        monkeypatch.setattr(device_pass, "check_memory", lambda *args: None)
+        monkeypatch.setattr(device_pass, "_run_length", lambda config, device, emulated, full, length: length)
+        assert device_pass.decide_geometry(config, model, device, 1438, 512, training=False).attentions == \
+            config.attentions
+
+
+def test_blocked_eager_is_refused_where_a_run_kind_does_not_take_it(tmp_path):
+    result = runner.invoke(app, ["run", "finetune", "--attention", "blocked_eager", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: run finetune supports --attention eager and --dtype float32 only; `mpsimpact plan finetune "
+        "--versions` predicts sdpa."]
+    assert not list(tmp_path.iterdir())
