@@ -277,3 +277,18 @@ def test_blocked_eager_is_refused_where_a_run_kind_does_not_take_it(tmp_path):
         "error: run finetune supports --attention eager and --dtype float32 only; `mpsimpact plan finetune "
         "--versions` predicts sdpa."]
     assert not list(tmp_path.iterdir())
+
+
+def test_retrieval_with_blocked_eager_corrupts_the_vectors_eager_corrupts(tmp_path, monkeypatch):
+    # tests/test_retrieval.py's small run (16 x 256 under 2**23, run at 64 tokens), whose eager figures the
+    # README gives: vectors 10..15 corrupted, 3 documents lose themselves, recall@10 0.8449, 135 top-1 changed.
+    # blocked_eager's P V is the same call: the same figures.
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", "retrieval", "--batch-size", "16", "--max-length", "256", "--index-bits",
+                                 "23", "--torch-profile", "2.14.0", "--guard", "off", "--attention", NAME,
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (off,) = json.loads((out / "report.json").read_text())["conditions"]
+    assert (off["attention"], off["corrupted_count"], off["first_corrupted_index"]) == (NAME, 6, 10)
+    assert (off["self_retrieval_failures"], round(off["recall_at_10"], 4), off["top1_changed"]) == (3, 0.8449, 135)

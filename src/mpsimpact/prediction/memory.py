@@ -71,8 +71,8 @@ def blocked_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 
         the scores and their softmax (two (b, H, L, L) at once) and five (b, L, D): Q, K, V and matmul's
         copies of Q and K.
     Everything else (the embeddings, the emit steps, pooling) holds at most four (B, L, D) tensors and no
-    P. Checked against peaks measured on a CPU (tests/test_blocked_attention.py) and on an H200
-    (benchmarks/blocked_attention.py)."""
+    P. Checked against a peak measured on a CPU (tests/test_blocked_attention.py); on a GPU,
+    benchmarks/blocked_attention.py measures it beside this estimate."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     block = min(batch, samples or samples_per_block(heads, length))
     probs, states = batch * heads * length * length, batch * length * hidden
