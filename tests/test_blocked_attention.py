@@ -292,3 +292,18 @@ def test_retrieval_with_blocked_eager_corrupts_the_vectors_eager_corrupts(tmp_pa
     (off,) = json.loads((out / "report.json").read_text())["conditions"]
     assert (off["attention"], off["corrupted_count"], off["first_corrupted_index"]) == (NAME, 6, 10)
     assert (off["self_retrieval_failures"], round(off["recall_at_10"], 4), off["top1_changed"]) == (3, 0.8449, 135)
+
+
+def test_plan_memory_offers_only_what_the_scenarios_run_takes():
+    def memory(scenario, size):
+        result = runner.invoke(app, ["plan", scenario, "--memory", size, "--json", "--torch-profile", "2.14.0"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["memory"]
+
+    finetune = memory("finetune", "64GB")  # run finetune takes eager in float32 only
+    assert {(o["attention"], o["dtype"]) for o in finetune["options"]} == {("eager", "float32")}
+    assert "blocked_eager" not in finetune["mac_table"][0]
+    retrieval = memory("retrieval", "32GB")  # run retrieval: float32, eager or blocked_eager
+    assert {o["dtype"] for o in retrieval["options"]} == {"float32"}
+    assert retrieval["recommendation"]["command"] == ("mpsimpact run retrieval --batch-size 1438 --max-length 512 "
+                                                      "--attention blocked_eager")

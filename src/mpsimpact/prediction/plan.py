@@ -88,11 +88,13 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
         return trace_classifier(meta, batch, length, index_bits=config.index_bits, profile=profile)
 
     budget, basis = usable_bytes(config.memory)
-    dtypes = scenario.kind.dtypes
+    dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes
     options = demo_options(traced, model_config, heads, safe, config.index_bits, profile, dtypes)
-    options += blocked_options(trace_blocked, traced, model_config, heads, config.index_bits, profile, dtypes)
-    blocked = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
-    table = mac_table(model_config, safe.get(512, 0) + 1, blocked_first=blocked + 1 if blocked else None,
+    blocked_safe = 0
+    if takes_blocked:
+        options += blocked_options(trace_blocked, traced, model_config, heads, config.index_bits, profile, dtypes)
+        blocked_safe = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
+    table = mac_table(model_config, safe.get(512, 0) + 1, blocked_first=blocked_safe + 1 if blocked_safe else None,
                       dtypes=dtypes)
     return {"budget_gib": in_gib(budget), "basis": basis, "options": options,
             "recommendation": recommend(options, budget, scenario.name), "mac_table": table}
