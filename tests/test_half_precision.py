@@ -53,11 +53,24 @@ def test_32gb_gets_a_half_precision_demo_that_fits_and_corrupts_visibly():
     assert row["float32"]["corrupted_texts"] == 0 < row["float16"]["corrupted_texts"]
 
 
-def test_16gb_says_no_run_shows_the_effect_and_why():
-    rec = plan_memory("16GB")["recommendation"]
-    assert rec["command"] is None and "2 x 2^32 elements" in rec["why"] and "10.7 GiB" in rec["why"]
-    # On 2.13.0 every batch past the safe one crashes (the scale on the scores, inferred): nothing silent.
-    rec = plan_memory("32GB", "2.13.0")["recommendation"]
+def test_8gb_says_no_run_shows_the_effect_and_why():
+    rec = plan_memory("8GB")["recommendation"]
+    assert rec["command"] is None and "P alone is 2^32 elements (8 GiB in half precision" in rec["why"]
+    assert "5.3 GiB" in rec["why"] and "blocked_eager attention) needs about 10.1 GiB" in rec["why"]
+
+
+def test_on_2_13_0_only_blocked_eager_shows_the_effect():
+    # Eager attention's scale on the > 2**32 scores aborts on 2.13.0 (inferred) before its P V; blocked_eager
+    # scales a block at a time, so its P V wrap (wrong on every release) is what the run shows.
+    memory = plan_memory("32GB", "2.13.0")
+    assert {o["attention"] for o in memory["options"]} == {"blocked_eager"}
+    assert memory["recommendation"]["command"].endswith("--max-length 512 --attention blocked_eager")  # fp32 fits
+
+
+def test_no_silent_option_says_where_the_run_stops():
+    from mpsimpact.prediction.demo_size import recommend
+
+    rec = recommend([], 10 * 2**30, "sentiment")
     assert rec["command"] is None and "stops the run" in rec["why"]
 
 
@@ -80,9 +93,10 @@ def test_mps_preflight_counts_the_dtype_and_names_the_plan_command(monkeypatch):
     config = types.SimpleNamespace(hidden_size=384, num_attention_heads=12, intermediate_size=1536, vocab_size=30522, num_hidden_layers=6)
     model = types.SimpleNamespace(config=config, max_positions=512)
     monkeypatch.setattr(workload, "device_memory", lambda device: int(21.3 * 2**30))  # a 32 GB Mac
-    # 1438 x 512 needs about 39.4 GiB in float32 and 19.7 GiB in float16 (memory.estimate_peak_bytes).
+    # 1438 x 512 needs about 39.4 GiB in float32 and 19.7 GiB in float16 (memory.estimate_peak_bytes); with
+    # blocked_eager (taken where eager does not fit, tests/test_blocked_attention.py) 20.1 and 10.1 GiB.
     with pytest.raises(MemoryPreflightError, match="plan sentiment --memory auto"):
-        workload.decide_geometry(RunConfig(device="mps"), model, "mps", 1438, 512, training=False)
+        workload.decide_geometry(RunConfig(device="mps"), model, "mps", 2048, 512, training=False)
     monkeypatch.setattr(workload, "check_memory", lambda *args: None)
     geometry = workload.decide_geometry(RunConfig(device="mps", dtype="float16"), model, "mps", 1438, 512, training=False)
-    assert (geometry.run_length, geometry.emulated) == (512, False)
+    assert (geometry.run_length, geometry.emulated, geometry.attentions) == (512, False, ("eager",))

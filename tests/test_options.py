@@ -77,7 +77,7 @@ def test_sweep_below_the_smallest_family_says_which_width_works(tmp_path):
 
 def test_run_only_options_are_checked_too(tmp_path):
     for flag, value, message in (
-            ("--attention", "flash", "--attention must be one of eager, sdpa, both; got 'flash'."),
+            ("--attention", "flash", "--attention must be one of eager, sdpa, both, blocked_eager; got 'flash'."),
             ("--dtype", "int8", "--dtype must be one of float32, float16, bfloat16; got 'int8'.")):
         result = runner.invoke(app, ["run", "sentiment", flag, value, "--out", str(tmp_path / "o")])
         assert result.exit_code == 2 and result.stderr.strip() == f"error: {message}"

@@ -109,6 +109,8 @@ TORCH_PROFILE = Check(
 # Each command's config: what it was asked, embedded in its reports. They live here, with no torch
 # import, so that `mpsimpact COMMAND --help` shows their defaults in a fraction of a second.
 GUARDS = ("off", "raise", "chunk")
+# `run --attention`: transformers' names (blocked_attention.NAME is "blocked_eager"); both: eager and sdpa.
+RUN_ATTENTIONS = ("eager", "sdpa", "both", "blocked_eager")
 # Half precision: a text is corrupted above this relative difference from the same-dtype,
 # small-batch reference (see docs and benchmarks/README.md for the measured margins).
 HALF_THRESHOLD = 2e-2
@@ -136,7 +138,7 @@ class RunConfig(Validated):
     run_length: int | None = option(None, Check("--run-length", low=1))
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     torch_profile: str | None = option(None, TORCH_PROFILE)
-    attention: str = option("eager", Check("--attention", choices=("eager", "sdpa", "both")))
+    attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
 
     @property

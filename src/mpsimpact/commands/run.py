@@ -41,7 +41,8 @@ def main(
     steps: int | None = option("--steps", "Training scenarios: optimiser steps on the oversized batch."),
     lr: float | None = option("--lr", "Training scenarios: Adam learning rate."),
     torch_profile: str | None = shared("--torch-profile"),
-    attention: str | None = option("--attention", "eager, sdpa, or both (side by side)."),
+    attention: str | None = option("--attention", "eager, sdpa, both (side by side), or blocked_eager: eager's "
+                                   "P V call, the rest in blocks of texts (fits a 16 GB Mac)."),
     dtype: str | None = option("--dtype", "float32 (as published), float16 or bfloat16: the device passes' "
                                           "dtype; half precision is judged against a same-dtype reference."),
     quick: bool = typer.Option(False, "--quick", help=f"The 20-second demo: {QUICK_TEXT} unless given "

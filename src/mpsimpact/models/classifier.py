@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
+from mpsimpact.blocked_attention import register as register_blocked
 from mpsimpact.models.dataset import LABELS
 from mpsimpact.errors import ModelLoadError
 
@@ -166,17 +168,37 @@ def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn
     """The same classifier built on `meta` from its config: no weights, nothing allocated."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
+    name = implementation(attention)
     with torch.device("meta"):
         if embedded:
-            return SentenceClassifier(AutoModel.from_config(config, attn_implementation=attention)).eval()
-        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)
-        return SequenceClassifier(model).eval()
+            module = SentenceClassifier(AutoModel.from_config(config, attn_implementation=name))
+        else:
+            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=name)
+            module = SequenceClassifier(model)
+    return with_blocks(module.eval(), attention)
 
 
-def use_attention(module: nn.Module, attention: str) -> None:
-    """Switches every Hugging Face model inside `module` to an attention implementation (eager, sdpa)."""
+def implementation(attention: str) -> str:
+    """The attn_implementation to give transformers for `attention` (blocked_eager is registered first)."""
+    return register_blocked() if attention == BLOCKED else attention
+
+
+def with_blocks(module: nn.Module, attention: str, samples: int | None = None) -> nn.Module:
+    """`module` with its layers run in blocks of `samples` texts under blocked_eager (Note [Blocked layers]),
+    whole under any other attention."""
+    if attention == BLOCKED:
+        use_blocks(module, samples)
+    else:
+        remove_blocks(module)
+    return module
+
+
+def use_attention(module: nn.Module, attention: str, samples: int | None = None) -> None:
+    """Switches every Hugging Face model inside `module` to an attention implementation (eager, sdpa,
+    blocked_eager, whose layers then run in blocks of `samples` texts)."""
     from transformers import PreTrainedModel
 
     for sub in module.modules():
         if isinstance(sub, PreTrainedModel) and sub.config._attn_implementation != attention:
-            sub.set_attn_implementation(attention)
+            sub.set_attn_implementation(implementation(attention))
+    with_blocks(module, attention, samples)

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.models.classifier import LoadedModel, check_eager, embedded_model_path, quiet_transformers
+from mpsimpact.models.classifier import (LoadedModel, check_eager, embedded_model_path, implementation,
+                                        quiet_transformers, with_blocks)
 from mpsimpact.errors import ModelLoadError
 
 EMBEDDED_SENTENCE_TRANSFORMER = "embedded:all-MiniLM-L6-v2 (sentence-transformers)"
@@ -75,4 +76,5 @@ def meta_embedder(config: Any, attention: str = "eager") -> nn.Module:
     from transformers import AutoModel
 
     with torch.device("meta"):
-        return PooledEncoder(AutoModel.from_config(config, attn_implementation=attention)).eval()
+        encoder = AutoModel.from_config(config, attn_implementation=implementation(attention))
+    return with_blocks(PooledEncoder(encoder).eval(), attention)

@@ -106,7 +106,7 @@ class TraceMode(MatmulMode):
         handles = []
         for name, sub in self._module.named_modules():
             handles.append(sub.register_forward_pre_hook(enter(name)))
-            handles.append(sub.register_forward_hook(leave))
+            handles.append(sub.register_forward_hook(leave, always_call=True))  # a forward that raised left too
         try:
             yield
         finally:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
+from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction import memory
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib
-from mpsimpact.prediction.safe_size import plan_at
+from mpsimpact.prediction.safe_size import largest_safe_batch, plan_at
 from mpsimpact.config import GIB
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,34 +54,66 @@ def visible_batch(first_corrupted: int) -> int:
 
 
 def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int],
-                 index_bits: int = MPS_INDEX_BITS, profile: Any = None) -> list[dict[str, Any]]:
-    """Per dtype and length: the smallest clearly-visible run under `profile`'s rules, its predicted
-    corruption and peak."""
+                 index_bits: int = MPS_INDEX_BITS, profile: Any = None,
+                 dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
+    """Per dtype and length: the smallest clearly-visible run of eager attention under `profile`'s rules,
+    its predicted corruption and peak."""
     options = []
     for length in (L for L in DEMO_LENGTHS if L in traced):
         batch = visible_batch(safe[length] + 1) if safe[length] else None
         if batch is None:
             continue
         prediction = predict(plan_at(traced[length], batch, index_bits, profile), batch, heads)
-        if prediction.outcome != "wrong":
-            continue  # a run that stops (or aborts) shows an error, not the silent effect
-        for dtype, size in DTYPE_BYTES.items():
-            options.append({
-                "dtype": dtype, "max_length": length, "batch_size": batch,
-                "first_corrupted_text": prediction.first_corrupted_text,
-                "corrupted_count": prediction.corrupted_count, "outcome": prediction.describe(),
-                "estimated_peak_gib": in_gib(estimate_peak_bytes(config, batch, length, size))})
+        options += _options(prediction, config, batch, length, "eager", dtypes)
     return options
 
 
-def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int) -> int:
+def product_safe_batch(calls: list, heads: int, index_bits: int = MPS_INDEX_BITS, profile: Any = None) -> int:
+    """The largest batch whose P V call (eager's forward bmm with the largest first operand per batch: P,
+    (B*H, L, Lk)) is clean on its own; the rest of a blocked_eager pass runs in small blocks."""
+    products = [p for p in calls if p.call.family == "bmm" and p.call.phase == "forward"]
+    if not products:
+        return 0
+    return largest_safe_batch([max(products, key=lambda p: p.call.a.per_batch)], heads, index_bits,
+                              profile=profile)
+
+
+def blocked_options(trace: Callable[[int, int], Any], traced: dict[int, list], config: Any, heads: int,
+                    index_bits: int = MPS_INDEX_BITS, profile: Any = None,
+                    dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
+    """blocked_eager's smallest clearly-visible run per dtype, at the longest demo length (where P leaves
+    the least room to the rest), predicted from a trace of its own calls: `trace(batch, length)`."""
+    length = next((L for L in DEMO_LENGTHS if L in traced), None)
+    safe = product_safe_batch(traced[length], heads, index_bits, profile) if length else 0
+    if not safe:
+        return []
+    batch = visible_batch(safe + 1)
+    return _options(predict(trace(batch, length), batch, heads), config, batch, length, BLOCKED, dtypes)
+
+
+def _options(prediction: Any, config: Any, batch: int, length: int, attention: str,
+             dtypes: tuple[str, ...]) -> list[dict[str, Any]]:
+    if prediction.outcome != "wrong":
+        return []  # a run that stops (or aborts) shows an error, not the silent effect
+    return [{"attention": attention, "dtype": dtype, "max_length": length, "batch_size": batch,
+             "first_corrupted_text": prediction.first_corrupted_text,
+             "corrupted_count": prediction.corrupted_count, "outcome": prediction.describe(),
+             "estimated_peak_gib": in_gib(estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype],
+                                                              attention))}
+            for dtype in dtypes]
+
+
+def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int, attention: str = "eager") -> int:
     """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0: none)."""
-    return int(memory.largest_fitting_batch(
-        lambda batch: estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype]) * HEADROOM, budget))
+    def estimate(batch: int) -> float:
+        return estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype], attention) * HEADROOM
+
+    return int(memory.largest_fitting_batch(estimate, budget))
 
 
 def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict[str, Any]:
-    """The run to type: the longest length that fits, float32 first, then half precision."""
+    """The run to type: eager attention before blocked_eager (the model as it is), then the longest length
+    that fits, float32 first, then half precision."""
     for option in options:
         option["fits"] = option["estimated_peak_gib"] * GIB * HEADROOM <= budget
     fitting = [o for o in options if o["fits"]]
@@ -91,28 +125,38 @@ def recommend(options: list[dict[str, Any]], budget: int, scenario: str) -> dict
     if not fitting:
         demo = min(options, key=lambda o: o["estimated_peak_gib"])
         return {"command": None, "why": (
-            f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's attention scores and "
-            f"softmax alone are 2 x 2^{MPS_INDEX_BITS} elements ({2 * 2**MPS_INDEX_BITS * 2 / GIB:.0f} GiB in half "
-            f"precision, {2 * 2**MPS_INDEX_BITS * 4 / GIB:.0f} GiB in float32) at any length; the smallest demo "
-            f"({demo['batch_size']} x {demo['max_length']}, {demo['dtype']}) needs about "
-            f"{demo['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU or CUDA "
-            "machine.")}
-    best = min(fitting, key=lambda o: (-o["max_length"], list(DTYPE_BYTES).index(o["dtype"])))
+            f"No run shows the effect in {budget / GIB:.1f} GiB: the faulting batch's P alone is "
+            f"2^{MPS_INDEX_BITS} elements ({2**MPS_INDEX_BITS * 2 / GIB:.0f} GiB in half precision, "
+            f"{2**MPS_INDEX_BITS * 4 / GIB:.0f} GiB in float32) at any length; the smallest demo "
+            f"({demo['batch_size']} x {demo['max_length']}, {demo['dtype']}, {demo['attention']} attention) "
+            f"needs about {demo['estimated_peak_gib']} GiB. Use a Mac with more memory, or emulate on a CPU "
+            "or CUDA machine.")}
+    best = min(fitting, key=lambda o: (o["attention"] != "eager", -o["max_length"],
+                                       list(DTYPE_BYTES).index(o["dtype"])))
     command = f"mpsimpact run {scenario} --batch-size {best['batch_size']} --max-length {best['max_length']}"
     command += f" --dtype {best['dtype']}" if best["dtype"] != "float32" else ""
+    command += f" --attention {best['attention']}" if best["attention"] != "eager" else ""
+    how = f" with {BLOCKED} attention ({REASON})" if best["attention"] == BLOCKED else ""
     return {"command": command, "option": best, "why": (
-        f"{best['batch_size']} x {best['max_length']} in {best['dtype']}: about {best['estimated_peak_gib']} "
-        f"GiB of {budget / GIB:.1f}; {best['outcome']}.")}
+        f"{best['batch_size']} x {best['max_length']} in {best['dtype']}{how}: about "
+        f"{best['estimated_peak_gib']} GiB of {budget / GIB:.1f}; {best['outcome']}.")}
 
 
-def mac_table(config: Any, first_corrupted: int, length: int = 512) -> list[dict[str, Any]]:
-    """Per Mac memory size: the largest batch at `length` that fits, per dtype, and the texts it corrupts."""
+def mac_table(config: Any, first_corrupted: int, length: int = 512, blocked_first: int | None = None,
+              dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
+    """Per Mac memory size: the largest batch at `length` that fits and the texts it corrupts, per dtype, and
+    under "blocked_eager" the same with that attention (whose first corrupted text is `blocked_first`)."""
+    def cells(attention: str, first: int, budget: int) -> dict[str, dict[str, int]]:
+        batches = {dtype: largest_fitting_batch(config, length, dtype, budget, attention) for dtype in dtypes}
+        return {dtype: {"largest_batch": batch, "corrupted_texts": max(0, batch - first)}
+                for dtype, batch in batches.items()}
+
     rows = []
     for gb in MAC_SIZES_GB:
         budget = int(gb * GIB * RECOMMENDED_SHARE)
-        row: dict[str, Any] = {"mac_gb": gb, "usable_gib": in_gib(budget)}
-        for dtype in DTYPE_BYTES:
-            batch = largest_fitting_batch(config, length, dtype, budget)
-            row[dtype] = {"largest_batch": batch, "corrupted_texts": max(0, batch - first_corrupted)}
+        row: dict[str, Any] = {"mac_gb": gb, "usable_gib": in_gib(budget),
+                               **cells("eager", first_corrupted, budget)}
+        if blocked_first is not None:
+            row[BLOCKED] = cells(BLOCKED, blocked_first, budget)
         rows.append(row)
     return rows

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from mpsimpact.blocked_attention import NAME as BLOCKED, samples_per_block
 from mpsimpact.config import GIB
 
 # What the training-step estimate counts, for the preflight's message.
@@ -45,13 +46,40 @@ def peak_bytes(parameters: int, states: int, attention: int, heads: int, feed_fo
     return dtype_bytes * (parameters + 4 * states) + max(attention_bytes, 2 * feed_forward * dtype_bytes)
 
 
-def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4) -> int:
-    """`peak_bytes` of a BERT-like encoder from its config alone (no trace)."""
+def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4, attention: str = "eager") -> int:
+    """`peak_bytes` of a BERT-like encoder from its config alone (no trace); `blocked_peak_bytes` for
+    blocked_eager attention."""
+    if attention == BLOCKED:
+        return blocked_peak_bytes(config, batch, length, dtype_bytes)
     hidden, heads = config.hidden_size, config.num_attention_heads
     inter = getattr(config, "intermediate_size", 4 * hidden)
     attention, feed_forward = batch * heads * length * length, batch * length * inter
     states = batch * length * hidden
     return peak_bytes(parameter_count(config, length), states, attention, heads, feed_forward, dtype_bytes)
+
+
+# Token ids and the attention mask, as the tokenizer gives them to the device: int64.
+ID_BYTES = 8
+
+
+def blocked_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 4, samples: int | None = None) -> int:
+    """The peak of a blocked_eager forward pass (Note [Blocked layers] in blocked_attention), counted from
+    the tensors alive at it: the weights, the token ids and mask (int64) and the mask's one row per text,
+    and the larger of
+      - the product P V: P (B*H, L, L), V, the product's output and the hidden states (3 x B*L*D);
+      - a fill step: P, V and the hidden states, and of one block of `samples` texts (default: the runs')
+        the scores and their softmax (two (b, H, L, L) at once) and five (b, L, D): Q, K, V and matmul's
+        copies of Q and K.
+    Everything else (the embeddings, the emit steps, pooling) holds at most four (B, L, D) tensors and no
+    P. Checked against a peak measured on a CPU (tests/test_blocked_attention.py); on a GPU,
+    benchmarks/blocked_attention.py measures it beside this estimate."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    block = min(batch, samples or samples_per_block(heads, length))
+    probs, states = batch * heads * length * length, batch * length * hidden
+    product = probs + 3 * states
+    fill = probs + 2 * states + 2 * block * heads * length * length + 5 * block * length * hidden
+    tensors = parameter_count(config, length) + batch * length + max(product, fill)
+    return dtype_bytes * tensors + 2 * ID_BYTES * batch * length
 
 
 def softmax_upcast(plan: Any, dtype: Any) -> bool:
@@ -121,7 +149,17 @@ def estimate_training_bytes(config: Any, batch: int, length: int, dtype_bytes: i
     return sum(training_step_parts(config, batch, length, dtype_bytes).values())
 
 
-def largest_fitting_batch(estimate: Callable[[int], int], offered: int) -> int:
-    """The largest batch B with estimate(B) <= offered, for an estimate affine in B (0 if none)."""
-    fixed, per_text = estimate(0), estimate(1) - estimate(0)
-    return max(0, (offered - fixed) // per_text) if per_text > 0 else 0
+def largest_fitting_batch(estimate: Callable[[int], int], offered: int, ceiling: int = 1 << 40) -> int:
+    """The largest batch B with estimate(B) <= offered, for an estimate that never falls as B grows (0 if
+    none; `ceiling` if even that fits)."""
+    if estimate(1) > offered:
+        return 0
+    low, high = 1, 2
+    while high < ceiling and estimate(high) <= offered:
+        low, high = high, 2 * high
+    if high >= ceiling and estimate(ceiling) <= offered:
+        return ceiling
+    while high - low > 1:  # estimate(low) fits, estimate(high) does not
+        mid = (low + high) // 2
+        low, high = (mid, high) if estimate(mid) <= offered else (low, mid)
+    return low

@@ -10,7 +10,7 @@ from mpsimpact.errors import UsageError
 from mpsimpact.config import PlanConfig
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
-from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
+from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at, trace_classifier
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -67,7 +67,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.memory:
-        report["memory"] = memory_section(config, scenario.name, traced, model_config, heads, safe, profile)
+        report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile)
     if config.versions:
         from mpsimpact.prediction.version_table import version_table
 
@@ -78,16 +78,29 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     return report
 
 
-def memory_section(config: PlanConfig, scenario: str, traced: dict, model_config: Any, heads: int,
+def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config: Any, heads: int,
                    safe: dict, profile: Any) -> dict[str, Any]:
-    """--memory: per dtype and length the smallest clearly-visible demo, whether it fits, the command."""
-    from mpsimpact.prediction.demo_size import demo_options, mac_table, recommend, usable_bytes
+    """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
+    at the longest length), whether it fits, the command."""
+    from mpsimpact.blocked_attention import NAME as BLOCKED
+    from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
+                                                recommend, usable_bytes)
+
+    def trace_blocked(batch: int, length: int) -> Any:
+        meta = scenario.meta_module(model_config, BLOCKED)
+        return trace_classifier(meta, batch, length, index_bits=config.index_bits, profile=profile)
 
     budget, basis = usable_bytes(config.memory)
-    options = demo_options(traced, model_config, heads, safe, config.index_bits, profile)
+    dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes
+    options = demo_options(traced, model_config, heads, safe, config.index_bits, profile, dtypes)
+    blocked_safe = 0
+    if takes_blocked:
+        options += blocked_options(trace_blocked, traced, model_config, heads, config.index_bits, profile, dtypes)
+        blocked_safe = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
+    table = mac_table(model_config, safe.get(512, 0) + 1, blocked_first=blocked_safe + 1 if blocked_safe else None,
+                      dtypes=dtypes)
     return {"budget_gib": in_gib(budget), "basis": basis, "options": options,
-            "recommendation": recommend(options, budget, scenario),
-            "mac_table": mac_table(model_config, safe.get(512, 0) + 1)}
+            "recommendation": recommend(options, budget, scenario.name), "mac_table": table}
 
 
 def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:

@@ -52,11 +52,12 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
 
 
 def _print_memory(console, memory: dict[str, Any]) -> None:
-    rows = [[o["dtype"], o["max_length"], o["batch_size"], o["outcome"], f"{o['estimated_peak_gib']} GiB",
-             "yes" if o["fits"] else "no"] for o in memory["options"]]
+    rows = [[o["attention"], o["dtype"], o["max_length"], o["batch_size"], o["outcome"],
+             f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no"] for o in memory["options"]]
     if rows:  # none where no length shows the silent effect: the recommendation below says why
         console.print(fitted_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
-                                   ("dtype", "max length", "batch", "predicted", "estimated peak", "fits"), rows))
+                                   ("attention", "dtype", "max length", "batch", "predicted", "estimated peak",
+                                    "fits"), rows))
     rec = memory["recommendation"]
     console.print(f"Run: {rec['command']}  ({rec['why']})" if rec["command"] else rec["why"],
                   style="bold" if rec["command"] else "bold red", markup=False)

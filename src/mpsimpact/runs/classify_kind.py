@@ -46,7 +46,7 @@ class ClassifyKind(RunKind):
         device, fp32 = geometry.device, geometry.dtype == "float32"
         texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
         inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
-        first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
+        first = predict(plans[geometry.attentions[0]], geometry.batch_size, model.heads)
         ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
         info["accuracy"] = float((ref.argmax(1) == gold).mean())
         module = model.module.to(device=device, dtype=getattr(torch, geometry.dtype))

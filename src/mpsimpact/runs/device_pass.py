@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.config import GIB
 from mpsimpact.runs.device import check_memory, device_memory, resolve_emulation
@@ -39,6 +40,8 @@ class Geometry:
     profile: str = ""  # the profile emulated (or guarded and planned), as FaultProfile.ref; "" = installed
     attention: str = "eager"  # the attention implementation of the pass
     dtype: str = "float32"  # the device passes' dtype
+    attentions: tuple[str, ...] = ("eager",)  # the implementations the run compares, one pass set each
+    substituted: str = ""  # why `attentions` are not those asked (blocked_eager where eager would not fit)
 
     @property
     def replayed(self) -> bool:
@@ -67,18 +70,23 @@ class Geometry:
 
 def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
                     training: bool | None = None) -> Geometry:
-    """Picks emulation and the run length; checks memory before anything big is allocated: one
-    device pass's, or for a training scenario one training step's (`training`; None: whatever the
-    config's scenario declares)."""
+    """Picks emulation, the attention implementations and the run length; checks memory before anything big
+    is allocated: one device pass's, or for a training scenario one training step's (`training`; None:
+    whatever the config's scenario declares)."""
     emulated = resolve_emulation(config.emulate, device)
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
     training = is_training(config) if training is None else training
     dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
-    full = (estimate_training_bytes(model.config, batch, max_length) if training
-            else estimate_peak_bytes(model.config, batch, max_length, dtype_bytes))
+    attentions, substituted = fitted_attentions(config, model, device, emulated, batch, max_length, training)
+
+    def pass_bytes(length: int) -> int:
+        return max(estimate_peak_bytes(model.config, batch, length, dtype_bytes, a) for a in attentions)
+
+    full = estimate_training_bytes(model.config, batch, max_length) if training else pass_bytes(max_length)
     run_length = _run_length(config, device, emulated, full, max_length)
-    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits)
+    geometry = Geometry(device, emulated, batch, max_length, run_length, config.index_bits,
+                        attention=attentions[0], attentions=attentions, substituted=substituted)
     if geometry.replayed and (max_length & (max_length - 1) or run_length & (run_length - 1)):
         raise UsageError(f"--max-length {max_length} cannot be emulated exactly at reduced length "
                          f"{run_length}: the wrap period must be a whole number of batches, which needs "
@@ -87,10 +95,26 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
     if training:
         check_training_memory(model.config, device, batch, run_length)
     else:
-        check_memory(
-            device, estimate_peak_bytes(model.config, batch, run_length, dtype_bytes), "one device pass",
-            "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).")
+        check_memory(device, pass_bytes(run_length), "one device pass",
+                     "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).")
     return geometry
+
+
+def fitted_attentions(config: Any, model: Any, device: str, emulated: bool, batch: int, max_length: int,
+                      training: bool) -> tuple[tuple[str, ...], str]:
+    """The attention implementations to run, and why they differ from those asked: on a Mac's GPU, where
+    eager attention would not fit and blocked_eager (the same P V call) does, blocked_eager."""
+    asked = tuple(getattr(config, "attentions", ("eager",)))
+    if asked != ("eager",) or device != "mps" or emulated or training:
+        return asked, ""
+    dtype_bytes, offered = DTYPE_BYTES[getattr(config, "dtype", "float32")], device_memory(device)
+    eager, blocked = (estimate_peak_bytes(model.config, batch, max_length, dtype_bytes, attention)
+                      for attention in ("eager", BLOCKED))
+    if eager <= offered or blocked > offered:
+        return asked, ""
+    return (BLOCKED,), (f"eager attention would need about {eager / GIB:.1f} GiB and {device} offers "
+                        f"{offered / GIB:.1f} GiB, so {BLOCKED} attention runs instead ({REASON}; about "
+                        f"{blocked / GIB:.1f} GiB)")
 
 
 def _run_length(config: Any, device: str, emulated: bool, full: int, max_length: int) -> int:

@@ -39,7 +39,7 @@ class EmbedKind(RunKind):
         # Queries on the CPU, so only the index can be corrupted.
         queries = run_chunked(model.module.to("cpu"), model.tokenizer, list(scenario.queries),
                               geometry.run_length)
-        first = predict(plans[config.attentions[0]], geometry.batch_size, model.heads)
+        first = predict(plans[geometry.attentions[0]], geometry.batch_size, model.heads)
         ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
         info.update(threshold=COSINE_THRESHOLD, measure="cosine to the reference vector",
                     queries=len(queries), query_device="cpu")

@@ -10,7 +10,7 @@ import numpy as np
 from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
-from mpsimpact.runs.kind import kind_of
+from mpsimpact.runs.kind import condition_key, kind_of
 
 
 GUARD_STYLES = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}  # color, dot size
@@ -89,7 +89,8 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
     if off is not None:
         classes_title = f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts"
         figures["corrupted_classes.png"] = corrupted_classes(off["corrupted_class_counts"], classes_title)
-        figures["confusion.png"] = confusion(preds["off"], reference_pred, tuple(run["label_names"]),
+        key = condition_key(off.get("attention", "eager"), "off")
+        figures["confusion.png"] = confusion(preds[key], reference_pred, tuple(run["label_names"]),
                                              f"{tag}, guard off")
     return figures
 
@@ -236,8 +237,10 @@ def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarr
         figures["cosine_by_position.png"] = cosine_by_position(cosines, first, threshold, title)
         figures["recall_per_query.png"] = recall_per_query(
             {k: v["recall"] for k, v in per_text.items()}, f"{tag}: recall@10 per query")
-    if "off" in per_text:
-        off = per_text["off"]
+    off_key = next((condition_key(c.get("attention", "eager"), "off") for c in run["conditions"]
+                    if c["guard"] == "off"), None)
+    if off_key in per_text:
+        off = per_text[off_key]
         title = f"{tag}, guard off: top-10 appearances, corrupted vs clean"
         corrupted = ~(off["cosine"] >= threshold)
         figures["top10_appearances.png"] = top10_appearances(off["appearances"], corrupted, title)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+from mpsimpact.config import RUN_ATTENTIONS
 from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import (
@@ -32,7 +33,7 @@ class RunKind(abc.ABC):
     columns: ClassVar[tuple[tuple[str, str], ...]]  # (condition key, title) of the conditions table
     files: ClassVar[tuple[str, ...]]  # what a run folder holds, for the console's last line
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
-    attentions: ClassVar[tuple[str, ...]] = ("eager", "sdpa", "both")
+    attentions: ClassVar[tuple[str, ...]] = RUN_ATTENTIONS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -162,6 +163,11 @@ def console_cell(condition: dict, key: str) -> str:
     """One cell of the console's conditions table."""
     value = condition.get(key, "eager" if key == "attention" else None)
     return CONSOLE_FORMATS[key].format(value) if key in CONSOLE_FORMATS and value is not None else format_cell(value)
+
+
+def condition_key(attention: str, guard_mode: str) -> str:
+    """How arrays and figures name a condition: the guard alone for eager attention (as always)."""
+    return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
 
 
 def pass_cells(condition: dict, footnotes: Footnotes, verbose: bool = False) -> list[str]:

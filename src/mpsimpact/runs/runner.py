@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.blocked_attention import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
 from mpsimpact.config import GIB
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.errors import NotEmulatedError, OversizedOpError
@@ -18,13 +19,8 @@ from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import on_a_mac, predict, site
 from mpsimpact.prediction.safe_size import trace_classifier
 from mpsimpact.engine.release import STUDY, judge_release, resolve_profile
-from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
+from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of, condition_key
 from mpsimpact.runs.device_pass import Geometry, condition
-
-def condition_key(attention: str, guard_mode: str) -> str:
-    """How arrays and figures name a condition: the guard alone for eager attention (as always)."""
-    return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
-
 
 def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan,
                 guard_mode: str) -> dict[str, Any]:
@@ -93,11 +89,6 @@ def device_reference(model, texts: list[str], run_length: int, device: str, boun
                     "max_relative_difference": float(relative_error(logits[sample], cpu).max())}
 
 
-def model_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of the model's largest ModuleList (its transformer layers)."""
-    return list(max([m for m in module.modules() if isinstance(m, torch.nn.ModuleList)], key=len, default=[]))
-
-
 @contextlib.contextmanager
 def layer_progress(layers: list[torch.nn.Module], advance):
     """Advances a progress bar as each layer finishes its forward."""
@@ -136,10 +127,10 @@ def run_scenario(config: RunConfig,
     dtype = getattr(torch, config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a).to(dtype), batch, max_length,
                                  index_bits=config.index_bits, backward=kind.backward,
-                                 profile=geometry.profile) for a in config.attentions}
+                                 profile=geometry.profile) for a in geometry.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
-    installed = predict(plans[config.attentions[0]].under(release.installed), batch, model.heads)
+    installed = predict(plans[geometry.attentions[0]].under(release.installed), batch, model.heads)
     report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
     report["columns"] = [list(pair) for pair in columns_of(kind, report["conditions"])]
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
@@ -161,7 +152,7 @@ def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry,
         "model": model.name,
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
-        "prediction": predict(plans[config.attentions[0]], batch, model.heads).to_json(),
+        "prediction": predict(plans[geometry.attentions[0]], batch, model.heads).to_json(),
         "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
         "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
     }
@@ -173,7 +164,7 @@ def run_conditions(config: RunConfig, module, inputs, geometry: Geometry, plans:
     from mpsimpact.models.classifier import use_attention
 
     for attention, plan in plans.items():
-        use_attention(module, attention)
+        use_attention(module, attention, samples_per_block(heads, geometry.max_length))  # as the plan's trace
         prediction = predict(plan, geometry.batch_size, heads)
         geo = dataclasses.replace(geometry, attention=attention)
         for guard_mode in config.guards:
@@ -187,7 +178,7 @@ def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_m
     """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
     if would_abort(geometry, prediction, guard_mode):
         return skipped_abort(guard_mode, prediction)
-    layers = model_layers(module)
+    layers = transformer_layers(module)
     label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
     with layer_progress(layers, progress(label, len(layers))):
         result = device_pass(module, inputs, geometry, plan, guard_mode)
@@ -222,6 +213,10 @@ def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
 
 def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
     notes = [geometry.mode + "."]
+    if geometry.substituted:
+        notes.append(f"{geometry.substituted[0].upper()}{geometry.substituted[1:]}.")
+    elif BLOCKED in geometry.attentions:
+        notes.append(f"{BLOCKED} attention: {REASON}.")
     if geometry.index_bits != 32:
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by "
                      f"2^{32 - geometry.index_bits}.")

@@ -29,7 +29,7 @@ class TrainKind(RunKind):
             progress) -> tuple[dict[str, Any], dict[str, Any]]:
         from mpsimpact.runs.training import run_training
 
-        plan = plans[config.attentions[0]]
+        plan = plans[geometry.attentions[0]]
         body, arrays = run_training(config, scenario, model, geometry, plan, progress)
         body["backward_prediction"] = predict(plan, geometry.batch_size, model.heads, "backward").to_json()
         return body, arrays
