@@ -83,6 +83,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
     at the longest length), whether it fits, the command."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
+    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, resolve_profile
     from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
                                                 recommend, usable_bytes)
 
@@ -90,6 +91,10 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
         meta = scenario.meta_module(model_config, BLOCKED)
         return trace_classifier(meta, batch, length, index_bits=config.index_bits, profile=profile)
 
+    unmeasured = profile if profile.conservative else None
+    if unmeasured is not None:  # nobody can tell what it does: the demo is sized on the published release's rules
+        profile = resolve_profile(PUBLISHED_DEMO_RELEASE)
+        safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
     budget, basis = usable_bytes(config.memory)
     dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes
     options = demo_options(traced, model_config, heads, safe, config.index_bits, profile, dtypes)
@@ -99,8 +104,14 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
         blocked_safe = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
     table = mac_table(model_config, safe.get(512, 0) + 1, blocked_first=blocked_safe + 1 if blocked_safe else None,
                       dtypes=dtypes)
-    return {"budget_gib": in_gib(budget), "basis": basis, "options": options,
-            "recommendation": recommend(options, budget, scenario.name), "mac_table": table}
+    recommendation = recommend(options, budget, scenario.name)
+    if unmeasured is not None:
+        recommendation["why"] = (
+            f"Cannot tell on torch {unmeasured.release}: nobody measured it on MPS, so nobody can tell whether any "
+            f"run shows the bug there (`mpsimpact sweep` on a Mac measures it). On torch {PUBLISHED_DEMO_RELEASE}, "
+            f"the published demo's release: {recommendation['why']}")
+    return {"budget_gib": in_gib(budget), "basis": basis, "options": options, "judged_on": profile.release,
+            "recommendation": recommendation, "mac_table": table}
 
 
 def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:

@@ -55,7 +55,8 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
     rows = [[o["attention"], o["dtype"], o["max_length"], o["batch_size"], o["outcome"],
              f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no"] for o in memory["options"]]
     if rows:  # none where no length shows the silent effect: the recommendation below says why
-        console.print(fitted_table(f"the smallest clear demo per dtype and length, against {memory['basis']}",
+        rules = f" (torch {memory['judged_on']}'s rules)" if memory.get("judged_on") else ""
+        console.print(fitted_table(f"the smallest clear demo per dtype and length{rules}, against {memory['basis']}",
                                    ("attention", "dtype", "max length", "batch", "predicted", "estimated peak",
                                     "fits"), rows))
     rec = memory["recommendation"]
