@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import os
 import threading
 import traceback
@@ -46,6 +47,8 @@ GUARD_MODES = ("raise", "warn", "chunk")
 _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
                      aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
+# A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
+_DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
 # hold one, so a call from another thread can say where its guard is.
 _INSTALLED = threading.local()
@@ -71,6 +74,9 @@ class GuardMode(MatmulMode):
         self.mode = mode
         self.index_bits = index_bits
         self.devices = devices
+        if devices is not None and len(devices) == 1 and devices[0] in _DEVICE_FLAGS:
+            self._device_flag = operator.attrgetter(_DEVICE_FLAGS[devices[0]])
+            self._applies = self._applies_flag  # type: ignore[method-assign]
         self.profile = resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
@@ -104,10 +110,19 @@ class GuardMode(MatmulMode):
             return tensor.device.type in self.devices
         return tensor.is_mps or active_emulator() is not None
 
+    def _applies_flag(self, tensor: torch.Tensor) -> bool:
+        """`_applies` for devices=("cuda",) and the like: the tensor's own flag (`is_cuda`), read without
+        making a torch.device on the hot path."""
+        return self._device_flag(tensor)
+
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        plain = self._cannot_fault(name, args, kwargs) if _tracing_state() is None else \
-            self._cannot_fault_untraced(name, args, kwargs)
+        if _tracing_state() is not None:
+            plain = self._cannot_fault_untraced(name, args, kwargs)
+        elif name == "sdpa":
+            plain = self._sdpa_is_plain(args, kwargs)
+        else:
+            plain = self.everywhere or self._quick_pass(name, args, kwargs)
         if plain:  # the hot path
             return proceed(*args, **kwargs)
         if name == "sdpa":
