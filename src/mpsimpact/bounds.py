@@ -31,8 +31,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_json(text: str | bytes) -> Any:
-    """`json.loads` with bounds: at most MAX_JSON_DEPTH levels of lists and objects, no NaN or Infinity.
+def parse_json(text: str | bytes, *, allow_nan: bool = False) -> Any:
+    """`json.loads` with bounds: at most MAX_JSON_DEPTH levels of lists and objects, and no NaN or Infinity
+    unless `allow_nan` (a run's per-text errors are infinite where a device returned NaN; whoever reads
+    such a file checks the numbers it uses).
 
     Raises:
         ValueError: one line saying what is off (a json.JSONDecodeError for malformed JSON).
@@ -42,7 +44,7 @@ def parse_json(text: str | bytes) -> Any:
     if json_depth(text) > MAX_JSON_DEPTH:
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (lists or objects)")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=None if allow_nan else _no_constant)
     except RecursionError:  # unreachable below the depth bound; kept so that no input can end in a traceback
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep (lists or objects)") from None
 

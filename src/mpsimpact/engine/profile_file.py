@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import parse_json
+
 
 PROFILE_KIND = "mpsimpact-fault-profile"
 PROFILE_SCHEMA = 1
@@ -67,8 +69,8 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
         ProfileFileError: unreadable, not a profile, a newer schema, or a field of the wrong type or value.
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        data = parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
     return profile_fields(data, path, families)
