@@ -86,3 +86,102 @@ def test_the_cli_refuses_a_long_text_before_loading_any_model(tmp_path):
 def test_a_text_at_the_limit_is_fine(tmp_path):
     (tmp_path / "ok.csv").write_text(f"text,label\n{'z' * MAX_TEXT_CHARS},positive\n")
     assert len(load_file(str(tmp_path / "ok.csv")).texts[0]) == MAX_TEXT_CHARS
+
+
+# `check` of a config past a bound: one line, exit 2, before anything is built (each in a second or two).
+BERT = json.loads(open(os.path.join(os.path.dirname(__file__), "data", "bert-base", "config.json")).read())
+CONFIGS = {
+    "hidden 1e12": ({"hidden_size": 12 * 10**11}, "hidden_size is 1,200,000,000,000, more than any size a model has"),
+    "1e9 layers": ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1,000,000,000 layers, more than the 512"),
+    "513 layers": ({"num_hidden_layers": 513}, "num_hidden_layers is 513 layers"),
+    "huge vocabulary": ({"vocab_size": 2**31 - 1, "hidden_size": 12288, "num_attention_heads": 96},
+                        "its sizes imply about 5.3e+13 parameters, more than any model (1e+13)"),
+    "nested": ({"text_config": {"intermediate_size": 2**40}}, "text_config.intermediate_size is 1,099,511,627,776"),
+    "dtype banana": ({"torch_dtype": "banana"}, 'torch_dtype is "banana", not a dtype models are built in here'),
+    "dtype float8": ({"dtype": "float8_e4m3fn"}, 'dtype is "float8_e4m3fn", not a dtype models are built in here'),
+    "dtype Tensor": ({"dtype": "Tensor"}, 'dtype is "Tensor"'),
+    "dtype int": ({"dtype": "int64"}, 'dtype is "int64"'),
+    "deep": ({"extra": json.loads("[" * 60 + "]" * 60), "more": json.loads("[" * 10 + "]" * 10)}, None),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS, ids=list(CONFIGS))
+def test_check_refuses_a_config_past_a_bound_before_building(tmp_path, name, monkeypatch):
+    change, words = CONFIGS[name]
+    if name == "deep":  # 70 levels of lists in one field: past MAX_JSON_DEPTH
+        (tmp_path / "config.json").write_text(json.dumps(BERT)[:-1] + ', "deep": ' + "[" * 70 + "]" * 70 + "}")
+        words = f"nested more than {MAX_JSON_DEPTH} levels deep"
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(BERT | change))
+    import mpsimpact.prediction.meta_model as meta_model
+
+    monkeypatch.setattr(meta_model, "build_meta_model", lambda *a: pytest.fail("built a model"))
+    started = time.perf_counter()
+    result = runner.invoke(app, ["check", str(tmp_path), "--batch-size", "2"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+    assert "Traceback" not in result.output and time.perf_counter() - started < 30
+
+
+def test_the_bounds_leave_real_configs_alone(tmp_path):
+    from mpsimpact.prediction.meta_model import check_config_fields
+
+    for name in ("bert-base", "llama-style-32k", "t5-base", "twitter-roberta-base-sentiment-latest"):
+        path = os.path.join(os.path.dirname(__file__), "data", name, "config.json")
+        check_config_fields(json.loads(open(path).read()), path)
+    # Llama-3.1-405B's sizes: 126 layers of 16384, 53248 inner, 128256 tokens: about 4.6e11 parameters.
+    check_config_fields({"hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+                         "vocab_size": 128256, "dtype": "bfloat16"}, "405b")
+
+
+# A full disk (ENOSPC) while writing: the write goes to /dev/full, which fails every write with ENOSPC.
+def fill_disk_for(monkeypatch, suffix):
+    import tempfile
+
+    import mpsimpact.output.files as files
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        if name.split(".partial")[0].endswith(suffix) or f"{suffix}." in os.path.basename(name):
+            os.close(fd)
+            fd = os.open("/dev/full", os.O_WRONLY)
+        return fd, name
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
+
+
+def test_a_full_disk_while_writing_a_figure_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    fill_disk_for(monkeypatch, ".png")
+    figure = tmp_path / "fig.png"
+    result = runner.invoke(app, ["plan", "sentiment", "--sweep", "--figure", str(figure)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert f"No space left to write '{figure}'" in result.stderr and "Nothing was left half-written" in result.stderr
+    assert os.listdir(tmp_path) == []  # no figure, no temporary file
+
+
+def test_a_full_disk_while_writing_a_run_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    fill_disk_for(monkeypatch, "error_by_position.png")
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", "sentiment", "--quick", "--guard", "off", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1].startswith("error: No space left to write ")
+    assert "error_by_position.png" in result.stderr and "Traceback" not in result.output
+    assert sorted(os.listdir(tmp_path)) == ["cache"]  # no report folder, no partial folder, no claim
+
+
+def test_a_disk_without_room_for_the_report_is_refused_before_any_work(tmp_path, monkeypatch):
+    import mpsimpact.output.files as files
+
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: type("U", (), {"free": 20 << 20})())
+    result = runner.invoke(app, ["run", "sentiment", "--batch-size", "8192", "--guard", "all",
+                                 "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    # 4 MiB of pages and figures + 8192 texts x 3 conditions x 1 KiB of samples and logits = 28 MiB
+    assert "is on a disk with 20 MiB free, and this command writes up to 28 MiB there" in result.stderr
+    assert not (tmp_path / "out").exists()

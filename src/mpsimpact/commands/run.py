@@ -65,7 +65,7 @@ def main(
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
         steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype,
     )
-    with claimed_out_dir(run_config.out, run_config.scenario) as folder:
+    with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
         console = Console(stderr=True)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, disable=not console.is_terminal) as progress:

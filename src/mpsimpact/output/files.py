@@ -141,7 +141,7 @@ def check_out_dir(folder: Path, flag: str = "--out", needed: int = MIN_FREE_BYTE
         if any(name != CLAIM_MARKER for name in entries):
             raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.",
                              option=flag)
-    check_writable_folder(folder, flag)
+    check_writable_folder(folder, flag, needed)
 
 
 def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from mpsimpact.bounds import parse_json
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
@@ -30,6 +31,15 @@ TASKS = {
 SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
                "vocab_size", "max_position_embeddings", "head_dim", "d_model", "d_kv", "d_ff", "num_heads",
                "num_layers", "num_decoder_layers", "n_head", "n_layer", "n_embd", "n_positions")
+# Bounds on a config, checked on its JSON before transformers reads it or anything is built: no real model
+# comes near them, and past them a meta build overflows a storage size or runs until killed.
+MAX_CONFIG_SIZE = 2**31 - 1  # any size field (a dimension past INT_MAX is no model)
+MAX_CONFIG_LAYERS = 512  # layers of one stack (the deepest published models have about 200; 512 BERT layers trace in 45 s)
+MAX_PARAMETERS = 10**13  # parameters, estimated from the sizes (the largest published models have about 2 * 10**12)
+LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "num_encoder_layers",
+                "encoder_layers", "decoder_layers")
+SIZE_SUFFIXES = ("_size", "_dim", "_layers", "_heads", "_positions", "_embd", "_embeddings")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a config's dtype may say (or "auto")
 # Input variants, tried in order: transformers' mask code reads mask values (`.all()`), which meta
 # tensors lack; which variant avoids that depends on the architecture. No variant changes a matmul.
 MASKS = ("none", "4-D ones", "2-D ones")
@@ -50,9 +60,12 @@ def load_model_config(source: str) -> tuple[Any, str]:
     if not path.exists() and _looks_like_path(source):
         raise UsageError(f"'{source}' does not exist; pass a model folder, a config.json or a hub id.")
     where = "config file" if path.is_file() else "local folder" if path.is_dir() else "Hugging Face cache"
-    _check_model_type(path if path.exists() else None, source)
+    _check_model_type(path if path.exists() else _cached_config_file(source), source)
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else source, local_files_only=True), where
+    except (TypeError, AttributeError, KeyError, RecursionError) as error:  # a field transformers cannot use
+        raise ModelLoadError(f"Cannot load the config of '{source}': {type(error).__name__}: "
+                             f"{_first_line(error)[:200]}") from None
     except OSError:
         if path.exists():
             raise ModelLoadError(f"Cannot read a config from '{source}'.") from None
@@ -64,6 +77,17 @@ def load_model_config(source: str) -> tuple[Any, str]:
         raise ModelLoadError(f"Cannot load the config of '{source}': {_first_line(error)}") from None
 
 
+def _cached_config_file(source: str) -> Path | None:
+    """The config.json of a hub id in the local Hugging Face cache (checked like a local one), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, "config.json")
+    except Exception:  # a malformed repo id: AutoConfig says so in its own words
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def _check_model_type(path: Path | None, source: str) -> None:
     """A local config's model_type must be one this transformers knows (checked before AutoConfig,
     whose message runs over several lines)."""
@@ -73,7 +97,7 @@ def _check_model_type(path: Path | None, source: str) -> None:
 
     file = path / "config.json" if path.is_dir() else path
     try:
-        fields = json.loads(file.read_text())
+        fields = parse_json(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"Cannot read '{file}' as JSON: {_first_line(error)}") from None
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
@@ -81,14 +105,59 @@ def _check_model_type(path: Path | None, source: str) -> None:
         raise ModelLoadError(f"'{file}' has no model_type field; it is not a transformers config.")
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(
-            f"'{source}' has model_type '{model_type}', an architecture transformers {__version__} does not know; "
-            "upgrade transformers or check the config."
+            f"'{source}' has model_type '{str(model_type)[:60]}', an architecture transformers {__version__} does not "
+            "know; upgrade transformers or check the config."
         )
-    for name in SIZE_FIELDS:
-        value = fields.get(name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise ModelLoadError(f"'{file}': {name} must be a whole number of at least 1, got {json.dumps(value)}; "
-                                 "check the config.")
+    check_config_fields(fields, file)
+
+
+def check_config_fields(fields: dict[str, Any], file: Path | str) -> None:
+    """A config's sizes and dtypes, bounded before anything is built (in sub-configs too: a multimodal model's
+    text_config): each size a whole number from 1 to MAX_CONFIG_SIZE, each stack at most MAX_CONFIG_LAYERS
+    layers, the parameters they imply at most MAX_PARAMETERS, each dtype a float dtype (FLOAT_DTYPES) or "auto".
+
+    Raises:
+        ModelLoadError: one line naming the file, the field, its value and the bound.
+    """
+    def bad(where: str, what: str) -> ModelLoadError:
+        return ModelLoadError(f"'{file}': {where} {what}; check the config.")
+
+    for prefix, part in _config_parts(fields):
+        for name, value in part.items():
+            where = f"{prefix}{name}"
+            if name in SIZE_FIELDS and value is not None and (type(value) is not int or value < 1):
+                raise bad(where, f"must be a whole number of at least 1, got {json.dumps(value)[:40]}")
+            if type(value) is int and (name in SIZE_FIELDS or name.endswith(SIZE_SUFFIXES)) and value > MAX_CONFIG_SIZE:
+                raise bad(where, f"is {value:,}, more than any size a model has ({MAX_CONFIG_SIZE:,})")
+            if name in LAYER_FIELDS and type(value) is int and value > MAX_CONFIG_LAYERS:
+                raise bad(where, f"is {value:,} layers, more than the {MAX_CONFIG_LAYERS:,} mpsimpact builds")
+            if name in ("dtype", "torch_dtype") and value is not None and value not in (*FLOAT_DTYPES, "auto"):
+                raise bad(where, f"is {json.dumps(value)[:40]}, not a dtype models are built in here "
+                                       f"({', '.join(FLOAT_DTYPES)} or auto)")
+        parameters = _parameters_implied(part)
+        if parameters > MAX_PARAMETERS:
+            raise bad(prefix or "its sizes", f"imply about {parameters:.2g} parameters, more than any model "
+                                             f"({MAX_PARAMETERS:.0e})")
+
+
+def _config_parts(fields: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """The config and every sub-config in it (a dict value), each with its dotted prefix."""
+    parts = [(prefix, fields)]
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            parts += _config_parts(value, f"{prefix}{name}.")
+    return parts
+
+
+def _parameters_implied(fields: dict[str, Any]) -> int:
+    """A rough parameter count from a config's sizes: layers x (4 h^2 + 3 h i) + 2 x vocabulary x h."""
+    def first(*names: str, default: int = 0) -> int:
+        return next((v for n in names if type(v := fields.get(n)) is int and v > 0), default)
+
+    hidden = first("hidden_size", "d_model", "n_embd", "dim")
+    inner = first("intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim", default=4 * hidden)
+    layers = sum(v for n in LAYER_FIELDS if type(v := fields.get(n)) is int and v > 0) or 1
+    return layers * (4 * hidden * hidden + 3 * hidden * inner) + 2 * first("vocab_size") * hidden
 
 
 def _first_line(error: BaseException) -> str:
@@ -135,11 +204,13 @@ def build_meta_model(model_class: Any, config: Any, attention: str) -> torch.nn.
     try:
         with torch.device("meta"):
             model = build(config, **kwargs)
-    except (ValueError, ImportError) as error:
+    except (ValueError, ImportError, RuntimeError, TypeError, AttributeError, KeyError, IndexError,
+            OverflowError) as error:  # a config transformers accepted, but no model can be built from
         if attention != "default" and "attn_implementation" in str(error):
             raise UsageError(f"--attention {attention}: {model_class.__name__} does not support it for model type "
                              f"'{config.model_type}' ({_first_line(error)[:160]}).") from None
-        raise ModelLoadError(f"Cannot build {model_class.__name__} from the config: {_first_line(error)}") from None
+        raise ModelLoadError(f"Cannot build {model_class.__name__} (model type '{config.model_type}') from the config: "
+                             f"{type(error).__name__}: {_first_line(error)[:200]}") from None
     return model.eval()
 
 
