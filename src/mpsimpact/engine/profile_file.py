@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.bounds import parse_json
 
 
 PROFILE_KIND = "mpsimpact-fault-profile"
@@ -62,6 +61,10 @@ def _is_str(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
     """The FaultProfile fields a profile.json holds (`families`: the family names a file may use).
 
@@ -69,7 +72,12 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
         ProfileFileError: unreadable, not a profile, a newer schema, or a field of the wrong type or value.
     """
     try:
-        data = parse_json(path.read_text(encoding="utf-8"))
+        # No NaN or Infinity in a profile; a file nested past Python's own limit is refused in one line too (the
+        # engine imports nothing outside itself, so not bounds.parse_json).
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise ProfileFileError(f"Cannot read the profile '{path}': nested too deep; pass a profile.json written by "
+                               "`mpsimpact sweep`.", path) from None
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
