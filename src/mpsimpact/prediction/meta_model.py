@@ -156,14 +156,15 @@ def _config_parts(fields: dict[str, Any], prefix: str = "") -> list[tuple[str, d
 
 
 def _parameters_implied(fields: dict[str, Any]) -> int:
-    """A rough parameter count from a config's sizes: layers x (4 h^2 + 3 h i) + 2 x vocabulary x h."""
+    """A rough parameter count from a config's sizes: layers x (4 h^2 + 3 h i x experts) + 2 x vocabulary x h."""
     def first(*names: str, default: int = 0) -> int:
         return next((v for n in names if type(v := fields.get(n)) is int and v > 0), default)
 
     hidden = first("hidden_size", "d_model", "n_embd", "dim")
     inner = first("intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim", default=4 * hidden)
     layers = sum(v for n in LAYER_FIELDS if type(v := fields.get(n)) is int and v > 0) or 1
-    return layers * (4 * hidden * hidden + 3 * hidden * inner) + 2 * first("vocab_size") * hidden
+    experts = first("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", default=1)
+    return layers * (4 * hidden * hidden + 3 * hidden * inner * experts) + 2 * first("vocab_size") * hidden
 
 
 def _first_line(error: BaseException) -> str:
