@@ -86,7 +86,12 @@ def test_reference_is_cached_between_runs(tmp_path):
         (["run", "sentiment", "--dataset", "tweet_eval"], "Dataset 'tweet_eval' (sentiment, test) is not in the local cache"),
     ],
 )
-def test_bad_input_is_one_actionable_line_and_leaves_nothing(tmp_path, args, message):
+def test_bad_input_is_one_actionable_line_and_leaves_nothing(tmp_path, monkeypatch, args, message):
+    import mpsimpact.output.files as files
+
+    # A disk with room for any report (the free-space check has its own tests, tests/test_input_bounds.py): each
+    # case's own check speaks (10**8 texts would also need 286 GiB of report).
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1 << 50})())
     out = tmp_path / "never"
     result, text = invoke([*args, "--out", str(out)])
     assert result.exit_code == 2, text

@@ -86,6 +86,11 @@ def damage_wrong_shape(path):  # an array of another shape under this key, check
     path.write_bytes(data)
 
 
+def damage_another_width(path):  # rows of 5 values where this key's model gives 3, checksum and all
+    rows = json.loads(path.read_bytes().split(b"\n")[1])["shape"][0]
+    path.write_bytes(reference.encode_entry(path.stem, np.ones((rows, 5), dtype=np.float32)))
+
+
 DAMAGES = {
     "nan rows": (damage_nan_rows, "is damaged (its sha256 does not match its data)"),
     "nan, checksum recomputed": (damage_nan_with_a_matching_checksum, "holds NaN or infinite values"),
@@ -97,6 +102,8 @@ DAMAGES = {
                                 "has no mpsimpact reference header (damaged, or written by an older mpsimpact)"),
     "wrong shape": (damage_wrong_shape, "has 3 rows, this run has 4 texts"),
     "another key": (lambda p: p.write_bytes(reference.encode_entry("x" * 24, LOGITS)), "holds the entry of another key (xxxxxxxxxxxxxxxxxxxxxxxx)"),
+    "another width": (damage_another_width, "has shape [4, 5], where this key's texts and model give [4, 3] (another width)"),
+    "deep header": (lambda p: p.write_bytes(reference.MAGIC + b"[" * 3000 + b"\n" + LOGITS.tobytes()), "has a damaged header"),
 }
 
 
@@ -105,11 +112,11 @@ def test_a_damaged_entry_is_one_warning_line_removed_and_recomputed(damage, caps
     key, path = stored()
     make, problem = DAMAGES[damage]
     make(path)
-    assert reference.cached_reference(key, rows=4) is None  # the caller recomputes
+    assert reference.cached_reference(key, shape=(4, 3)) is None  # the caller recomputes
     assert stderr_lines(capsys) == [f"warning: the cached reference '{path}' {problem}; recomputing it."]
     assert not path.exists()
     assert reference.store_reference(key, LOGITS)  # and the rebuilt entry is good again
-    np.testing.assert_array_equal(reference.cached_reference(key, rows=4), LOGITS)
+    np.testing.assert_array_equal(reference.cached_reference(key, shape=(4, 3)), LOGITS)
 
 
 def test_a_folder_in_the_entrys_place_means_no_cache_for_this_key(capsys):
@@ -170,12 +177,12 @@ def test_a_damaged_cache_changes_no_result(tmp_path):
     assert result.exit_code == 0, text
     assert corrupted_off(tmp_path / "first") == (6, 10)
     (entry,) = (tmp_path / "cache" / "reference").glob("*.ref")
-    for name in ("nan rows", "garbled bytes", "truncated", "emptied"):
+    for name in ("nan rows", "garbled bytes", "truncated", "emptied", "another width"):
         DAMAGES[name][0](entry)
         out = tmp_path / name.replace(" ", "-")
         result, text = invoke([*SMALL, "--out", out])
         assert result.exit_code == 0, text
-        problem = DAMAGES[name][1].split(" (")[0]  # the sizes in "truncated (...)" are this run's
+        problem = DAMAGES[name][1].split(" (")[0].replace("[4, ", "[16, ")  # the sizes are this run's (16 texts)
         assert f"warning: the cached reference '{entry}' {problem}" in text and "; recomputing it." in text, name
         assert corrupted_off(out) == (6, 10), name
         assert json.loads((out / "report.json").read_text())["reference"]["cached"] is False
@@ -210,7 +217,8 @@ def test_a_read_only_parent_is_refused(tmp_path):
 
 def test_a_full_disk_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: type("U", (), {"free": 3 << 20})())
-    with pytest.raises(UsageError, match="is on a disk with 3 MiB free; free some space or pass another --out."):
+    with pytest.raises(UsageError, match="is on a disk with 3 MiB free, and this command writes up to 16 MiB there; "
+                                         "free some space or pass another --out."):
         fresh_out_dir(str(tmp_path / "out"), "run")
 
 

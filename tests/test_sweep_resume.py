@@ -168,7 +168,7 @@ def test_a_sweep_killed_among_its_family_cells_resumes_without_redoing_any_finis
 
 
 def test_a_half_written_last_line_is_dropped_and_an_interruption_keeps_what_finished(tmp_path):
-    from mpsimpact.output.files import resumable_folder
+    from mpsimpact.output.resumable import resumable_folder
 
     out, partial, identity = tmp_path / "out", tmp_path / ".out.partial", {"work": 1}
     with pytest.raises(KeyboardInterrupt), resumable_folder(out, identity, "items.jsonl"):

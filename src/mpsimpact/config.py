@@ -155,6 +155,17 @@ class RunConfig(Validated):
     def attentions(self) -> tuple[str, ...]:
         return ("eager", "sdpa") if self.attention == "both" else (self.attention,)
 
+    def written_bytes(self) -> int:
+        """At most what the report folder will hold, checked against the free space before any work: pages
+        and figures (REPORT_BYTES), and per text and condition a samples.jsonl line and its logits (about
+        0.5 KiB measured; TEXT_BYTES). A batch size left to the scenario counts as the largest default."""
+        conditions = len(self.guards) * len(self.attentions)
+        return REPORT_BYTES + (self.batch_size or DEFAULT_BATCH_CEILING) * conditions * TEXT_BYTES
+
+
+# What a run's report folder holds at most (RunConfig.written_bytes): 0.16 MB for 16 texts, measured.
+REPORT_BYTES, TEXT_BYTES, DEFAULT_BATCH_CEILING = 4 << 20, 1 << 10, 4096
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig(Validated):

@@ -29,6 +29,10 @@ class MemoryPreflightError(DeviceError):
     """A run would not fit in the memory the device offers; raised before allocating."""
 
 
+class DiskFullError(MpsImpactError):
+    """A file could not be written for want of space (ENOSPC, a quota); nothing was left half-written."""
+
+
 class ModelLoadError(MpsImpactError):
     """A model, tokenizer or dataset could not be loaded (offline, missing, malformed)."""
 

@@ -66,7 +66,7 @@ def main(
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.runner import run_scenario
 
-    with claimed_out_dir(run_config.out, run_config.scenario) as folder:
+    with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
         console = Console(stderr=True)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, disable=not console.is_terminal) as progress:

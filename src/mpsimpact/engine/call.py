@@ -61,6 +61,9 @@ class CallRecord:
     needs_grad: bool = False  # sdpa: whether it needed gradients (which decides its path)
     within: int | None = None  # a call of an sdpa's math path: the index of that sdpa call
     occurrence: int | None = None  # other families: this op's how-manieth call of its name (plan replay)
+    # softmax in a trace of every op: bytes of the tensors of its output's size alive while it ran (the scores
+    # the model still holds, its input, its output); what memory estimates count (prediction.memory)
+    live_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def of_op(cls, index: int, op: str, inputs: Iterable[Any], outputs: Iterable[Any], fault: Fault,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 
+
 PROFILE_KIND = "mpsimpact-fault-profile"
 PROFILE_SCHEMA = 1
 # What a profile's measurement may cover; an aspect it did not measure (null in "rules") is judged per call
@@ -60,6 +61,10 @@ def _is_str(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
     """The FaultProfile fields a profile.json holds (`families`: the family names a file may use).
 
@@ -67,8 +72,13 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
         ProfileFileError: unreadable, not a profile, a newer schema, or a field of the wrong type or value.
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        # No NaN or Infinity in a profile; a file nested past Python's own limit is refused in one line too (the
+        # engine imports nothing outside itself, so not bounds.parse_json).
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise ProfileFileError(f"Cannot read the profile '{path}': nested too deep; pass a profile.json written by "
+                               "`mpsimpact sweep`.", path) from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
     return profile_fields(data, path, families)

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import MAX_JSON_DEPTH, MAX_TEXT_CHARS, json_depth, parse_json, text_problem
 from mpsimpact.errors import ModelLoadError, UsageError
 
 LABELS = ("negative", "neutral", "positive")
@@ -163,7 +164,18 @@ def read_text_file(file: Path) -> str:
 
 
 def read_csv_rows(file: Path, text: str) -> list[Row]:
-    """The records of a CSV with a header naming `text` and `label` (other columns ignored)."""
+    """The records of a CSV with a header naming `text` and `label` (other columns ignored). csv's own field
+    limit is lifted to the file's size while it reads, so that a long text meets the one limit every format
+    has (MAX_TEXT_CHARS, said in the same words), not csv's."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(max(limit, len(text) + 1))
+    try:
+        return _csv_rows(file, text)
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _csv_rows(file: Path, text: str) -> list[Row]:
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     try:
         header = [name.strip() for name in next(reader)]
@@ -201,25 +213,35 @@ def read_csv_rows(file: Path, text: str) -> list[Row]:
 
 
 def read_json_rows(file: Path, text: str, *, lines: bool) -> list[Row]:
-    """The records of a JSON list of objects, or of JSON Lines (one object per line)."""
+    """The records of a JSON list of objects, or of JSON Lines (one object per line); nesting is bounded
+    (MAX_JSON_DEPTH) before anything is parsed."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise UsageError(f"Dataset file '{file}' nests lists or objects more than {MAX_JSON_DEPTH} levels deep; a "
+                         "dataset is a list of objects with 'text' and 'label' (or one object per line).",
+                         file=str(file))
     if not lines and text.lstrip().startswith("["):
         try:
-            records = json.loads(text)
+            records = parse_json(text)
         except json.JSONDecodeError as error:
             raise UsageError(f"Dataset file '{file}' is not valid JSON ({error.msg}, line {error.lineno} column "
                              f"{error.colno}); the file may be truncated.", file=str(file)) from None
+        except ValueError as error:
+            raise UsageError(f"Dataset file '{file}' is not valid JSON ({error}).", file=str(file)) from None
         return [_json_row(file, number, None, record) for number, record in enumerate(records, 1)]
     rows = []
     for line, content in enumerate(text.splitlines(), 1):
         if not content.strip():
             continue
+        where = f"row {len(rows) + 1} (line {line})"
         try:
-            record = json.loads(content)
+            record = parse_json(content)
         except json.JSONDecodeError as error:
-            where = f"row {len(rows) + 1} (line {line})"
             raise UsageError(f"Dataset file '{file}', {where}: not valid JSON ({error.msg}, column {error.colno}); "
                              "each line must be one complete object (or the file a list of objects).",
                              file=str(file), row=len(rows) + 1) from None
+        except ValueError as error:
+            raise UsageError(f"Dataset file '{file}', {where}: not valid JSON ({error}).", file=str(file),
+                             row=len(rows) + 1) from None
         rows.append(_json_row(file, len(rows) + 1, line, record))
     return rows
 
@@ -231,8 +253,9 @@ def _json_row(file: Path, number: int, line: int | None, record: Any) -> Row:
                          "and 'label'.", file=str(file), row=number)
     for name in REQUIRED:
         if name not in record:
+            fields = ", ".join(str(key)[:40] for key in list(record)[:10]) + (", ..." if len(record) > 10 else "")
             raise UsageError(f"Dataset file '{file}', {row.where()}: no '{name}' field (fields: "
-                             f"{', '.join(map(str, record)) or 'none'}).", file=str(file), row=number, field=name)
+                             f"{fields or 'none'}).", file=str(file), row=number, field=name)
     return Row(number, line, record["text"], record["label"])
 
 
@@ -249,9 +272,15 @@ def labelled_rows(rows: list[Row], label_names: tuple[str, ...] | None, source: 
 
 
 def _checked_text(row: Row, source: str) -> str:
+    """A non-empty string, at most MAX_TEXT_CHARS long and valid Unicode (the same checks for every format)."""
     text = row.text
     if isinstance(text, str) and text.strip():
-        return text
+        problem = text_problem(text)
+        if problem is None:
+            return text
+        raise UsageError(f"Dataset file '{source}', {row.where()}, field 'text': the text is {problem}; shorten or fix "
+                         f"it (every format has the same limit, {MAX_TEXT_CHARS:,} characters).", file=source,
+                         row=row.number, field="text")
     what = "empty" if isinstance(text, str) else "null" if text is None else (
         f"{_json_kind(text)} ({json.dumps(text)[:40]}), not a string")
     raise UsageError(f"Dataset file '{source}', {row.where()}, field 'text': {what}; every text must be a non-empty "
@@ -267,8 +296,9 @@ def _label_index(row: Row, names: tuple[str, ...], source: str) -> int:
     if type(label) is int and 0 <= label < len(names):
         return label
     expected = f"one of the model's labels ({', '.join(names)}) or an index in 0..{len(names) - 1}"
-    problem = f"is empty; give {expected}" if label == "" else (
-        f": {repr(label) if isinstance(label, str) else json.dumps(label)} is not {expected}")
+    shown = repr(label) if isinstance(label, str) else json.dumps(label)
+    shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+    problem = f"is empty; give {expected}" if label == "" else f": {shown} is not {expected}"
     where = f"Dataset file '{source}', {row.where()}, field 'label'"
     raise UsageError(f"{where}{' ' if label == '' else ''}{problem}.", file=source, row=row.number, field="label")
 

@@ -24,7 +24,7 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     DECOMPOSED_OPS, aten, check_index_bits,
-    MatmulMode, activated, active_emulator, current_phase, needs_grad, op_name,
+    MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
@@ -115,8 +115,15 @@ class GuardMode(MatmulMode):
         making a torch.device on the hot path."""
         return self._device_flag(tensor)
 
+    def _is_outer(self) -> bool:
+        """Whether a guard entered (or installed) later on this thread is active: nested guards, the inner one
+        decides alone, with or without an emulator; an outer one passes every call on."""
+        return innermost("guard") is not self
+
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self._is_outer():
+            return proceed(*args, **kwargs)
         if _tracing_state() is not None:
             plain = self._cannot_fault_untraced(name, args, kwargs)
         elif name == "sdpa":
@@ -251,7 +258,7 @@ class GuardMode(MatmulMode):
 
     # Dispatch level: one bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
-        if self._passing or not self._applies(a):
+        if self._passing or self._is_outer() or not self._applies(a):
             return func(*args, **kwargs)
         active = active_emulator()
         fault, full_a, full_b = (
@@ -271,7 +278,7 @@ class GuardMode(MatmulMode):
         """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
         limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
         a replayed plan, the plan's full-scale decision)."""
-        if self._passing:
+        if self._passing or self._is_outer():
             return func(*args, **kwargs)
         active = active_emulator()
         if active is not None and active.plan is not None:

@@ -5,6 +5,7 @@ call, what MPS does with each bmm/mm/SDPA call and each other op past the per-di
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,18 @@ from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import (
     SKIPPED, judged, judged_at, judged_outputs, op_family, outputs_of, tensors_of,
 )
+
+
+# Ops whose meta kernel refuses what a real device runs (grouped_mm's accepts bf16 alone; an MoE model in fp32
+# runs it on MPS and the CPU): on meta, a new tensor of the output's shape, as on_matmul makes for bmm.
+SHAPE_ONLY = {torch.ops.aten._grouped_mm.default: lambda a, b: (*a.shape[:-1], b.shape[-1])}  # (S, K) x (E, K, N)
+
+
+def _shape_only(func: Any, args: tuple) -> Any:
+    a, b = args[0], args[1]
+    if not (a.is_meta and b.is_meta and a.dim() == 2 and b.dim() == 3 and a.shape[-1] == b.shape[-2]):
+        return func(*args)  # another layout: the kernel's own answer (or its error)
+    return torch.empty(SHAPE_ONLY[func](a, b), dtype=a.dtype, device="meta")
 
 
 class TraceMode(MatmulMode):
@@ -40,14 +53,40 @@ class TraceMode(MatmulMode):
         most, self._full_most = judged_at(index_bits)
         self._most = -1 if every_op else most
         self._seen: dict[tuple[int | None, str], int] = {}  # calls per (sdpa scope, op name): plan replay
+        self._made: list[weakref.ref] = []  # every op's outputs, with every_op (see _track)
+        self._kept = 0
 
     def on_matmul(self, func, family, a, b, args, kwargs):
         self._add(op_name(func), family, a, b)
         if a.is_meta and b.is_meta and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]:
             # What aten's meta kernel returns (a new contiguous product), without its Python decomposition
             # (a third of a trace's time); a mismatch goes to the kernel, for its error.
-            return torch.empty((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device="meta")
-        return func(*args, **kwargs)
+            return self._track(torch.empty((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device="meta"))
+        return self._track(func(*args, **kwargs))
+
+    def _track(self, out: Any) -> Any:
+        """Keeps a weak reference to each output (with `every_op`): which are still alive when a softmax runs
+        is what the model itself holds (Python frees a tensor when its last name goes)."""
+        if self._most < 0:
+            for tensor in outputs_of(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._made.append(weakref.ref(tensor))
+            if len(self._made) > 4 * self._kept + 4096:
+                self._made = [ref for ref in self._made if ref() is not None]
+                self._kept = len(self._made)
+        return out
+
+    def _live_bytes(self, args: tuple, kwargs: dict, out: Any) -> int:
+        """Bytes of the distinct storages of tensors with as many elements as `out`'s largest, alive now."""
+        made = [t for t in outputs_of(out) if isinstance(t, torch.Tensor)]
+        size = max((t.numel() for t in made), default=0)
+        alive = (ref() for ref in self._made)
+        storages = {}
+        for tensor in (*alive, *tensors_of(args, kwargs), *made):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == size:
+                storage = tensor.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+        return sum(storages.values())
 
     def _add(self, op: str, family: str, a, b, grad: bool = False) -> int:
         phase = current_phase()
@@ -58,7 +97,7 @@ class TraceMode(MatmulMode):
         return record.index
 
     def on_other(self, func, args, kwargs):
-        out = func(*args, **kwargs)
+        out = self._track(_shape_only(func, args) if func in SHAPE_ONLY else func(*args, **kwargs))
         if op_family(func) in SKIPPED:
             return out
         name = op_name(func)
@@ -70,8 +109,10 @@ class TraceMode(MatmulMode):
             return out  # the prefilter: past no limit
         phase = current_phase()
         fault = classify_op(func, inputs, outputs, index_bits=self.index_bits, profile=self.profile)
+        live = self._live_bytes(args, kwargs, out) if self._most < 0 and op_family(func) == "softmax" else None
         record = CallRecord.of_op(len(self.calls), name, inputs, outputs, fault, phase,
-                                  module=self._where(phase), within=self._within, occurrence=occurrence)
+                                  module=self._where(phase), within=self._within, occurrence=occurrence,
+                                  live_bytes=live)
         self.calls.append(record)
         return out
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
-import json
 import os
 import re
 import shutil
@@ -19,9 +19,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from mpsimpact.errors import UsageError
+from mpsimpact.errors import DiskFullError, UsageError
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
 MIN_FREE_BYTES = 16 << 20  # refuse an --out on a disk with less free: reports hold figures and logits
@@ -57,18 +56,41 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Writes `data` to `path` through a temporary file and a rename: never half-written. The temporary
     file carries this process's id, so `remove_dead_partials` can tell a killed writer's leftovers."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
+    with disk_full_said(path, len(data)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
+        try:
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are meant to be shared
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# errno values that mean "the disk (or the quota) is full": a write fails in one line, not a traceback.
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+@contextlib.contextmanager
+def disk_full_said(path: Path, size: int) -> Iterator[None]:
+    """Turns a full disk (ENOSPC, a quota, a file too large) while writing `path` into DiskFullError, one line
+    naming the file, the bytes and the free space; the caller's cleanup (temporary files, partial folders)
+    runs as for any other error."""
     try:
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are meant to be shared
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield
+    except OSError as error:
+        if error.errno not in _FULL:
+            raise
+        try:
+            free = f"{shutil.disk_usage(Path(path).parent).free >> 20} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise DiskFullError(f"No space left to write '{path}' ({size:,} bytes, {free}: {error.strerror}); free some "
+                            "space or write elsewhere. Nothing was left half-written.", path=str(path)) from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -105,26 +127,31 @@ def check_out_file(path: str | Path, flag: str) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} '{file}': cannot write in '{folder}' (permission denied); pass another path.",
                          option=flag)
+    check_free_space(folder, MIN_FREE_BYTES, f"{flag} '{file}'", flag)
     return file
 
 
-def check_out_dir(folder: Path, flag: str = "--out") -> None:
-    """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with some
-    room on its disk: checked before any work, so a run never computes for a folder it cannot write."""
-    if folder.is_dir():
+def check_out_dir(folder: Path, flag: str = "--out", needed: int = MIN_FREE_BYTES) -> None:
+    """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with `needed`
+    bytes free on its disk: checked before any work, so a run never computes for a folder it cannot write."""
+    if folder.is_dir() and not folder.is_symlink():
         entries = os.listdir(folder)
         if CLAIM_MARKER in entries:
             _refuse_live_claim(folder, flag)
         if any(name != CLAIM_MARKER for name in entries):
             raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.",
                              option=flag)
-    check_writable_folder(folder, flag)
+    check_writable_folder(folder, flag, needed)
 
 
-def check_writable_folder(folder: Path, flag: str) -> None:
+def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES) -> None:
     """Raises UsageError unless `folder` is a folder we can write in, or one we can create (its nearest
-    existing parent is a writable folder), on a disk with some room. Creates nothing."""
+    existing parent is a writable folder; not a symbolic link), on a disk with `needed` bytes free. Creates
+    nothing."""
     folder = Path(folder)
+    if folder.is_symlink():
+        raise UsageError(f"{flag} '{folder}' is a symbolic link; pass the folder it points to, or another {flag} "
+                         "(mpsimpact never writes through a link).", option=flag)
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
@@ -134,10 +161,16 @@ def check_writable_folder(folder: Path, flag: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} '{folder}': cannot write in '{existing}' (permission denied); pass another {flag}.",
                          option=flag)
+    check_free_space(existing, needed, f"{flag} '{folder}'", flag)
+
+
+def check_free_space(existing: Path, needed: int, what: str, flag: str) -> None:
+    """Raises UsageError unless the disk of `existing` has `needed` bytes free (and MIN_FREE_BYTES)."""
     free = shutil.disk_usage(existing).free
-    if free < MIN_FREE_BYTES:
-        raise UsageError(f"{flag} '{folder}' is on a disk with {free >> 20} MiB free; free some space or pass another "
-                         f"{flag}.", option=flag)
+    needed = max(needed, MIN_FREE_BYTES)
+    if free < needed:
+        raise UsageError(f"{what} is on a disk with {free >> 20} MiB free, and this command writes up to "
+                         f"{-(-needed >> 20)} MiB there; free some space or pass another {flag}.", option=flag)
 
 
 def default_out_dir(default_prefix: str) -> Path:
@@ -150,13 +183,14 @@ def default_out_dir(default_prefix: str) -> Path:
     return folder
 
 
-def fresh_out_dir(out: str | None, default_prefix: str) -> Path:
-    """The report folder, `out` or outputs/<prefix>-<timestamp>/, checked (see `check_out_dir`) but
-    not claimed: creates nothing. Commands call `claimed_out_dir` instead, which also claims it."""
+def fresh_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_BYTES) -> Path:
+    """The report folder, `out` or outputs/<prefix>-<timestamp>/, checked (see `check_out_dir`; `needed`: the
+    bytes the command writes there, at most) but not claimed: creates nothing. Commands call
+    `claimed_out_dir` instead, which also claims it."""
     if out is not None and not str(out).strip():
         raise UsageError("--out must name a folder, got ''.", option="--out")
     folder = Path(out) if out else default_out_dir(default_prefix)
-    check_out_dir(folder)
+    check_out_dir(folder, needed=needed)
     return folder
 
 
@@ -250,7 +284,7 @@ def _remove_dead_partial_folders(folder: Path) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def claim_out_dir(out: str | None, default_prefix: str) -> Path:
+def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_BYTES) -> Path:
     """Checks and claims the report folder before any work: `out` (or outputs/<prefix>-<timestamp>/) is
     created, or adopted when empty, with a marker this process holds a lock on, so a second writer is
     refused at once (the lock dies with the process: a killed writer's claim is taken over). Stale
@@ -260,7 +294,7 @@ def claim_out_dir(out: str | None, default_prefix: str) -> Path:
     Raises:
         UsageError: not creatable, not writable, not empty, claimed by a live process, or a full disk.
     """
-    folder = fresh_out_dir(out, default_prefix)  # refuses a folder this process claimed, too
+    folder = fresh_out_dir(out, default_prefix, needed)  # refuses a folder this process claimed, too
     key = folder.absolute()
     with _CLAIMS_LOCK:
         try:
@@ -270,7 +304,7 @@ def claim_out_dir(out: str | None, default_prefix: str) -> Path:
         with _locked_folder(folder.parent):
             created = _make_or_adopt(folder)
             try:
-                fd = os.open(folder / CLAIM_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(folder / CLAIM_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.write(fd, f"{os.getpid()}\n".encode())
             except OSError as error:
@@ -306,14 +340,15 @@ def release_all_out_dirs() -> None:
 
 
 @contextlib.contextmanager
-def claimed_out_dir(out: str | None, default_prefix: str, *, default: bool = True) -> Iterator[Path | None]:
+def claimed_out_dir(out: str | None, default_prefix: str, *, default: bool = True,
+                    needed: int = MIN_FREE_BYTES) -> Iterator[Path | None]:
     """`claim_out_dir` for the length of a command: the claim is released if the block ends without
     filling the folder (an error, Ctrl-C, SIGTERM). With `default=False` and no `out`, yields None
-    (the command writes no folder)."""
+    (the command writes no folder). `needed`: the bytes the command writes there, at most."""
     if out is None and not default:
         yield None
         return
-    folder = claim_out_dir(out, default_prefix)
+    folder = claim_out_dir(out, default_prefix, needed)
     try:
         yield folder
     finally:
@@ -350,83 +385,3 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
         claim = _CLAIMS.pop(key, None)
     if claim is not None:
         os.close(claim.fd)
-
-
-class ResumableFolder:
-    """A report folder filled across runs (`resumable_folder`): the items finished so far, one JSON line
-    each in `log`, appended and synced one by one, so that a kill loses at most the item under way."""
-
-    def __init__(self, path: Path, log: str) -> None:
-        self.path, self.log = path, path / log
-        lines = self.log.read_text(encoding="utf-8").splitlines(keepends=True) if self.log.exists() else []
-        self.items: list[dict[str, Any]] = []
-        for line in lines:
-            with contextlib.suppress(json.JSONDecodeError):  # a line a kill cut short is dropped
-                if line.endswith("\n"):
-                    self.items.append(json.loads(line))
-        if len(self.items) != len(lines):
-            atomic_write_text(self.log, "".join(json.dumps(item) + "\n" for item in self.items))
-        self.resumed = len(self.items)
-
-    def append(self, item: dict[str, Any]) -> None:
-        with open(self.log, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(item) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        self.items.append(item)
-
-
-@contextlib.contextmanager
-def resumable_folder(out: Path, identity: dict[str, Any], log: str) -> Iterator[ResumableFolder]:
-    """Yields the hidden partial folder `.<out name>.partial` next to `out`, with what an earlier run of the
-    same work (the same `identity`) finished in it; renames it to `out` when the block completes.
-
-    A run killed at any point (any signal, Ctrl-C, power) leaves the partial folder for the next run of the
-    same work to pick up. The folder is claimed by a lock while one process works in it (the system
-    drops it when the process ends, however it ends). An interrupted run that finished nothing leaves
-    nothing behind.
-
-    Raises:
-        UsageError: another process holds the folder, or it holds work of another identity.
-    """
-    out = Path(out)
-    partial = out.parent / f".{out.name}.partial"
-    created = not partial.exists()
-    partial.mkdir(parents=True, exist_ok=True)
-    with open(partial / ".lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(f"Another mpsimpact process is writing '{partial}'; wait for it to end, or pass "
-                             "another --out.") from None
-        folder = None
-        try:
-            _claim_identity(partial, identity)
-            folder = ResumableFolder(partial, log)
-            yield folder
-            for name in (".lock", "identity.json"):
-                (partial / name).unlink()
-            if out.exists():
-                out.rmdir()  # fresh_out_dir allowed only an empty folder
-            os.replace(partial, out)
-        except BaseException:
-            if created and (folder is None or not folder.items):
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
-
-
-def _claim_identity(partial: Path, identity: dict[str, Any]) -> None:
-    """Records `identity` in a new partial folder, or checks that an existing one holds the same work."""
-    path = partial / "identity.json"
-    if not path.exists():
-        atomic_write_text(path, json.dumps(identity, indent=2) + "\n")
-        return
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        saved = {}
-    differing = sorted(key for key in identity.keys() | saved.keys() if identity.get(key) != saved.get(key))
-    if differing:
-        parts = ", ".join(f"{key} {saved.get(key)!r} there, {identity.get(key)!r} now" for key in differing)
-        raise UsageError(f"'{partial}' holds the unfinished work of another command ({parts}); rerun that "
-                         "command to finish it, or delete the folder, or pass another --out.")

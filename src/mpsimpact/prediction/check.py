@@ -17,7 +17,9 @@ from mpsimpact.prediction.meta_model import (
 from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
-from mpsimpact.prediction.safe_size import TRACE_TEXTS, largest_safe_batch, per_text, plan_at, scalable
+from mpsimpact.prediction.safe_size import (
+    TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, scalable,
+)
 from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
 
@@ -48,6 +50,7 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
 
     config, where = load_model_config(cfg.model)
     model_class, task, task_basis = resolve_task(config, cfg.task)
+    padding = pad_for_the_head(config, model_class)
     module = build_meta_model(model_class, config, cfg.attention)
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
@@ -62,8 +65,21 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         "dtype": str(module.dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in module.parameters()),
         "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
         "supports_attention_interface": bool(getattr(module, "_supports_attention_backend", False)),
+        "padding": padding,
     }
     return model, info
+
+
+def pad_for_the_head(config: Any, model_class: Any) -> str:
+    """A sequence-classification head pools each sample's last token before padding, and refuses batches of
+    more than one without a pad token: a config with none gets one for the trace (the last id, which the
+    zero token ids never meet, so every token counts). Returns what was done, in words ("" when nothing)."""
+    if getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None):
+        return ""
+    if "ForSequenceClassification" not in getattr(model_class, "__name__", ""):
+        return ""
+    config.pad_token_id = config.vocab_size - 1
+    return f"; pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
 
 
 def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
@@ -90,6 +106,29 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     return BoundarySearch(found, BATCH_CEILING, basis)
 
 
+# The most ops one trace of the length search may hold: a model that runs ops per token (a state-space or
+# recurrent scan: Mamba) is searched only as far as a trace of it stays this small (about a second).
+MAX_TRACE_OPS = 20_000
+
+
+def affordable_length(model: MetaModel, batch: int, high: int) -> tuple[int, str]:
+    """(the longest length the search may trace, and a note where that cuts `high`): the ops of the search's
+    first two traces (safe_size.fit_lengths: made here, reused by the search), extrapolated linearly;
+    transformers' ops do not grow with the length, a token-by-token scan's do."""
+    short, longer = fit_lengths(high)[:2]
+    if longer <= short:
+        return high, ""
+    first, second = model.trace(batch, short), model.trace(batch, longer)
+    per_token = (len(second.calls) - len(first.calls)) / (longer - short)
+    if per_token <= 0:
+        return high, ""
+    cap = max(longer, int(longer + (MAX_TRACE_OPS - len(second.calls)) / per_token))
+    if cap >= high:
+        return high, ""
+    return cap, (f"searched up to {cap} tokens only: a trace grows by {per_token:.3g} ops per token (the model "
+                 f"runs ops token by token), and a longer one would hold more than {MAX_TRACE_OPS:,}")
+
+
 def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
     return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
 
@@ -102,8 +141,11 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     length, high = geometry(model.config, cfg)
     batch, heads = cfg.batch_size, info["heads"]
     plan = model.trace(batch, length)
+    high, cost_note = affordable_length(model, batch, high)
     by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
                                     known=length)
+    if cost_note:
+        by_length = dataclasses.replace(by_length, basis=f"{by_length.basis}; {cost_note}")
     by_batch = safe_batch(model, batch, length)
     peak, peak_basis = traced_peak_bytes(plan, info["parameters"], batch, length,
                                          int(getattr(model.config, "hidden_size", 0) or 0), heads,
@@ -113,7 +155,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg),
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
-                                   f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)")},
+                                   f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)") + info["padding"]},
         "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(plan.under(release.installed),
                                                                              batch, heads))},
         "torch_profile": profile_info(release),

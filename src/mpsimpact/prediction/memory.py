@@ -33,16 +33,19 @@ UPCAST_BYTES = 4
 
 
 def peak_bytes(parameters: int, states: int, attention: int, heads: int, feed_forward: int,
-               dtype_bytes: int = 4, upcast: bool = False) -> int:
+               dtype_bytes: int = 4, upcast: bool = False, softmax_live: int = 0) -> int:
     """The one estimate of an eager forward pass's peak, in bytes: the parameters, 4 hidden-state copies
     (`states` = B*L*D), and the larger of the attention peak (two of its largest tensor live at once,
     e.g. scores and P (B*H, L, L), plus the (B, 1, L, L) mask; with `upcast`, a 16-bit model whose eager
     softmax runs in fp32, the scores plus two fp32 copies) and the feed-forward peak (two of its
     largest output). Calibrated on the published 115 GiB peak of MiniLM-size emulation at B = 4096,
     L = 512 (this gives 112) and within 3 % below four H200 peaks (benchmarks/README.md); the upcast
-    against a bf16 Llama's peak measured on CPU (tests/test_memory.py, within 2 %)."""
+    against a bf16 Llama's peak measured on CPU (tests/test_memory.py, within 2 %). `softmax_live`: the bytes
+    of score-sized tensors a traced model keeps alive while its softmax runs (Falcon's bf16 eager attention
+    holds the scores, their masked sum and the output: 3 x 2 bytes a score), counted where it is more."""
     per_score = dtype_bytes + 2 * UPCAST_BYTES if upcast else 2 * dtype_bytes
-    attention_bytes = attention * per_score + attention // heads * dtype_bytes
+    mask = attention // heads * dtype_bytes
+    attention_bytes = max(attention * per_score, softmax_live) + mask
     return dtype_bytes * (parameters + 4 * states) + max(attention_bytes, 2 * feed_forward * dtype_bytes)
 
 
@@ -82,11 +85,16 @@ def blocked_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int = 
     return dtype_bytes * tensors + 2 * ID_BYTES * batch * length
 
 
+def largest_softmax(plan: Any) -> Any | None:
+    """The traced forward's largest softmax call (the trace must hold every op: `every_op`), or None."""
+    softmaxes = [c for c in plan.calls if c.phase == "forward" and c.family == "softmax"]
+    return max(softmaxes, key=lambda c: c.b.numel, default=None)
+
+
 def softmax_upcast(plan: Any, dtype: Any) -> bool:
     """Whether the traced forward's largest softmax runs in fp32 in a 16-bit model (an eager softmax with
     dtype=torch.float32): the trace must hold every op (`every_op`), or at least that softmax."""
-    softmaxes = [c for c in plan.calls if c.phase == "forward" and c.family == "softmax"]
-    largest = max(softmaxes, key=lambda c: c.b.numel, default=None)
+    largest = largest_softmax(plan)
     return largest is not None and dtype.itemsize < UPCAST_BYTES and largest.b.dtype == "float32"
 
 
@@ -101,12 +109,18 @@ def traced_peak_bytes(plan: Any, parameters: int, batch: int, length: int, hidde
     layer_mm = max((c.out_numel for c in forward if c.family == "mm" and re.search(r"\.\d+\.", c.module)),
                    default=mm)
     states, upcast = batch * length * hidden, softmax_upcast(plan, dtype)
-    total = peak_bytes(parameters, states, bmm, heads, mm, dtype.itemsize, upcast)
+    softmax = largest_softmax(plan)
+    live = (softmax.live_bytes or 0) if softmax is not None and softmax.b.numel * 2 >= bmm else 0
+    total = peak_bytes(parameters, states, bmm, heads, mm, dtype.itemsize, upcast, live)
     basis = (f"{str(dtype).removeprefix('torch.')}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state "
              f"copies + the larger of 2 x the largest bmm tensor ({bmm / 1e9:.2f}G elements) + the L x L mask, "
              f"and 2 x the largest mm output ({mm / 1e9:.2f}G)")
     if upcast:
         basis += "; eager softmax runs in fp32 (dtype=torch.float32): the scores plus two fp32 copies"
+    per_score = dtype.itemsize + 2 * UPCAST_BYTES if upcast else 2 * dtype.itemsize
+    if live > bmm * per_score:
+        basis += (f"; while its softmax runs the model keeps {live / max(softmax.b.numel, 1):.3g} bytes a score "
+                  "alive (the scores, their masked sum, the output: traced)")
     if backward:
         layers = len({m[1] for c in forward if (m := re.match(r"^(.*?\.\d+)(\.|$)", c.module))}) or 1
         total += dtype.itemsize * (parameters + layers * (bmm + bmm // heads + 2 * layer_mm + 8 * states))

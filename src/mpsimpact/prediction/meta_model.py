@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mpsimpact.bounds import parse_json
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
@@ -30,9 +32,20 @@ TASKS = {
 SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "num_key_value_heads",
                "vocab_size", "max_position_embeddings", "head_dim", "d_model", "d_kv", "d_ff", "num_heads",
                "num_layers", "num_decoder_layers", "n_head", "n_layer", "n_embd", "n_positions")
-# Input variants, tried in order: transformers' mask code reads mask values (`.all()`), which meta
-# tensors lack; which variant avoids that depends on the architecture. No variant changes a matmul.
-MASKS = ("none", "4-D ones", "2-D ones")
+# Bounds on a config, checked on its JSON before transformers reads it or anything is built: no real model
+# comes near them, and past them a meta build overflows a storage size or runs until killed.
+MAX_CONFIG_SIZE = 2**31 - 1  # any size field (a dimension past INT_MAX is no model)
+MAX_CONFIG_LAYERS = 512  # layers of one stack (the deepest published models have about 200; 512 BERT layers trace in 45 s)
+MAX_PARAMETERS = 10**13  # parameters, estimated from the sizes (the largest published models have about 2 * 10**12)
+LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "num_encoder_layers",
+                "encoder_layers", "decoder_layers")
+SIZE_SUFFIXES = ("_size", "_dim", "_layers", "_heads", "_positions", "_embd", "_embeddings")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a config's dtype may say (or "auto")
+# Input variants, tried in order until one traces: transformers' mask code reads mask values (`.all()`), which
+# meta tensors lack; which variant avoids that depends on the architecture. The 2-D mask (what a tokenizer
+# gives) comes before the 4-D one, which some models would broadcast wrongly (DeBERTa builds its own (B, 1, L, L)
+# from a 2-D mask). No variant changes a matmul.
+MASKS = ("none", "2-D ones", "4-D ones")
 
 
 def _looks_like_path(source: str) -> bool:
@@ -50,7 +63,8 @@ def load_model_config(source: str) -> tuple[Any, str]:
     if not path.exists() and _looks_like_path(source):
         raise UsageError(f"'{source}' does not exist; pass a model folder, a config.json or a hub id.")
     where = "config file" if path.is_file() else "local folder" if path.is_dir() else "Hugging Face cache"
-    _check_model_type(path if path.exists() else None, source)
+    model_type = _check_model_type(path if path.exists() else _cached_config_file(source), source)
+    named = f" (model type '{model_type}')" if model_type else ""
     try:
         return AutoConfig.from_pretrained(str(path) if path.exists() else source, local_files_only=True), where
     except OSError:
@@ -61,19 +75,34 @@ def load_model_config(source: str) -> tuple[Any, str]:
             f"`hf download {source}` or pass a local folder or config.json."
         ) from None
     except ValueError as error:
-        raise ModelLoadError(f"Cannot load the config of '{source}': {_first_line(error)}") from None
+        raise ModelLoadError(f"Cannot load the config of '{source}'{named}: {_one_line(error)}") from None
+    except Exception as error:  # a field transformers validates or uses and cannot (any error type)
+        raise ModelLoadError(f"Cannot load the config of '{source}'{named}: {type(error).__name__}: "
+                             f"{_one_line(error)}") from None
 
 
-def _check_model_type(path: Path | None, source: str) -> None:
-    """A local config's model_type must be one this transformers knows (checked before AutoConfig,
-    whose message runs over several lines)."""
+def _cached_config_file(source: str) -> Path | None:
+    """The config.json of a hub id in the local Hugging Face cache (checked like a local one), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source, "config.json")
+    except Exception:  # a malformed repo id: AutoConfig says so in its own words
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _check_model_type(path: Path | None, source: str) -> str | None:
+    """A local (or cached) config's model_type must be one this transformers knows (checked before AutoConfig,
+    whose message runs over several lines), and its fields within bounds (`check_config_fields`); returns the
+    model type (None without a file to read)."""
     if path is None:
-        return
+        return None
     from transformers import CONFIG_MAPPING, __version__
 
     file = path / "config.json" if path.is_dir() else path
     try:
-        fields = json.loads(file.read_text())
+        fields = parse_json(file.read_text(encoding="utf-8"), allow_nan=True)  # Mamba-2 configs hold Infinity
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"Cannot read '{file}' as JSON: {_first_line(error)}") from None
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
@@ -81,18 +110,71 @@ def _check_model_type(path: Path | None, source: str) -> None:
         raise ModelLoadError(f"'{file}' has no model_type field; it is not a transformers config.")
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(
-            f"'{source}' has model_type '{model_type}', an architecture transformers {__version__} does not know; "
-            "upgrade transformers or check the config."
+            f"'{source}' has model_type '{str(model_type)[:60]}', an architecture transformers {__version__} does not "
+            "know; upgrade transformers or check the config."
         )
-    for name in SIZE_FIELDS:
-        value = fields.get(name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise ModelLoadError(f"'{file}': {name} must be a whole number of at least 1, got {json.dumps(value)}; "
-                                 "check the config.")
+    check_config_fields(fields, file)
+    return model_type
+
+
+def check_config_fields(fields: dict[str, Any], file: Path | str) -> None:
+    """A config's sizes and dtypes, bounded before anything is built (in sub-configs too: a multimodal model's
+    text_config): each size a whole number from 1 to MAX_CONFIG_SIZE, each stack at most MAX_CONFIG_LAYERS
+    layers, the parameters they imply at most MAX_PARAMETERS, each dtype a float dtype (FLOAT_DTYPES) or "auto".
+
+    Raises:
+        ModelLoadError: one line naming the file, the field, its value and the bound.
+    """
+    def bad(where: str, what: str) -> ModelLoadError:
+        return ModelLoadError(f"'{file}': {where} {what}; check the config.")
+
+    for prefix, part in _config_parts(fields):
+        for name, value in part.items():
+            where = f"{prefix}{name}"
+            if name in SIZE_FIELDS and value is not None and (type(value) is not int or value < 1):
+                raise bad(where, f"must be a whole number of at least 1, got {json.dumps(value)[:40]}")
+            if type(value) is int and (name in SIZE_FIELDS or name.endswith(SIZE_SUFFIXES)) and value > MAX_CONFIG_SIZE:
+                raise bad(where, f"is {value:,}, more than any size a model has ({MAX_CONFIG_SIZE:,})")
+            if name in LAYER_FIELDS and type(value) is int and value > MAX_CONFIG_LAYERS:
+                raise bad(where, f"is {value:,} layers, more than the {MAX_CONFIG_LAYERS:,} mpsimpact builds")
+            if name in ("dtype", "torch_dtype") and value is not None and value not in (*FLOAT_DTYPES, "auto"):
+                raise bad(where, f"is {json.dumps(value)[:40]}, not a dtype models are built in here "
+                                       f"({', '.join(FLOAT_DTYPES)} or auto)")
+        parameters = _parameters_implied(part)
+        if parameters > MAX_PARAMETERS:
+            raise bad(prefix or "its sizes", f"imply about {parameters:.2g} parameters, more than any model "
+                                             f"({MAX_PARAMETERS:.0e})")
+
+
+def _config_parts(fields: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """The config and every sub-config in it (a dict value), each with its dotted prefix."""
+    parts = [(prefix, fields)]
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            parts += _config_parts(value, f"{prefix}{name}.")
+    return parts
+
+
+def _parameters_implied(fields: dict[str, Any]) -> int:
+    """A rough parameter count from a config's sizes: layers x (4 h^2 + 3 h i x experts) + 2 x vocabulary x h."""
+    def first(*names: str, default: int = 0) -> int:
+        return next((v for n in names if type(v := fields.get(n)) is int and v > 0), default)
+
+    hidden = first("hidden_size", "d_model", "n_embd", "dim")
+    inner = first("intermediate_size", "d_ff", "n_inner", "ffn_dim", "hidden_dim", default=4 * hidden)
+    layers = sum(v for n in LAYER_FIELDS if type(v := fields.get(n)) is int and v > 0) or 1
+    experts = first("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", default=1)
+    return layers * (4 * hidden * hidden + 3 * hidden * inner * experts) + 2 * first("vocab_size") * hidden
 
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _one_line(error: BaseException, most: int = 240) -> str:
+    """An error's whole text on one line (messages that put the reason on a second line keep it)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def resolve_task(config: Any, task: str) -> tuple[Any, str, str]:
@@ -135,11 +217,12 @@ def build_meta_model(model_class: Any, config: Any, attention: str) -> torch.nn.
     try:
         with torch.device("meta"):
             model = build(config, **kwargs)
-    except (ValueError, ImportError) as error:
+    except Exception as error:  # a config transformers accepted, but no model can be built from (any error type)
         if attention != "default" and "attn_implementation" in str(error):
             raise UsageError(f"--attention {attention}: {model_class.__name__} does not support it for model type "
                              f"'{config.model_type}' ({_first_line(error)[:160]}).") from None
-        raise ModelLoadError(f"Cannot build {model_class.__name__} from the config: {_first_line(error)}") from None
+        raise ModelLoadError(f"Cannot build {model_class.__name__} (model type '{config.model_type}') from the config, "
+                             f"in {failing_call(error)}: {type(error).__name__}: {_one_line(error)}") from None
     return model.eval()
 
 
@@ -184,25 +267,37 @@ class MetaModel:
         return self.plans[batch, length]
 
     def _trace(self, batch: int, length: int) -> FaultPlan:
-        variants = (self.mask,) if self.mask else MASKS
-        for variant in variants[:-1]:
-            if (plan := self._attempt(batch, length, variant, last=False)) is not None:
-                return plan
-        return self._attempt(batch, length, variants[-1], last=True)
+        """The first input variant that traces (once one has, that one); every variant failing is one line that
+        names the model type, the variants tried, and the call that failed last."""
+        failures = []
+        for variant in (self.mask,) if self.mask else MASKS:
+            self.traces += 1
+            try:
+                plan = trace_module(self.module, self.inputs(batch, length, variant), backward=self.backward,
+                                    index_bits=self.index_bits, profile=self.profile, every_op=True)
+            except Exception as error:  # the model's own code on meta tensors can fail in any way: try the next
+                failures.append((variant, error))
+                continue
+            self.mask = variant
+            return plan
+        # The most telling failure: the first that is not a mask value read on meta (the natural input's, 2-D).
+        variant, error = next(((v, e) for v, e in failures if "meta tensors" not in str(e)), failures[-1])
+        raise ModelLoadError(
+            f"Cannot trace {type(self.module).__name__} (model type '{getattr(self.config, 'model_type', '?')}') of "
+            f"{self.name} on meta at batch {batch}, length {length} with any input variant "
+            f"({', '.join(v for v, _ in failures)}); with {variant} it failed in {failing_call(error)}: "
+            f"{type(error).__name__}: {_one_line(error)}", model_type=getattr(self.config, "model_type", None),
+            call=failing_call(error)) from None
 
-    def _attempt(self, batch: int, length: int, mask: str, last: bool) -> FaultPlan | None:
-        """A trace with this input variant; None if the model read a mask value and others remain."""
-        self.traces += 1
-        try:
-            plan = trace_module(self.module, self.inputs(batch, length, mask), backward=self.backward,
-                                index_bits=self.index_bits, profile=self.profile, every_op=True)
-        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as error:
-            if "meta tensors" in str(error) and not last:
-                return None
-            raise ModelLoadError(f"Tracing {self.name} on meta failed at batch {batch}, length {length}: "
-                                 f"{_first_line(error)}") from None
-        self.mask = mask
-        return plan
+
+def failing_call(error: BaseException) -> str:
+    """Where `error` was raised, as `file.py:line in function`: the innermost frame in the model's own code
+    (transformers, or a model's remote code), else the innermost frame outside torch."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "/transformers/" in f.filename or "/modules/transformers_modules/" in f.filename]
+    outside = [f for f in frames if "/torch/" not in f.filename and "/mpsimpact/" not in f.filename]
+    frame = (ours or outside or frames or [None])[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else "an unknown call"
 
 
 def heads_of(config: Any) -> int:

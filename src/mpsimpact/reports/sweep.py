@@ -32,11 +32,12 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     from rich.console import Console
 
     from mpsimpact.engine.release import resolve_profile
-    from mpsimpact.output.files import fresh_out_dir, resumable_folder
+    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.output.resumable import ResumableFolder, resumable_folder
     from mpsimpact.output.page import EMULATED_LABEL
     from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
-    from mpsimpact.output.files import ResumableFolder
     from mpsimpact.runs.family_cells import family_grid
+    from mpsimpact.runs.row_check import resumed_rows
     from mpsimpact.runs.sweep import grid
 
     config.validate()
@@ -62,7 +63,9 @@ def run_sweep(config: SweepConfig) -> dict[str, Any]:
     started = time.perf_counter()
     with resumable_folder(out, identity, "sweep.jsonl") as folder:
         families = ResumableFolder(folder.path, "families.jsonl")  # the same claimed folder, a second log
-        done = {_cell_key(row["cell"]): row for row in folder.items + families.items if is_measured(row)}
+        kept = resumed_rows((folder, families), (cells, family_cells), device, emulated, config.index_bits,
+                            profile.ref)
+        done = {_cell_key(row["cell"]): row for row in kept if is_measured(row)}
         todo = [cell for cell in cells + family_cells if _cell_key(dataclasses.asdict(cell)) not in done]
         print_plan(console, mode, config, (cells + family_cells, todo), budget, device, folder.path)
         rows = dict(done)

@@ -14,14 +14,18 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.faults import OK, SILENT_KINDS, Fault, limits
+from mpsimpact.engine.faults import OK, SILENT_KINDS, STOP_KINDS, Fault, limits
 from mpsimpact.runs.sweep import (
-    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, not_run, random_tensor, rows_within_budget, worker_rows,
+    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, not_run, random_tensor, rows_within_budget,
+    worker_rows,
 )
 
 WRONG_ABOVE = 1e-2  # the first-pass suite's criterion: relative error above 1e-2 against the CPU is WRONG
 RANDOM_SCALE = 1e-2  # random draws: a mean or a standard deviation off by more than this is WRONG
 NO_VALUES = {"max_rel_error": None}
+# What a family cell can be observed as, and the fields of its row that say so (see runs.row_check).
+FAMILY_OBSERVED = frozenset({"ok", "wrong", "wrap", "wrong_other", "crash", NOT_RUN}) | STOP_KINDS
+FAMILY_SEEN_FIELDS = ("observed", "max_rel_error", "message", "rule")
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "uint8": torch.uint8, "int64": torch.int64,
        "bool": torch.bool}
 # An input: (name, shape, dtype, fill); fill is "randn", "ones", "zeros", "twos", "true" or "arange%1000".
@@ -290,7 +294,27 @@ def _observe(cell: FamilyCell, device: str, emulated: bool, profile: Any) -> dic
         text = str(error).strip().splitlines()
         return {"observed": "error", "message": f"{type(error).__name__}: {text[0] if text else ''}", **NO_VALUES}
     observed, rel = _judge(cell, inputs, out)
-    return {"observed": observed, "max_rel_error": rel, "message": None}
+    return {"observed": observed, "max_rel_error": finite_or_none(rel), "message": None}
+
+
+def family_observation_problem(cell: FamilyCell, seen: dict[str, Any]) -> str | None:
+    """What makes a read-back observation of a family cell impossible, in words, or None (as
+    runs.row_check.observation_problem for bmm cells)."""
+    observed, rel = seen.get("observed"), seen.get("max_rel_error")
+    if observed not in FAMILY_OBSERVED:
+        return f"observed {str(observed)[:30]!r} is not an outcome of a family cell"
+    if not is_error_value(rel):
+        return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
+    if not all(isinstance(seen.get(key), (str, type(None))) for key in ("message", "rule")):
+        return "its message or rule is not text"
+    bound = max(WRONG_ABOVE, RANDOM_SCALE)
+    if observed == "ok" and (rel is None or rel > bound):
+        return f"it says ok, with an error {rel} that is not within {bound}"
+    if observed in ("wrong", "wrap") and rel is not None and rel <= bound:
+        return f"it says {observed}, with an error {rel} within {bound}"
+    if observed in STOP_KINDS | {"crash", NOT_RUN, "wrong_other"} and (rel is not None or not seen.get("message")):
+        return f"it says {observed}, but holds an error judged, or no message"
+    return None
 
 
 def _judge(cell: FamilyCell, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.bounds import parse_json
 from mpsimpact.output.files import atomic_write_bytes, cache_root, remove_dead_partials, warn
 
 CHUNK = 64
@@ -93,8 +94,9 @@ def encode_entry(key: str, logits: np.ndarray) -> bytes:
     return MAGIC + json.dumps(header).encode() + b"\n" + payload
 
 
-def decode_entry(data: bytes, key: str, rows: int | None = None) -> np.ndarray:
-    """The array of an entry, every header field checked against its payload.
+def decode_entry(data: bytes, key: str, rows: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The array of an entry, every header field checked against its payload and against what its key
+    stands for: `rows` texts, or the whole `shape` (texts, and the model's width: its labels).
 
     Raises:
         ValueError: what is off, as words that follow "the cached reference ... ".
@@ -105,33 +107,37 @@ def decode_entry(data: bytes, key: str, rows: int | None = None) -> np.ndarray:
         raise ValueError("has no mpsimpact reference header (damaged, or written by an older mpsimpact)")
     end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER)
     try:
-        header = json.loads(data[len(MAGIC):end]) if end > 0 else None
-        shape, size, digest = tuple(header["shape"]), header["bytes"], header["sha256"]
+        header = parse_json(data[len(MAGIC):end]) if end > 0 else None
+        stored, size, digest = tuple(header["shape"]), header["bytes"], header["sha256"]
         stored_key, dtype = header["key"], np.dtype(header["dtype"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         raise ValueError("has a damaged header") from None
     if stored_key != key:
         raise ValueError(f"holds the entry of another key ({str(stored_key)[:24]})")
-    if dtype != np.dtype("<f4") or not shape or not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError(f"has a damaged header (shape {list(shape)}, dtype {dtype})")
-    if rows is not None and shape[0] != rows:
-        raise ValueError(f"has {shape[0]} rows, this run has {rows} texts")
-    payload, needed = data[end + 1:], math.prod(shape) * dtype.itemsize
+    if dtype != np.dtype("<f4") or not stored or not all(type(n) is int and n >= 0 for n in stored):
+        raise ValueError(f"has a damaged header (shape {list(stored)[:8]}, dtype {dtype})")
+    rows = shape[0] if shape is not None else rows
+    if rows is not None and stored[0] != rows:
+        raise ValueError(f"has {stored[0]} rows, this run has {rows} texts")
+    if shape is not None and stored != tuple(shape):
+        raise ValueError(f"has shape {list(stored)[:8]}, where this key's texts and model give {list(shape)} "
+                         "(another width)")
+    payload, needed = data[end + 1:], math.prod(stored) * dtype.itemsize
     if size != needed or len(payload) != needed:
-        raise ValueError(f"is truncated or padded ({len(payload)} bytes of data; its shape {list(shape)} needs "
+        raise ValueError(f"is truncated or padded ({len(payload)} bytes of data; its shape {list(stored)} needs "
                          f"{needed})")
     if hashlib.sha256(payload).hexdigest() != digest:
         raise ValueError("is damaged (its sha256 does not match its data)")
-    array = np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+    array = np.frombuffer(payload, dtype=dtype).reshape(stored).copy()
     if not np.isfinite(array).all():
         raise ValueError("holds NaN or infinite values")
     return array
 
 
-def cached_reference(key: str, rows: int | None = None) -> np.ndarray | None:
-    """The cached reference of `key` (with `rows` rows, when given), or None: absent, or unusable, which
-    one line on stderr says (the bad entry is removed and the caller recomputes it). Never raises for
-    the cache's sake: it is only an optimisation."""
+def cached_reference(key: str, rows: int | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
+    """The cached reference of `key` (with `rows` rows, or of the whole `shape`, when given), or None: absent,
+    or unusable, which one line on stderr says (the bad entry is removed and the caller recomputes it). Never
+    raises for the cache's sake: it is only an optimisation."""
     path = entry_path(key)
     if path.is_dir():
         warn(f"the cached reference '{path}' is a folder, not a file; computing the reference without the "
@@ -146,7 +152,7 @@ def cached_reference(key: str, rows: int | None = None) -> np.ndarray | None:
             warn(f"the cached reference '{path}' cannot be read ({error.strerror or error}); recomputing it.")
         return None
     try:
-        return decode_entry(data, key, rows)
+        return decode_entry(data, key, rows, shape)
     except ValueError as problem:
         warn(f"the cached reference '{path}' {problem}; recomputing it.")
         with contextlib.suppress(OSError):

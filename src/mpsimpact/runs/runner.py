@@ -60,11 +60,12 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
 
 
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
-    """CPU fp32 reference at the run length, from the on-disk cache when present."""
+    """CPU fp32 reference at the run length, from the on-disk cache when present (an entry of another shape
+    than these texts by this model's labels is damage: removed and recomputed)."""
     from mpsimpact.runs import reference
 
     key = reference.cache_key(reference.model_fingerprint(model.module), texts, run_length)
-    cached = reference.cached_reference(key)
+    cached = reference.cached_reference(key, shape=(len(texts), len(model.label_names)))
     if cached is not None:
         return cached, True
     logits = reference.run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance)

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -211,7 +212,18 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
     if bad and _zero_share(out, bad, ref, batches) >= 0.9:
         observed = "truncated"  # the study's criterion: at least 90% of the bad elements exactly 0
     return {"observed": observed, "first_bad_batch": bad[0] if bad else None,
-            "max_rel_error": float(err.max()), "judged_batches": len(batches), "message": None}
+            "max_rel_error": finite_or_none(float(err.max())), "judged_batches": len(batches), "message": None}
+
+
+def finite_or_none(value: float) -> float | None:
+    """A relative error as rows keep it: None where it is not a finite number (NaN values came back; JSON
+    has no NaN, and a reader refuses one)."""
+    return value if math.isfinite(value) else None
+
+
+def is_error_value(value: Any) -> bool:
+    """A relative error as a row may hold it: None, or a finite number >= 0 (never a bool or NaN)."""
+    return value is None or (type(value) in (int, float) and math.isfinite(value) and value >= 0)
 
 
 def _zero_share(out: torch.Tensor, bad: list[int], ref: torch.Tensor, judged: list[int]) -> float:
@@ -261,11 +273,11 @@ def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, i
     if in_process or emulated:
         for cell in cells:
             seen = observe(cell, device, emulated, index_bits, profile, budget)
-            yield _row(cell, seen, device, index_bits, control, profile)
+            yield cell_row(cell, seen, device, index_bits, control, profile)
         return
     yield from rows_within_budget(
         cells, budget, lambda fitting: _worker_rows(fitting, device, index_bits, control, profile, budget),
-        lambda cell, seen: _row(cell, seen, device, index_bits, control, profile))
+        lambda cell, seen: cell_row(cell, seen, device, index_bits, control, profile))
 
 
 def rows_within_budget(cells: list[Any], budget: int, run_fitting: Callable[[list[Any]], Iterator[dict[str, Any]]],
@@ -290,11 +302,11 @@ def predicted_rows(cells: list[Cell], index_bits: int, profile: str | None = Non
         fault = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
         seen = {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch,
                 "message": fault.message or None, "max_rel_error": None}
-        rows.append(_row(cell, seen, "cpu", index_bits, False, profile))
+        rows.append(cell_row(cell, seen, "cpu", index_bits, False, profile))
     return rows
 
 
-def _row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
+def cell_row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
          profile: str | None = None) -> dict[str, Any]:
     a, b = cell.specs()
     prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
@@ -310,7 +322,7 @@ def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool,
     """Runs bmm cells in a subprocess (see `worker_rows`)."""
     job = {"device": device, "index_bits": index_bits, "budget": budget}
     yield from worker_rows(cells, job, "mpsimpact.runs.sweep",
-                           lambda cell, seen: _row(cell, seen, device, index_bits, control, profile))
+                           lambda cell, seen: cell_row(cell, seen, device, index_bits, control, profile))
 
 
 def worker_rows(cells: list[Any], job: dict[str, Any], module: str,

@@ -12,7 +12,7 @@ from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import without_rule_names
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns, status_words, stop_kind
-from mpsimpact.runs.sweep import cell_name
+from mpsimpact.runs.sweep import NOT_RUN, cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
 from mpsimpact.upgrade.profile_change import describe_change
 
@@ -336,14 +336,21 @@ def _observed(row: dict[str, Any]) -> str:
 
 
 def _compare_sweeps(old: SweepFolder, new: SweepFolder) -> dict[str, Any]:
-    """The changed cells, the agreement counts, and their verdicts."""
+    """The changed cells, the agreement counts, and their verdicts. A cell one side did not run (over its
+    --max-memory) is not compared: its outcome there is unknown, so it is said as "cannot tell"."""
     old_cells, new_cells = old.cells(), new.cells()
+    shared = [key for key in old_cells if key in new_cells]
+    unrun = [key for key in shared if NOT_RUN in (old_cells[key].get("observed"), new_cells[key].get("observed"))]
     changed = [
-        {"cell": row["cell"], "old": _observed(row), "new": _observed(new_cells[key])}
-        for key, row in old_cells.items() if key in new_cells and _observed(row) != _observed(new_cells[key])
+        {"cell": old_cells[key]["cell"], "old": _observed(old_cells[key]), "new": _observed(new_cells[key])}
+        for key in shared if key not in unrun and _observed(old_cells[key]) != _observed(new_cells[key])
     ]
     agreement = {"old": old.agreement(), "new": new.agreement()}
-    verdicts = _fault_verdicts(old, new, changed) + [_agreement_verdict(agreement)]
+    verdicts = _fault_verdicts(old, new, changed, set(unrun)) + [_agreement_verdict(agreement)]
+    if unrun:
+        first = cell_name(old_cells[unrun[0]]["cell"])
+        verdicts.append(Verdict(f"cannot tell: {len(unrun)} cells were not run in one of the sweeps (over its "
+                                f"--max-memory), e.g. {first}: not compared", False, True))
     for side, here, there in (("old", old_cells, new_cells), ("new", new_cells, old_cells)):
         alone = [key for key in here if key not in there]
         if alone:
@@ -361,14 +368,18 @@ def _profile_verdicts(old: SweepFolder, new: SweepFolder) -> list[Verdict]:
     return [Verdict(text, changed)]
 
 
-def _faulted(sweep: SweepFolder) -> int:
+def _faulted(sweep: SweepFolder, leave_out: set[tuple] = frozenset()) -> int:
+    """Faulting cells: counted on its rows, leaving out cells the other side did not run; else its summary."""
+    if sweep.rows is not None:
+        return sum(row.get("observed") in FAULTED for key, row in sweep.cells().items() if key not in leave_out)
     counts = sweep.summary.get("by_class") or {}
     return sum(sum(counts.get(name, ())) for name in FAULTED)
 
 
-def _fault_verdicts(old: SweepFolder, new: SweepFolder, changed: list[dict[str, Any]]) -> list[Verdict]:
-    """Is the bug still there, in the same cells?"""
-    before, after = _faulted(old), _faulted(new)
+def _fault_verdicts(old: SweepFolder, new: SweepFolder, changed: list[dict[str, Any]],
+                    unrun: set[tuple] = frozenset()) -> list[Verdict]:
+    """Is the bug still there, in the same cells? (Cells one side did not run are left out of both counts.)"""
+    before, after = _faulted(old, unrun), _faulted(new, unrun)
     verdicts = []
     if before and not after:
         verdicts.append(Verdict(f"bug fixed: no cell faults any more ({before} before)", True))
@@ -379,7 +390,7 @@ def _fault_verdicts(old: SweepFolder, new: SweepFolder, changed: list[dict[str, 
         same = old.summary.get("by_class") == new.summary.get("by_class")
         text = (f"cells not compared (no sweep.jsonl in the {side} sweep); counts by class "
                 f"{'un' * same}changed")
-        return verdicts + [Verdict(text, not same)]
+        return verdicts + [Verdict(text, not same, same)]  # the same counts may hide other cells: cannot tell
     if changed:
         first = changed[0]
         example = f"{cell_name(first['cell'])}: {first['old']} -> {first['new']}"

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import parse_json
 from mpsimpact.config import CORRUPTION_THRESHOLD
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
@@ -43,16 +45,18 @@ def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
     return data
 
 
-def _read_json(path: Path) -> Any:
-    """Parsed JSON, or a UsageError naming the file."""
+def _read_json(path: Path, allow_nan: bool = False) -> Any:
+    """Parsed JSON (bounded: bounds.parse_json; NaN refused unless `allow_nan`), or a UsageError naming the
+    file."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return parse_json(path.read_text(encoding="utf-8"), allow_nan=allow_nan)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise UsageError(f"Cannot read '{path}': {error}; {WHAT_TO_PASS}.") from None
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One parsed object per non-empty line, or a UsageError naming the file and line."""
+def _read_jsonl(path: Path, allow_nan: bool = False) -> list[dict[str, Any]]:
+    """One parsed object per non-empty line (bounded as `_read_json`), or a UsageError naming the file and
+    line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
@@ -61,10 +65,24 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, 1):
         try:
             if line.strip():
-                rows.append(json.loads(line))
-        except json.JSONDecodeError as error:
+                rows.append(parse_json(line, allow_nan=allow_nan))
+        except ValueError as error:
             raise UsageError(f"Cannot read '{path}' line {number}: {error}.") from None
     return rows
+
+
+def _damaged(path: Path, problem: str) -> UsageError:
+    """The one line for a folder whose files do not hold together."""
+    return UsageError(f"'{path}' is damaged or mixes two results: {problem}; rerun the command that wrote it.")
+
+
+def _is_count(value: Any, below: int | None = None) -> bool:
+    """A whole number >= 0 (not a bool), below `below` when given."""
+    return type(value) is int and value >= 0 and (below is None or value < below)
+
+
+def _is_fraction(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and 0 <= value <= 1
 
 
 def _check_schema(path: Path, data: dict[str, Any], default: int | None) -> int:
@@ -119,18 +137,81 @@ def condition_key(condition: dict[str, Any]) -> tuple[str, str]:
 
 def load_run(path: Path) -> RunFolder:
     """Reads a run folder; see RunFolder."""
-    report = _read_json(path / "report.json")
+    report = _read_json(path / "report.json", allow_nan=True)  # a NaN device output makes an error infinite
     if not _is_run_report(report):
         raise UsageError(f"'{path / 'report.json'}' is not an mpsimpact run report (no conditions or "
                          f"geometry); {WHAT_TO_PASS}.")
     _check_schema(path / "report.json", report, None)
+    _check_run_report(path / "report.json", report)
     if (path / "samples.jsonl").is_file():
         corrupted = _corrupted_from_samples(path / "samples.jsonl")
     elif (path / "logits.npz").is_file():
         corrupted = _corrupted_from_logits(path / "logits.npz", report)
     else:
         corrupted = {}
+    _check_corrupted_sets(path, report, corrupted)
     return RunFolder(path, report, corrupted)
+
+
+def _check_run_report(path: Path, report: dict[str, Any]) -> None:
+    """The numbers compare reads are there and sane: a batch size, and per condition a guard, a status, and
+    counts, first index, flips and accuracy in range (finite); each condition once."""
+    batch = _get(report, ("geometry", "batch_size"))
+    if not _is_count(batch) or not batch:
+        raise _damaged(path, f"geometry.batch_size is {json.dumps(batch)[:40]}, not a whole number >= 1")
+    seen = set()
+    for number, condition in enumerate(report["conditions"], 1):
+        if not isinstance(condition.get("guard"), str) or not isinstance(condition.get("status"), str):
+            raise _damaged(path, f"condition {number} has no guard or status")
+        key = condition_key(condition)
+        if key in seen:
+            raise _damaged(path, f"condition {number} (guard {key[0]}, {key[1]} attention) appears twice")
+        seen.add(key)
+        problem = _condition_problem(condition, batch)
+        if problem:
+            raise _damaged(path, f"condition {number} (guard {key[0]}): {problem}")
+
+
+def _condition_problem(condition: dict[str, Any], batch: int) -> str | None:
+    for name in ("corrupted_count", "flips", "wrong_values_before_stop", "corrupted_gradient_tensors"):
+        value = condition.get(name)
+        if value is not None and not _is_count(value, None if name == "wrong_values_before_stop" else batch + 1):
+            return f"{name} is {json.dumps(value)[:40]}, not a count of at most {batch}"
+    first = condition.get("first_corrupted_index")
+    if first is not None and not _is_count(first, batch):
+        return f"first_corrupted_index is {json.dumps(first)[:40]}, not a position below {batch}"
+    for name in ("accuracy", "reference_accuracy", "corrupted_fraction"):
+        value = condition.get(name)
+        if value is not None and not _is_fraction(value):
+            return f"{name} is {json.dumps(value)[:40]}, not a number between 0 and 1"
+    if condition.get("status") == "completed" and (condition.get("corrupted_count") or 0) and first is None:
+        return "it corrupted texts but has no first corrupted position"
+    return None
+
+
+def _check_corrupted_sets(path: Path, report: dict[str, Any], corrupted: dict[tuple[str, str], frozenset[int]]
+                          ) -> None:
+    """samples.jsonl or logits.npz must be this report's: positions within the batch, and for every completed
+    condition the corrupted set the report counts (count and first position)."""
+    batch = report["geometry"]["batch_size"]
+    where = path / ("samples.jsonl" if (path / "samples.jsonl").is_file() else "logits.npz")
+    conditions = {condition_key(c): c for c in report["conditions"]}
+    for key, positions in corrupted.items():
+        condition = conditions.get(key)
+        if condition is None:
+            raise _damaged(where, f"it holds guard {key[0]}, a condition report.json does not have")
+        if positions and not (min(positions) >= 0 and max(positions) < batch):
+            raise _damaged(where, f"guard {key[0]} has positions outside 0..{batch - 1}")
+        count, first = condition.get("corrupted_count"), condition.get("first_corrupted_index")
+        if condition.get("status") == "completed" and count is not None and (
+                len(positions) != count or min(positions, default=None) != first):
+            raise _damaged(where, f"guard {key[0]} has {len(positions)} corrupted texts from position "
+                                  f"{min(positions, default=None)}; report.json says {count} from {first}")
+    if corrupted:
+        missing = [key[0] for key, c in conditions.items() if c.get("status") == "completed" and key not in corrupted
+                   and key[1] == DEFAULT_ATTENTION and "corrupted_count" in c]
+        if missing:
+            raise _damaged(where, f"it has no texts of guard {missing[0]}, which completed")
 
 
 def _is_run_report(report: Any) -> bool:
@@ -144,15 +225,30 @@ def _is_run_report(report: Any) -> bool:
 def _corrupted_from_samples(path: Path) -> dict[tuple[str, str], frozenset[int]]:
     """Corrupted positions per condition, from samples.jsonl."""
     positions: dict[tuple[str, str], set[int]] = {}
-    try:
-        for sample in _read_jsonl(path):
-            found = positions.setdefault(condition_key(sample), set())
-            if sample.get("corrupted"):
-                found.add(int(sample["position"]))
-    except (AttributeError, KeyError, TypeError, ValueError):
-        raise UsageError(f"'{path}' is not an mpsimpact samples file (a line without guard or "
-                         "position).") from None
+    texts: dict[tuple[str, str], set[int]] = {}
+    for number, sample in enumerate(_read_jsonl(path, allow_nan=True), 1):
+        if not (isinstance(sample, dict) and isinstance(sample.get("guard"), str)
+                and _is_count(sample.get("position")) and type(sample.get("corrupted")) is bool):
+            raise UsageError(f"'{path}' is not an mpsimpact samples file (line {number} has no guard, position "
+                             "or corrupted flag).")
+        key = _sample_key(sample)
+        if sample["position"] in texts.setdefault(key, set()):
+            raise _damaged(path, f"line {number} repeats position {sample['position']} of guard {key[0]}")
+        texts[key].add(sample["position"])
+        found = positions.setdefault(key, set())
+        if sample["corrupted"]:
+            found.add(sample["position"])
+    if not texts:
+        raise _damaged(path, "it holds no texts")
     return {key: frozenset(found) for key, found in positions.items()}
+
+
+def _sample_key(sample: dict[str, Any]) -> tuple[str, str]:
+    """A sample's condition: runs name an SDPA condition's samples "sdpa-<guard>" (runs.runner.condition_key)."""
+    attention, _, guard = sample["guard"].partition("-")
+    if "attention" not in sample and guard and attention != DEFAULT_ATTENTION and attention in ("sdpa",):
+        return guard, attention
+    return condition_key(sample)
 
 
 def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str, str], frozenset[int]]:
@@ -255,10 +351,86 @@ def load_sweep(path: Path) -> SweepFolder:
         raise UsageError(f"'{path / 'summary.json'}' is not an mpsimpact sweep summary (no cells or "
                          "by_class).")
     _check_schema(path / "summary.json", summary, SCHEMA_VERSION)
+    _check_summary(path / "summary.json", summary)
     rows = _read_jsonl(path / "sweep.jsonl") if (path / "sweep.jsonl").is_file() else None
-    if rows and not all(isinstance(r, dict) and isinstance(r.get("cell"), dict) for r in rows):
-        raise UsageError(f"'{path / 'sweep.jsonl'}' is not an mpsimpact sweep (rows without a cell).")
+    if rows is not None:
+        _check_sweep_rows(path / "sweep.jsonl", rows, summary)
     return SweepFolder(path, summary, rows)
+
+
+def _check_summary(path: Path, summary: dict[str, Any]) -> None:
+    """A sweep summary's counts: whole numbers, the classes' counts adding up to its cells (at least one)."""
+    cells, by_class = summary["cells"], summary["by_class"]
+    if not _is_count(cells) or not cells:
+        raise _damaged(path, f"cells is {json.dumps(cells)[:40]}, not a whole number >= 1")
+    counts = list(by_class.values())
+    if not all(isinstance(c, list) and len(c) == 3 and all(_is_count(n) for n in c) for c in counts):
+        raise _damaged(path, "by_class holds something other than [agree, disagree, skipped] counts")
+    if sum(map(sum, counts)) != cells:
+        raise _damaged(path, f"its classes count {sum(map(sum, counts))} cells, not its {cells}")
+    bits = _get(summary, ("config", "index_bits"))
+    if bits is not None and not _is_count(bits):
+        raise _damaged(path, f"config.index_bits is {json.dumps(bits)[:40]}")
+
+
+def _check_sweep_rows(path: Path, rows: list[Any], summary: dict[str, Any]) -> None:
+    """sweep.jsonl must be its summary's: every cell once, well-formed, of one device, torch and index width
+    (the summary's), and counted by class and verdict exactly as summary.json counts them."""
+    from mpsimpact.runs.sweep import summarize
+
+    if len(rows) != summary["cells"]:
+        raise _damaged(path, f"it holds {len(rows)} cells, summary.json counts {summary['cells']}")
+    cells = set()
+    for number, row in enumerate(rows, 1):
+        problem = _sweep_row_problem(row)
+        if problem:
+            raise _damaged(path, f"line {number}: {problem}")
+        key = tuple(row["cell"][k] for k in ("m", "k", "n", "batch", "layout", "dtype"))
+        if key in cells:
+            raise _damaged(path, f"line {number} repeats the cell of an earlier line")
+        cells.add(key)
+    bits = _get(summary, ("config", "index_bits"))
+    for field, values in (("device", {r.get("device") for r in rows}), ("torch", {r.get("torch") for r in rows}),
+                          ("index bits", {r.get("index_bits") for r in rows} | ({bits} if bits else set()))):
+        if len(values - {None}) > 1:
+            raise _damaged(path, f"its rows (and summary.json) name {len(values - {None})} {field} values: "
+                                 f"{', '.join(sorted(map(str, values - {None})))}")
+    counted = summarize(rows)
+    if any(counted[key] != summary.get(key, counted[key]) for key in ("by_class", "by_layout", "disagree")):
+        raise _damaged(path, "its cells' classes and verdicts are not the ones summary.json counts")
+    expected = _grid_of(summary)
+    if expected is not None and cells != expected:
+        raise _damaged(path, f"its cells are not the grid summary.json's config makes ({len(cells - expected)} "
+                             f"cells not in it, {len(expected - cells)} missing)")
+
+
+def _grid_of(summary: dict[str, Any]) -> set[tuple] | None:
+    """The cells the sweep's config makes (runs.sweep.grid), or None where the config does not say."""
+    from mpsimpact.runs.sweep import DTYPES, LAYOUTS, grid
+
+    config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
+    bits, dtypes, layouts, quick = (config.get(k) for k in ("index_bits", "dtypes", "layouts", "quick"))
+    if not (_is_count(bits) and 8 <= bits <= 32 and isinstance(quick, bool) and isinstance(dtypes, list)
+            and isinstance(layouts, list) and set(dtypes) <= set(DTYPES) and set(layouts) <= set(LAYOUTS)):
+        return None
+    return {(c.m, c.k, c.n, c.batch, c.layout, c.dtype) for c in grid(bits, tuple(dtypes), tuple(layouts), quick)}
+
+
+def _sweep_row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict) or not isinstance(row.get("cell"), dict):
+        return "a row without a cell"
+    cell = row["cell"]
+    if not all(_is_count(cell.get(k)) and cell.get(k) for k in ("m", "k", "n", "batch")) or not all(
+            isinstance(cell.get(k), str) for k in ("layout", "dtype")):
+        return "a cell without whole-number sizes, a layout and a dtype"
+    if not isinstance(row.get("observed"), str):
+        return "a row without an observed class"
+    first = row.get("first_bad_batch")
+    if first is not None and not _is_count(first, cell["batch"]):
+        return f"first_bad_batch {json.dumps(first)[:40]} is not a batch of its cell"
+    if "agree" not in row or row["agree"] not in (True, False, None):
+        return f"agree is {json.dumps(row.get('agree'))[:40]}"
+    return None
 
 
 def load_folder(folder: str | Path) -> RunFolder | SweepFolder:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import parse_json
 from mpsimpact.errors import OverlayError, UsageError
 from mpsimpact.output.files import cache_root, is_process_alive, warn
 from mpsimpact.output.signals import end_with_parent
@@ -192,7 +193,7 @@ class OverlayCache:
     def read_marker(self, version: str) -> dict[str, Any] | None:
         """The marker of a complete overlay, or None (absent, interrupted, unreadable or damaged)."""
         try:
-            marker = json.loads((self.path_for(version) / MARKER).read_text())
+            marker = parse_json((self.path_for(version) / MARKER).read_text())
         except (OSError, ValueError):
             return None
         fields_ok = isinstance(marker, dict) and isinstance(marker.get("reused", {}), dict) and isinstance(

@@ -1,0 +1,164 @@
+"""A report folder filled across runs (`mpsimpact sweep`): a hidden partial folder next to `--out`, locked
+while one process works in it, holding the work's identity and a log of finished items, renamed into place
+when the work is done. Nothing in it is read or written through a symbolic link."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.bounds import parse_json
+from mpsimpact.errors import UsageError
+from mpsimpact.output.files import atomic_write_text, disk_full_said, warn
+
+
+def read_no_link(path: Path) -> bytes | None:
+    """The bytes of the regular file `path`, opened without following a symbolic link (O_NOFOLLOW); None
+    when it is absent.
+
+    Raises:
+        IsADirectoryError or OSError(ELOOP): `path` is a folder, a link or anything but a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(path))
+        return fh.read()
+
+
+def _remove_link(path: Path, what: str) -> None:
+    """A symbolic link where mpsimpact keeps its own state is removed (the link, never what it points to),
+    with one warning line; anything else but a file there is refused."""
+    if not path.is_symlink():
+        raise UsageError(f"'{path}' is not a file; mpsimpact keeps {what} there: move it away, or pass another "
+                         "--out.")
+    warn(f"'{path}' is a symbolic link (to '{os.readlink(path)}'); mpsimpact does not follow links in its "
+         f"unfinished folders: the link is removed, and {what} starts afresh.")
+    path.unlink()
+
+
+class ResumableFolder:
+    """A report folder filled across runs (`resumable_folder`): the items finished so far, one JSON line
+    each in `log`, appended and synced one by one, so that a kill loses at most the item under way. The log
+    is read and appended without following symbolic links: a link in its place is removed, never written
+    through. Readers check each item themselves (`keep`)."""
+
+    def __init__(self, path: Path, log: str) -> None:
+        self.path, self.log = path, path / log
+        try:
+            data = read_no_link(self.log)
+        except OSError:
+            _remove_link(self.log, f"the log of finished items ({log})")
+            data = None
+        try:
+            text = (data or b"").decode("utf-8")
+        except UnicodeDecodeError:
+            text = (data or b"").decode("utf-8", "replace")  # a garbled line fails to parse and is dropped
+        lines = text.splitlines(keepends=True)
+        self.items: list[Any] = []
+        for line in lines:
+            with contextlib.suppress(ValueError):  # a line a kill cut short (or garbled) is dropped
+                if line.endswith("\n"):
+                    self.items.append(parse_json(line))
+        if len(self.items) != len(lines):
+            self.keep(self.items)
+        self.resumed = len(self.items)
+
+    def keep(self, items: list[Any]) -> None:
+        """Rewrites the log with `items` only (those a reader checked and kept), atomically."""
+        self.items = list(items)
+        atomic_write_text(self.log, "".join(json.dumps(item) + "\n" for item in self.items))
+
+    def append(self, item: dict[str, Any]) -> None:
+        line = (json.dumps(item) + "\n").encode("utf-8")
+        with disk_full_said(self.log, len(line)):
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "ab") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+        self.items.append(item)
+
+
+def _open_lock(partial: Path) -> int:
+    """The partial folder's lock file, opened without following a link (a link there is removed)."""
+    path = partial / ".lock"
+    if path.is_symlink():
+        _remove_link(path, "its lock")
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as error:
+        raise UsageError(f"Cannot open the lock '{path}' ({error.strerror}); move it away, or pass another "
+                         "--out.") from None
+
+
+@contextlib.contextmanager
+def resumable_folder(out: Path, identity: dict[str, Any], log: str) -> Iterator[ResumableFolder]:
+    """Yields the hidden partial folder `.<out name>.partial` next to `out`, with what an earlier run of the
+    same work (the same `identity`) finished in it; renames it to `out` when the block completes.
+
+    A run killed at any point (any signal, Ctrl-C, power) leaves the partial folder for the next run of the
+    same work to pick up. The folder is claimed by a lock while one process works in it (the system
+    drops it when the process ends, however it ends). An interrupted run that finished nothing leaves
+    nothing behind. Nothing in it is read or written through a symbolic link: a link in the place of the
+    folder or of a file in it is removed (the link only), with one warning line.
+
+    Raises:
+        UsageError: another process holds the folder, or it holds work of another identity.
+    """
+    out = Path(out)
+    partial = out.parent / f".{out.name}.partial"
+    if partial.is_symlink():
+        _remove_link(partial, "the unfinished work of this command")
+    created = not partial.exists()
+    partial.mkdir(parents=True, exist_ok=True)
+    fd = _open_lock(partial)
+    with os.fdopen(fd, "r+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"Another mpsimpact process is writing '{partial}'; wait for it to end, or pass "
+                             "another --out.") from None
+        folder = None
+        try:
+            _claim_identity(partial, identity)
+            folder = ResumableFolder(partial, log)
+            yield folder
+            for name in (".lock", "identity.json"):
+                (partial / name).unlink()
+            if out.is_dir() and not out.is_symlink():
+                out.rmdir()  # fresh_out_dir allowed only an empty folder
+            os.replace(partial, out)
+        except BaseException:
+            if created and (folder is None or not folder.items):
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+
+
+def _claim_identity(partial: Path, identity: dict[str, Any]) -> None:
+    """Records `identity` in a new partial folder, or checks that an existing one holds the same work."""
+    path = partial / "identity.json"
+    if not path.exists() and not path.is_symlink():
+        atomic_write_text(path, json.dumps(identity, indent=2) + "\n")
+        return
+    try:
+        saved = parse_json(read_no_link(path) or b"")
+    except (OSError, ValueError):  # a link, a folder, garbled: not this command's
+        saved = {}
+    saved = saved if isinstance(saved, dict) else {}
+    differing = sorted(key for key in identity.keys() | saved.keys() if identity.get(key) != saved.get(key))
+    if differing:
+        parts = ", ".join(f"{key} {saved.get(key)!r} there, {identity.get(key)!r} now" for key in differing)
+        raise UsageError(f"'{partial}' holds the unfinished work of another command ({parts}); rerun that "
+                         "command to finish it, or delete the folder, or pass another --out.")

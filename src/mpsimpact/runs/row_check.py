@@ -1,0 +1,144 @@
+"""Rows of an unfinished sweep, read back before it resumes: each row's observation checked against its cell
+(types, ranges, fields that must agree), and the row made again from its cell and observation, so that a row
+of another sweep or a damaged one is dropped and its cell run again, and `agree` is always judged now, never
+read back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
+from mpsimpact.runs.family_cells import FAMILY_SEEN_FIELDS, FamilyCell, family_observation_problem, family_row
+from mpsimpact.runs.sweep import NOT_RUN, TOLERANCE, Cell, cell_row, is_error_value
+
+# What a bmm cell can be observed as, and the fields of a row that say what was observed (the rest of a row,
+# `agree` included, is made from its cell: see `reread_problem`).
+OBSERVED = frozenset({"ok", "crash", NOT_RUN}) | SILENT_KINDS | STOP_KINDS
+SEEN_FIELDS = ("observed", "first_bad_batch", "max_rel_error", "message", "judged_batches", "emulated_values")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def observation_problem(cell: Cell, seen: dict[str, Any]) -> str | None:
+    """What makes a read-back observation of `cell` impossible, in words, or None: a class no cell has, a
+    value of the wrong type or out of range (NaN), or fields that contradict each other (an "ok" with a first
+    bad batch or an error above the tolerance; a wrong class with neither)."""
+    observed, first, rel = seen.get("observed"), seen.get("first_bad_batch"), seen.get("max_rel_error")
+    if observed not in OBSERVED:
+        return f"observed {str(observed)[:30]!r} is not an outcome of a bmm cell"
+    if first is not None and not (_is_count(first) and first < cell.batch):
+        return f"first_bad_batch {str(first)[:30]} is not a batch of this cell (0..{cell.batch - 1})"
+    if not is_error_value(rel):
+        return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
+    if not isinstance(seen.get("message"), (str, type(None))):
+        return "its message is not text"
+    judged = seen.get("judged_batches")
+    if judged is not None and not (_is_count(judged) and 0 < judged <= cell.batch):
+        return f"judged_batches {str(judged)[:30]} is not a count of this cell's batches"
+    tolerance, stopped = TOLERANCE[cell.dtype], observed in STOP_KINDS | {"crash", NOT_RUN}
+    if observed == "ok" and (first is not None or (rel is not None and rel > tolerance)):
+        return f"it says ok, with a first bad batch {first} or an error {rel} above the tolerance {tolerance}"
+    if stopped and (first is not None or rel is not None or not seen.get("message")):
+        return f"it says {observed}, but holds values judged, or no message"
+    if observed == "wrong_tail" and not first:
+        return "it says wrong_tail, without a first bad batch after batch 0"
+    if observed == "wrong_all" and first not in (None, 0):
+        return f"it says wrong_all, with a first bad batch {first}"
+    if observed in SILENT_KINDS and rel is not None and rel <= tolerance:
+        return f"it says {observed}, with an error {rel} within the tolerance {tolerance}"
+    return None
+
+
+def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
+    """The fields where a read-back row differs from the row its cell and observation make now (JSON-normalised:
+    tuples as lists)."""
+    made = json.loads(json.dumps(rebuilt))
+    return sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
+
+
+def reread_problem(row: dict[str, Any], cell: Cell, device: str, index_bits: int, control: bool,
+                   profile: str | None) -> str | None:
+    """Why a row read back from an unfinished sweep cannot be kept, or None: its observation is impossible
+    (`observation_problem`), or the row this sweep makes of its cell and observation differs from it (another
+    sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never read)."""
+    seen = {key: row[key] for key in SEEN_FIELDS if key in row}
+    problem = observation_problem(cell, seen)
+    if problem is None:
+        differ = differing_fields(row, cell_row(cell, seen, device, index_bits, control, profile))
+        problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
+    return problem
+
+
+def reread_family_problem(row: dict[str, Any], cell: FamilyCell, device: str, emulated: bool,
+                          profile: str | None) -> str | None:
+    """`reread_problem` for a family cell's row."""
+    seen = {key: row[key] for key in FAMILY_SEEN_FIELDS if key in row}
+    problem = family_observation_problem(cell, seen)
+    if problem is None:
+        differ = differing_fields(row, family_row(cell, seen, device, emulated, profile))
+        problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
+    return problem
+
+
+def cell_key(cell: Any) -> tuple | None:
+    """A row's cell as a key: the bmm cell's fields, or a family cell's test; None for anything else."""
+    if not isinstance(cell, dict):
+        return None
+    names = ("test",) if "test" in cell else ("m", "k", "n", "batch", "layout", "dtype")
+    values = tuple(cell.get(name) for name in names)
+    return values if all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in values) else None
+
+
+def reread_rows(items: list[Any], cells: list[Any], problem_of: Callable[[dict[str, Any], Any], str | None]
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the rows of `items` kept, in order; a line per row dropped): a row is kept when its cell is one of
+    `cells` (the same fields, of the same types), `problem_of(row, cell)` finds nothing, and no other row
+    holds the same cell (two rows of one cell are both dropped: which one is right cannot be told)."""
+    by_key = {cell_key(cell.to_json()): cell for cell in cells}
+    judged: list[tuple[int, dict[str, Any] | None, str | None]] = []
+    for number, row in enumerate(items, 1):
+        cell = by_key.get(cell_key(row.get("cell"))) if isinstance(row, dict) else None
+        if cell is None or row["cell"] != cell.to_json() or json.dumps(row["cell"]) != json.dumps(cell.to_json()):
+            judged.append((number, None, "its cell is not one of this sweep's"))
+            continue
+        judged.append((number, row, problem_of(row, cell)))
+    seen: dict[tuple, int] = {}
+    for _, row, problem in judged:
+        if row is not None and problem is None:
+            key = cell_key(row["cell"])
+            seen[key] = seen.get(key, 0) + 1
+    kept, dropped = [], []
+    for number, row, problem in judged:
+        if problem is None and seen[cell_key(row["cell"])] > 1:
+            problem = "another row holds the same cell"
+        if problem is None:
+            kept.append(row)
+        else:
+            dropped.append(f"line {number}: {problem}")
+    return kept, dropped
+
+
+def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Cell], list[FamilyCell]], device: str, emulated: bool,
+                 index_bits: int, profile: str | None) -> list[dict[str, Any]]:
+    """The rows an unfinished sweep's two logs (ResumableFolder: sweep.jsonl, families.jsonl) hold that this
+    sweep keeps; the others are dropped from the logs (their cells run again), said in one warning line."""
+    from mpsimpact.output.files import warn
+
+    control = not emulated and device != "mps"
+    checks = (lambda row, cell: reread_problem(row, cell, device, index_bits, control, profile),
+              lambda row, cell: reread_family_problem(row, cell, device, emulated, profile))
+    kept, said = [], []
+    for log, cells, check in zip(logs, grids, checks):
+        rows, dropped = reread_rows(log.items, cells, check)
+        if dropped:
+            log.keep(rows)
+            said.append(f"{len(dropped)} of {log.log.name} ({dropped[0]}{'; ...' if len(dropped) > 1 else ''})")
+        kept += rows
+    if said:
+        warn(f"rows of the unfinished sweep in '{logs[0].path}' that are damaged or not this sweep's are dropped "
+             f"and their cells run again: {'; '.join(said)}.")
+    return kept
