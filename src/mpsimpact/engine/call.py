@@ -12,7 +12,7 @@ from typing import Any
 
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.faults import (
-    Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, spec_of,
+    OK, Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, dim_max, spec_of,
 )
 from mpsimpact.engine.release import family_of
 
@@ -125,4 +125,6 @@ def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) 
     family's rule on its first input and largest output (Note [Op families past INT_MAX])."""
     if call.is_product:
         return classify_call(call.family, call.a, call.b, index_bits, profile)
+    if max(call.a.numel, call.b.numel) <= dim_max(index_bits):
+        return OK  # no family rule meets a call whose every tensor has at most DIM_MAX elements
     return classify_op(call.op, [call.a], call.b, index_bits=index_bits, profile=profile)

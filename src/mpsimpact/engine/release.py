@@ -141,13 +141,16 @@ MEASURED_OPS: dict[str, frozenset[str]] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def op_base_name(op: object) -> str:
-    """"add" for "add", "add_", "aten::add_.Tensor" or the op overload aten.add_.Tensor (its __name__)."""
+    """"add" for "add", "add_", "aten::add_.Tensor" or the op overload aten.add_.Tensor (its __name__); cached:
+    plan and check ask it of every traced call, for every release and geometry they decide."""
     name = op if isinstance(op, str) else getattr(op, "__name__", str(op))
     name = name.removeprefix("aten::").split(".")[0]
     return name[:-1] if name.endswith("_") and not name.endswith("__") else name  # in-place: same kernel
 
 
+@functools.lru_cache(maxsize=4096)
 def family_of(op: object) -> str:
     """The family of an aten op (a name or an op overload, see `op_base_name`); a family name stands for
     itself; an op not in OP_FAMILIES is "other"."""

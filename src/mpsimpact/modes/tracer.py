@@ -35,6 +35,46 @@ def _shape_only(func: Any, args: tuple) -> Any:
     return torch.empty(SHAPE_ONLY[func](a, b), dtype=a.dtype, device="meta")
 
 
+# Ops whose meta output has the broadcast shape of their tensors (elementwise), or their first tensor's shape
+# (a softmax, tril/triu): their meta kernels are Python decompositions that cost 100 to 1400 us a call, most of
+# a trace's time. With every tensor contiguous on meta, the output is a new contiguous tensor of that shape; its
+# dtype depends on the inputs' dtypes alone, so the kernel runs once per signature (op, dtypes, scalar types)
+# and the answer is kept (`_META_DTYPES`), or the signature is refused for good where it gave anything else.
+_SAME_SHAPE = frozenset({"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "tril", "triu"})
+_META_DTYPES: dict[tuple[Any, ...], Any] = {}
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.dim() == 0)
+    if isinstance(value, (str, torch.dtype, type(None))):
+        return value
+    return type(value)
+
+
+def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func(*args, **kwargs)` on meta tensors: for a pointwise or same-shape op whose tensors are all meta and
+    contiguous, a new contiguous meta tensor of its shape and dtype (see _SAME_SHAPE); else the kernel's own."""
+    name = op_name(func)
+    pointwise = op_family(func) == "elementwise" and not name.endswith("_")  # in place: self, not a new tensor
+    if not (pointwise or name in _SAME_SHAPE) or "out" in kwargs or func._schema.is_mutable:
+        return func(*args, **kwargs)
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    if not tensors or not all(t.is_meta and t.is_contiguous() for t in tensors):
+        return func(*args, **kwargs)
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors)) if pointwise else tensors[0].shape
+    key = (func, tuple(map(_signature, args)), tuple((k, _signature(v)) for k, v in kwargs.items()))
+    dtype = _META_DTYPES.get(key)
+    if dtype is None:
+        out = func(*args, **kwargs)
+        same = isinstance(out, torch.Tensor) and out.shape == shape and out.is_contiguous() and out.is_meta
+        _META_DTYPES[key] = out.dtype if same else False
+        return out
+    if dtype is False:
+        return func(*args, **kwargs)
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 class TraceMode(MatmulMode):
     """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
     fault, and every other op (views aside) whose largest tensor has more than DIM_MAX elements (with
@@ -97,7 +137,7 @@ class TraceMode(MatmulMode):
         return record.index
 
     def on_other(self, func, args, kwargs):
-        out = self._track(_shape_only(func, args) if func in SHAPE_ONLY else func(*args, **kwargs))
+        out = self._track(_shape_only(func, args) if func in SHAPE_ONLY else _fast_meta(func, args, kwargs))
         if op_family(func) in SKIPPED:
             return out
         name = op_name(func)

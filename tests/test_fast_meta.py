@@ -1,0 +1,44 @@
+"""The tracer's shortcut for pointwise and same-shape ops on meta tensors (modes/tracer.py, _fast_meta) traces
+exactly what torch's own meta kernels trace: every call's op, operands (shape, stride, offset, dtype), fault,
+module and phase, on architectures nobody tuned it to, forward and one training step."""
+
+import pytest
+import torch
+
+from mpsimpact.config import CheckConfig
+from mpsimpact.modes import tracer
+from mpsimpact.prediction.check import prepare
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+def signature(plan):
+    return [(c.op, c.a, c.b, c.fault, c.module, c.phase) for c in plan.calls]
+
+
+@pytest.mark.parametrize(("config", "phase"), [
+    ("bert-base", "inference"), ("bert-base", "training"), ("llama-style-32k", "inference"),
+    ("t5-base", "inference"), ("deberta-v3-base", "inference"),
+])
+def test_the_shortcut_traces_what_the_meta_kernels_trace(config, phase, monkeypatch):
+    traces = []
+    for shortcut in (True, False):
+        if not shortcut:
+            monkeypatch.setattr(tracer, "_fast_meta", lambda func, args, kwargs: func(*args, **kwargs))
+        tracer._META_DTYPES.clear()
+        model, _ = prepare(CheckConfig(str(DATA / config / "config.json"), phase=phase))
+        traces.append(signature(model.trace(2, 64)))
+    assert len(traces[0]) > 100 and traces[0] == traces[1]
+
+
+def test_a_signature_the_kernel_answers_otherwise_is_never_shortcut():
+    # A transposed (non-contiguous) input: the kernel decides the output's strides itself.
+    x = torch.empty(4, 8, device="meta").t()
+    out = tracer._fast_meta(torch.ops.aten.mul.Tensor, (x, x), {})
+    assert out.stride() == torch.mul(x, x).stride() and not out.is_contiguous()
+    # int / int is a float: the dtype comes from the kernel's first answer, then from the cache.
+    a = torch.empty(3, 5, dtype=torch.int64, device="meta")
+    for _ in range(2):
+        assert tracer._fast_meta(torch.ops.aten.div.Tensor, (a, a), {}).dtype == torch.float32
+    assert tracer._fast_meta(torch.ops.aten.div.Tensor_mode, (a, a), {"rounding_mode": "floor"}).dtype == torch.int64
