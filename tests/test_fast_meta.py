@@ -42,3 +42,29 @@ def test_a_signature_the_kernel_answers_otherwise_is_never_shortcut():
     for _ in range(2):
         assert tracer._fast_meta(torch.ops.aten.div.Tensor, (a, a), {}).dtype == torch.float32
     assert tracer._fast_meta(torch.ops.aten.div.Tensor_mode, (a, a), {"rounding_mode": "floor"}).dtype == torch.int64
+
+
+@pytest.mark.parametrize(("op", "args", "kwargs"), [
+    (torch.ops.aten.cat.default, ("float32 float32", 1), {}), (torch.ops.aten.cat.default, ("float32 float16", 1), {}),
+    (torch.ops.aten.mean.dim, ("float16", [-1], True), {}), (torch.ops.aten.mean.dim, ("float16", [0, 2]), {"dtype": torch.float32}),
+    (torch.ops.aten.sum.dim_IntList, ("bfloat16", [1]), {}), (torch.ops.aten.native_layer_norm.default, ("bfloat16", [4], None, None, 1e-5), {}),
+    (torch.ops.aten.add.Tensor, ("int64 float16",), {"alpha": 2}), (torch.ops.aten.where.self, ("bool float32 float16",), {}),
+])
+def test_each_shortcut_answers_what_the_kernel_answers(op, args, kwargs):
+    def tensors(spec):
+        return [torch.empty(2, 3, 4, dtype=getattr(torch, d), device="meta") for d in spec.split()]
+
+    built = []
+    for arg in args:
+        if isinstance(arg, str):
+            made = tensors(arg)
+            built += [made] if op is torch.ops.aten.cat.default else made
+        else:
+            built.append(arg)
+    tracer._META_DTYPES.clear()
+    ref = op(*built, **kwargs)
+    for _ in range(2):  # the kernel's answer the first time, the shortcut's after
+        got = tracer._fast_meta(op, tuple(built), kwargs)
+        for x, y in zip(tracer.outputs_of(got), tracer.outputs_of(ref), strict=True):
+            assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+    assert list(tracer._META_DTYPES.values()) == [tuple(t.dtype for t in tracer.outputs_of(ref))]  # shortcut taken

@@ -41,38 +41,74 @@ def _shape_only(func: Any, args: tuple) -> Any:
 # dtype depends on the inputs' dtypes alone, so the kernel runs once per signature (op, dtypes, scalar types)
 # and the answer is kept (`_META_DTYPES`), or the signature is refused for good where it gave anything else.
 _SAME_SHAPE = frozenset({"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "tril", "triu"})
+# Ops whose output shapes _fast_shapes works out from their arguments.
+_SHAPED = frozenset({"native_layer_norm", "cat", "mean", "sum", "amax", "amin"})
 _META_DTYPES: dict[tuple[Any, ...], Any] = {}
 
 
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.dim() == 0)
+    if isinstance(value, (list, tuple)):  # cat's tensors: their dtypes decide the output's
+        return tuple(map(_signature, value))
     if isinstance(value, (str, torch.dtype, type(None))):
         return value
     return type(value)
 
 
 def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`func(*args, **kwargs)` on meta tensors: for a pointwise or same-shape op whose tensors are all meta and
-    contiguous, a new contiguous meta tensor of its shape and dtype (see _SAME_SHAPE); else the kernel's own."""
+    """`func(*args, **kwargs)` on meta tensors: for a pointwise or same-shape op (or a layer norm) whose tensors
+    are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _SAME_SHAPE); else
+    the kernel's own."""
     name = op_name(func)
     pointwise = op_family(func) == "elementwise" and not name.endswith("_")  # in place: self, not a new tensor
-    if not (pointwise or name in _SAME_SHAPE) or "out" in kwargs or func._schema.is_mutable:
+    if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or "out" in kwargs or func._schema.is_mutable:
         return func(*args, **kwargs)
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    tensors = tensors_of(args, kwargs)
     if not tensors or not all(t.is_meta and t.is_contiguous() for t in tensors):
         return func(*args, **kwargs)
-    shape = torch.broadcast_shapes(*(t.shape for t in tensors)) if pointwise else tensors[0].shape
-    key = (func, tuple(map(_signature, args)), tuple((k, _signature(v)) for k, v in kwargs.items()))
-    dtype = _META_DTYPES.get(key)
-    if dtype is None:
-        out = func(*args, **kwargs)
-        same = isinstance(out, torch.Tensor) and out.shape == shape and out.is_contiguous() and out.is_meta
-        _META_DTYPES[key] = out.dtype if same else False
-        return out
-    if dtype is False:
+    shapes = _fast_shapes(name, pointwise, tensors, args, kwargs)
+    if shapes is None:
         return func(*args, **kwargs)
-    return torch.empty(shape, dtype=dtype, device="meta")
+    key = (func, tuple(map(_signature, args)), tuple((k, _signature(v)) for k, v in kwargs.items()))
+    dtypes = _META_DTYPES.get(key)
+    if dtypes is None:
+        out = func(*args, **kwargs)
+        made = outputs_of(out)
+        same = len(made) == len(shapes) and all(
+            t.shape == shape and t.is_contiguous() and t.is_meta for t, shape in zip(made, shapes))
+        _META_DTYPES[key] = tuple(t.dtype for t in made) if same else False
+        return out
+    if dtypes is False:
+        return func(*args, **kwargs)
+    made = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(shapes, dtypes))
+    return made if len(made) > 1 else made[0]
+
+
+def _fast_shapes(name: str, pointwise: bool, tensors: list[torch.Tensor], args: tuple,
+                 kwargs: dict) -> tuple[tuple[int, ...], ...] | None:
+    """The output shapes `_fast_meta` makes: the broadcast shape; the first tensor's; a layer norm's output and
+    its mean and rstd (the normalized dims kept as 1); cat's; a reduction over dims; None where not known."""
+    first = tuple(tensors[0].shape)
+    if pointwise:
+        if all(tuple(t.shape) == first for t in tensors):
+            return (first,)
+        return (tuple(torch.broadcast_shapes(*(t.shape for t in tensors))),)
+    if name in _SAME_SHAPE:
+        return (first,)
+    if name == "native_layer_norm":
+        kept = len(first) - len(args[1])
+        stats = (*first[:kept], *(1,) * (len(first) - kept))
+        return first, stats, stats
+    if name == "cat" and isinstance(args[0], (list, tuple)) and all(t.dim() == len(first) for t in args[0]):
+        dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(first)
+        return ((*first[:dim], sum(t.shape[dim] for t in args[0]), *first[dim + 1:]),)
+    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if name in ("mean", "sum", "amax", "amin") and isinstance(dims, (list, tuple)) and dims and first:
+        keep = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+        reduced = {d % len(first) for d in dims}
+        return (tuple(1 if i in reduced else n for i, n in enumerate(first) if keep or i not in reduced),)
+    return None
 
 
 class TraceMode(MatmulMode):
