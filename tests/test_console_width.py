@@ -194,7 +194,9 @@ def test_plan_memory_answers_in_words_for_every_release(release, memory, monkeyp
         text = invoke(args)
         assert_fits(text)
         lines = flat(text)
-        assert "Run: mpsimpact run sentiment --batch-size 1438 --max-length 512" in lines, lines[-600:]
+        # eager's clear demo from 1438 texts; blocked_eager's (a Mac whose memory binds) from 1398
+        assert re.search(r"Run: mpsimpact run sentiment --batch-size (1438 --max-length 512 --dtype float16|"
+                         r"1398 --max-length 512( --dtype float16)? --attention blocked_eager)", lines), lines[-600:]
         if "--torch-profile" in args and release == "2.15.0":  # nobody measured it: said, never a count of it
             assert "Cannot tell on torch 2.15.0: nobody measured it on MPS" in lines
             assert "On torch 2.14.0, the published demo's release:" in lines
