@@ -1,6 +1,7 @@
 """Guard cost on latency-bound inference, as ratios measured in one run: the embedded classifier
 (all-MiniLM-L6-v2 + head) on B texts x L tokens, plain vs guard "raise" (entry points, the default)
-vs guard "raise" strict (the dispatch mode on every op: the route before issue 17); with
+vs guard "raise" strict (the dispatch mode on every op: the route before issue 17) vs strict's floor (a
+dispatch mode that only runs each op); with
 --function-mode also the design the entry points were weighed against (issue 31): a TorchFunctionMode
 that hands the same calls to the same guard, seeing them without replacing torch's callables, but
 running Python on every torch call (about 220 a forward here, against 50 entry-point calls).
@@ -20,6 +21,7 @@ import time
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.models.classifier import load_embedded_classifier
 from mpsimpact.modes.entrypoint import ENTRY_POINTS
@@ -43,11 +45,19 @@ class EntryFunctionMode(TorchFunctionMode):
         return self.guard.on_entry(name, func, args, kwargs or {})
 
 
+class NoopDispatchMode(TorchDispatchMode):
+    """strict's floor: a dispatch mode that only runs each op (what any Python dispatch mode costs)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def conditions(device: str, function_mode: bool) -> dict[str, object]:
     conds = {
         "off": contextlib.nullcontext,
         "raise": lambda: guard("raise", devices=(device,)),
         "raise_strict": lambda: guard("raise", devices=(device,), strict=True),
+        "dispatch_floor": NoopDispatchMode,
     }
     if function_mode:
         conds["function_mode"] = lambda: EntryFunctionMode(device)
@@ -94,7 +104,8 @@ def main() -> None:
                  if args.function_mode else "")
         print(f"{batch} x {length}: off {med['off'] * 1e3:.2f} ms; guard raise {med['raise'] * 1e3:.2f} ms "
               f"({med['raise'] / med['off']:.3f}x); strict (dispatch on every op) {med['raise_strict'] * 1e3:.2f} ms "
-              f"({med['raise_strict'] / med['off']:.3f}x){extra}")
+              f"({med['raise_strict'] / med['off']:.3f}x); a dispatch mode that only runs each op "
+              f"{med['dispatch_floor'] * 1e3:.2f} ms ({med['dispatch_floor'] / med['off']:.3f}x){extra}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ active modes by role, and `MatmulMode`, the dispatch mode under the emulator, th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -44,6 +45,24 @@ def is_composite(func: Any) -> bool:
             found = False
         _COMPOSITE[func] = found
     return found
+
+
+# What a dispatch mode does with an op: decompose a product of DECOMPOSED_OPS to see its bmm/mm (PRODUCT),
+# decompose another composite op (COMPOSITE), judge a bmm/mm (MATMUL), or hand it to on_other (OTHER).
+PRODUCT, COMPOSITE, MATMUL, OTHER = "product", "composite", "matmul", "other"
+# Keyed by id(func): an OpOverload's __hash__ is Python, and a mode asks for every op. The entry keeps
+# the op alive beside its kind (_OPS), so an id is never another op's.
+_ROUTES: dict[int, str] = {}
+_OPS: list[Any] = []
+
+
+def route(func: Any) -> str:
+    """The kind of `func` for a dispatch mode (cached by id)."""
+    kind = (PRODUCT if func in DECOMPOSED_OPS else COMPOSITE if is_composite(func)
+            else MATMUL if func in MATMUL_OPS else OTHER)
+    _OPS.append(func)
+    _ROUTES[id(func)] = kind
+    return kind
 
 
 def op_name(func: Any) -> str:
@@ -129,11 +148,16 @@ class ActiveEmulator(Protocol):
 
 # The active modes of this thread, by role ("emulator", "guard"), innermost last. One registry, so
 # the emulator and the guard can find each other without importing each other.
-_LOCAL = threading.local()
+class _Stacks(threading.local):
+    def __init__(self) -> None:
+        self.stacks: collections.defaultdict[str, list[Any]] = collections.defaultdict(list)
+
+
+ACTIVE = _Stacks()  # ACTIVE.stacks[role]: this thread's active modes of `role`, innermost last
 
 
 def _stack(role: str) -> list[Any]:
-    return _LOCAL.__dict__.setdefault("stacks", {}).setdefault(role, [])
+    return ACTIVE.stacks[role]
 
 
 def push_active(role: str, mode: Any) -> None:
@@ -158,7 +182,7 @@ def activated(role: str, mode: Any) -> Iterator[Any]:
 
 def innermost(role: str) -> Any | None:
     """The innermost active mode of `role` on this thread, or None."""
-    stack = _stack(role)
+    stack = ACTIVE.stacks[role]
     return stack[-1] if stack else None
 
 
@@ -174,18 +198,21 @@ class MatmulMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in DECOMPOSED_OPS or is_composite(func):
+        kind = _ROUTES.get(id(func)) or route(func)
+        if kind is OTHER:
+            return self.on_other(func, args, kwargs)
+        if kind is not MATMUL:
             if self.decomposes(func, args, kwargs):
                 with self:
                     out = func.decompose(*args, **kwargs)
                 if out is not NotImplemented:
                     return out
-            elif func in DECOMPOSED_OPS:  # a product the mode judged whole: below every limit
+            elif kind is PRODUCT:  # a product the mode judged whole: below every limit
                 return func(*args, **kwargs)
-        if func in MATMUL_OPS:
-            family, a, b = operands(func, args)
-            return self.on_matmul(func, family, a, b, args, kwargs)
-        return self.on_other(func, args, kwargs)
+            if func not in MATMUL_OPS:
+                return self.on_other(func, args, kwargs)
+        family, a, b = operands(func, args)
+        return self.on_matmul(func, family, a, b, args, kwargs)
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """Whether to decompose this CompositeImplicitAutograd op (one that reached the mode whole, under

@@ -102,6 +102,8 @@ class _Installed(NamedTuple):
 
 
 _INSTALLED: dict[tuple[Any, str], _Installed] = {}
+# Each place's wrapper, kept across uninstall with the original it wraps (functools.update_wrapper costs).
+_MADE: dict[tuple[Any, str], tuple[Any, Callable[..., Any]]] = {}
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
 _ACTIVE_LOCK = threading.Lock()
@@ -184,7 +186,10 @@ def install() -> None:
     for name, places in ENTRY_POINTS.items():
         for owner, attribute in places:
             original = getattr(owner, attribute)
-            wrapper = _wrapper(name, original, owner, attribute)
+            made = _MADE.get((owner, attribute))
+            if made is None or made[0] is not original:  # made once per original: entering a guard is cheap
+                made = _MADE[(owner, attribute)] = (original, _wrapper(name, original, owner, attribute))
+            wrapper = made[1]
             _INSTALLED[(owner, attribute)] = _Installed(original, attribute in vars(owner), wrapper)
             setattr(owner, attribute, wrapper)
             if id(original) in table:

@@ -23,7 +23,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    DECOMPOSED_OPS, aten, check_index_bits,
+    ACTIVE, DECOMPOSED_OPS, aten, check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
@@ -47,6 +47,7 @@ GUARD_MODES = ("raise", "warn", "chunk")
 _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
                      aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
+_PRODUCTS = frozenset({"matmul", "bmm", "mm"})
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
@@ -122,7 +123,8 @@ class GuardMode(MatmulMode):
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self._is_outer():
+        guards = ACTIVE.stacks["guard"]  # _is_outer, inlined: the hot path
+        if not guards or guards[-1] is not self:
             return proceed(*args, **kwargs)
         if _tracing_state() is not None:
             plain = self._cannot_fault_untraced(name, args, kwargs)
@@ -167,21 +169,22 @@ class GuardMode(MatmulMode):
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
         """True when the call cannot meet any rule (or is not on a guarded device): the hot path."""
+        # Sizes read as size(d), which answers an int (shape[d] makes a torch.Size first): the hot path.
         if name == "linear" and len(args) >= 2 and not kwargs:  # most calls of a transformer
             x, w = args[0], args[1]
             if not self._applies(x):
                 return True
             nx, limit = x.numel(), self._view_limit
-            out = nx // max(x.shape[-1], 1) * w.shape[0]
-            return x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit and out < limit
-        if name in ("matmul", "bmm", "mm") and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
+            return (x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit
+                    and nx // (x.size(-1) or 1) * w.size(0) < limit)
+        if name in _PRODUCTS and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
             a, b = args
             if not self._applies(a):
                 return True
-            sa, sb, na, limit = a.shape, b.shape, a.numel(), self._view_limit
-            if sa[:-2] == sb[:-2]:  # no broadcasting: the operands are what bmm sees, in size
-                out = na // max(sa[-2] * sa[-1], 1) * sa[-2] * sb[-1]
-                return a.storage_offset() + na < limit and b.storage_offset() + b.numel() < limit and out < limit
+            na, limit = a.numel(), self._view_limit
+            if a.dim() == b.dim() == 2 or a.shape[:-2] == b.shape[:-2]:  # no broadcasting: what bmm sees, in size
+                return (a.storage_offset() + na < limit and b.storage_offset() + b.numel() < limit
+                        and na // (a.size(-1) or 1) * b.size(-1) < limit)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):

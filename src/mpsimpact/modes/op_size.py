@@ -31,16 +31,17 @@ _KNOWN_AFTER = frozenset({"nonzero", "masked_select", "unique", "repeat_interlea
 
 # Ops whose output is the gradient of a parameter (a weight's size, whatever the batch).
 _WEIGHT_GRADIENTS = frozenset({"embedding_dense_backward"})
-_FAMILY: dict[Any, str] = {}
+# By id(func), the op kept alive beside it (as modes/base.py's routes): an OpOverload's __hash__ is Python.
+_FAMILY: dict[int, tuple[Any, str]] = {}
 _ARGUMENT_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 def op_family(func: Any) -> str:
     """`family_of` an op overload, cached (the modes ask for every op)."""
-    family = _FAMILY.get(func)
-    if family is None:
-        family = _FAMILY[func] = family_of(func)
-    return family
+    found = _FAMILY.get(id(func))
+    if found is None:
+        found = _FAMILY[id(func)] = (func, family_of(func))
+    return found[1]
 
 
 def bound_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
