@@ -197,7 +197,10 @@ class MatmulMode(TorchDispatchMode):
     `on_matmul`; `on_other` sees every other op."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        """The body of __torch_dispatch__ (which torch wraps to keep Dynamo out: a subclass calls this)."""
         kind = _ROUTES.get(id(func)) or route(func)
         if kind is OTHER:
             return self.on_other(func, args, kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import operator
 import os
 import threading
@@ -23,7 +24,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, aten, check_index_bits,
+    ACTIVE, COMPOSITE, DECOMPOSED_OPS, OTHER, PRODUCT, aten, route, check_index_bits,
     MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
@@ -33,7 +34,7 @@ from mpsimpact.modes.chunking import (
 )
 from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
 from mpsimpact.modes.op_size import (
-    SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+    GROWING, SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
@@ -259,7 +260,32 @@ class GuardMode(MatmulMode):
         most = self._most
         return any(t.numel() > most for t in tensors_of(args, kwargs))
 
-    # Dispatch level: one bmm/mm with its real operands.
+    # Dispatch level.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Strict's hot path first: without an emulator, a call of a family with a size rule whose every tensor
+        is within DIM_MAX (and a broadcast whose inputs' product is) runs at once, as on_other would decide
+        after the route, the family and the sizes were looked up one by one (`_plain_check`)."""
+        check = _PLAIN.get(id(func))
+        if check is None:
+            check = _plain_check(func)
+        if check is not _FULL and not ACTIVE.stacks["emulator"]:
+            if check is _NO_KERNEL:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if check is not _SIZES and check is not _BROADCAST:  # linear, matmul: decomposes' bound, quicker
+                if self._quick_pass(check, args, kwargs or {}):
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                return self.dispatch(func, args, kwargs or {})
+            most = self._most
+            tensors = tensors_of(args, kwargs)
+            for tensor in tensors:
+                if tensor.numel() > most:
+                    break
+            else:
+                if check is _SIZES or len(tensors) < 2 or math.prod(t.numel() for t in tensors) <= most:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+        return self.dispatch(func, args, kwargs or {})
+
+    # One bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
         if self._passing or self._is_outer() or not self._applies(a):
             return func(*args, **kwargs)
@@ -448,6 +474,31 @@ def _family_advice(record: CallRecord, chunk: int | Pieces | None) -> str:
     return (f"No split is known for {record.op} ({record.family}): lower the batch size until no tensor of "
             "it passes the limit; on attention scores, attn_implementation='mps_safe_eager' (name = "
             "mpsimpact.attention.register()) never makes the whole score tensor.")
+
+
+# Per op (by id, the op kept alive beside it): how strict's hot path may pass it (GuardMode.__torch_dispatch__).
+_FULL, _NO_KERNEL, _SIZES, _BROADCAST = "full", "no kernel", "sizes", "broadcast"
+_PLAIN: dict[int, str] = {}
+_PLAIN_OPS: list[Any] = []
+
+
+def _plain_check(func) -> str:
+    """"linear", "matmul": a product whose entry point's quick bound decides it as decomposes' bound would;
+    _NO_KERNEL: a view, or a product or SDPA call decided elsewhere (size_call's SKIPPED); _SIZES: a family
+    whose rules need a tensor past DIM_MAX; _BROADCAST: elementwise, whose output may also outgrow its inputs up
+    to their product; _FULL: products and SDPA (decomposed and judged by their operands), a family whose
+    output can outgrow its inputs otherwise, or one nobody sized (on_other's whole path)."""
+    kind = route(func)
+    family = op_family(func) if kind in (OTHER, COMPOSITE) else None
+    entry = _DECOMPOSED_ENTRY.get(func) if kind is PRODUCT else None
+    check = (entry if entry in ("linear", "matmul")
+             else _FULL if family is None or family in GROWING or family == "other"
+             else _NO_KERNEL if family in SKIPPED and kind is OTHER
+             else _FULL if family in SKIPPED
+             else _BROADCAST if family == "elementwise" else _SIZES)
+    _PLAIN_OPS.append(func)
+    _PLAIN[id(func)] = check
+    return check
 
 
 @contextlib.contextmanager
