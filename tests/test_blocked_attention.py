@@ -200,7 +200,7 @@ def run_report(tmp_path, name, *args):
     return json.loads((out / "report.json").read_text())
 
 
-def test_the_16gb_demo_fits_and_corrupts_exactly_what_eager_does_replayed_small(tmp_path, monkeypatch):
+def test_the_16gb_demo_fits_in_10_7_gib_and_corrupts_texts(tmp_path, monkeypatch):
     from mpsimpact.prediction.demo_size import HEADROOM
 
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
@@ -211,6 +211,14 @@ def test_the_16gb_demo_fits_and_corrupts_exactly_what_eager_does_replayed_small(
     # P (1398*12, 512, 512) in fp16 is 8.2 GiB; with V, the product's output and the hidden states 9.8 GiB.
     assert option["estimated_peak_gib"] * HEADROOM <= 10.7 and 8.2 <= option["estimated_peak_gib"] <= 9.9
     assert (option["corrupted_count"], option["first_corrupted_text"]) == (33, 1365)
+
+
+@pytest.mark.slow
+def test_the_16gb_demos_flags_replayed_small_corrupt_exactly_what_eager_does(tmp_path, monkeypatch):
+    # 50 s on 2 CPU cores (the float16 products run on CPU kernels that are slow in half precision); the
+    # same P V call in float32 corrupts what eager does in the default selection (the retrieval test below).
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    rec = plan_memory("16GB")["recommendation"]
     # Its flags at a small geometry and a narrow width (the later --batch-size, --max-length win): traced at
     # 160 x 256 under 2**26, run at 64 tokens replaying that plan. P per text 12 * 256**2: the wrap starts at
     # batch-head 2**26 / 256**2 = 1024, text 85 (head 4); blocks of 2**26 // (12 * 256**2) = 85 texts. Nothing

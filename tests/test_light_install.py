@@ -33,16 +33,45 @@ def pip(env: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+def lend_torch(env: Path, tmp_path: Path) -> None:
+    """This environment's torch, and what it needs, lent to `env` by a .pth file: a folder of links to
+    their packages and dist-info (so pip counts torch as installed), and nothing else of this environment
+    (unzipping torch's wheel again took most of this test's 48 s)."""
+    from importlib import metadata
+
+    lent = tmp_path / "lent"
+    lent.mkdir()
+    names, seen = ["torch"], set()
+    while names:
+        name = names.pop()
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        names += [r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0].strip()
+                  for r in dist.requires or () if "extra ==" not in r]
+        for file in dist.files or ():
+            top = Path(str(file)).parts[0]
+            source = Path(dist.locate_file(top))
+            if not top.endswith((".pth",)) and top != ".." and source.exists() and not (lent / top).exists():
+                (lent / top).symlink_to(source)
+    site = next((env / "lib").glob("python3*/site-packages"))
+    (site / "lent-torch.pth").write_text(f"{lent}\n")
+
+
 @pytest.mark.network
 def test_the_core_install_has_no_demo_packages_and_the_guard_works(tmp_path):
     env = tmp_path / "light"
     venv.create(env, with_pip=True)
-    torch_version = __import__("torch").__version__.split("+")[0]
-    for args in ((f"torch=={torch_version}",), (str(ROOT),)):
-        done = pip(env, *args)
-        if done.returncode and "Could not find" in done.stderr + done.stdout:
-            pytest.skip(f"the package index cannot be reached: {done.stderr.strip().splitlines()[-1]}")
-        assert done.returncode == 0, done.stderr
+    lend_torch(env, tmp_path)
+    done = pip(env, str(ROOT))
+    if done.returncode and "Could not find" in done.stderr + done.stdout:
+        pytest.skip(f"the package index cannot be reached: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
     listed = subprocess.run([str(env / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
                             capture_output=True, text=True, check=True).stdout.lower()
     installed = {line.split("==")[0] for line in listed.splitlines()}

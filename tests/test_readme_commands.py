@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ MARKER = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 KINDS = {"run", "slow", "network"}
 LINKED = ("tests", "src", "scenarios", "docs", "benchmarks", "README.md", "pyproject.toml")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+SHELL_SYNTAX = re.compile(r"[|&;<>$`]")
 NETWORK_ERROR = re.compile(r"Request failed|Failed to fetch|connect|dns|timed out|unreachable", re.IGNORECASE)
 
 
@@ -172,19 +174,60 @@ def _workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return work, env
 
 
+def mpsimpact_lines(commands: str) -> list[list[str]] | None:
+    """The block's commands as argument lists when every one is a plain `mpsimpact ...` line (no pipe,
+    redirection, variable or other program); else None (the block runs in bash)."""
+    lines = []
+    for line in commands.splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] != "mpsimpact" or SHELL_SYNTAX.search(line.split("#", 1)[0]):
+            return None
+        lines.append(words[1:])
+    return lines or None
+
+
+def run_in_process(lines: list[list[str]], work: Path, env: dict[str, str],
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
+    """Runs `mpsimpact` lines as `bash -e` would (stop at the first that fails) through the CLI's own entry
+    in this process (typer's runner): the same parsing and code, without a torch import per line."""
+    from typer.testing import CliRunner
+
+    from mpsimpact.cli import app
+
+    monkeypatch.chdir(work)
+    for name in (*OFFLINE, "MPSIMPACT_CACHE", "COLUMNS"):
+        monkeypatch.setenv(name, env[name])
+    output, code = [], 0
+    for args in lines:
+        result = CliRunner().invoke(app, args, prog_name="mpsimpact")
+        output.append(result.stdout + result.stderr)
+        code = result.exit_code
+        if code:
+            break
+    return code, "".join(output)
+
+
 @pytest.mark.parametrize(("block", "spec"), [_param(b) for b in BLOCKS])
-def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path):
+def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path, monkeypatch):
+    # A block of plain mpsimpact lines runs in this process (the process boundary is not what it tests:
+    # tests/test_light_install.py and test_imports.py run the installed command itself); others in bash.
     work, env = _workspace(tmp_path)
-    script = tmp_path / "block.sh"
-    script.write_text(block.commands(spec))
     started = time.monotonic()
-    done = subprocess.run(["bash", "-e", str(script)], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=3600)
-    output = done.stdout + done.stderr
-    print(f"README.md:{block.line}: exit {done.returncode} in {time.monotonic() - started:.1f} s")
-    if "network" in spec.kinds and done.returncode != spec.exit_code and NETWORK_ERROR.search(output):
+    lines = mpsimpact_lines(block.commands(spec))
+    if lines is not None:
+        returncode, output = run_in_process(lines, work, env, monkeypatch)
+    else:
+        script = tmp_path / "block.sh"
+        script.write_text(block.commands(spec))
+        done = subprocess.run(["bash", "-e", str(script)], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=3600)
+        returncode, output = done.returncode, done.stdout + done.stderr
+    print(f"README.md:{block.line}: exit {returncode} in {time.monotonic() - started:.1f} s")
+    if "network" in spec.kinds and returncode != spec.exit_code and NETWORK_ERROR.search(output):
         pytest.skip(f"the package index cannot be reached: {output.strip().splitlines()[-1]}")
-    assert done.returncode == spec.exit_code, f"README.md:{block.line} exited {done.returncode}:\n{output[-4000:]}"
+    assert returncode == spec.exit_code, f"README.md:{block.line} exited {returncode}:\n{output[-4000:]}"
     flat = " ".join(output.split())
     missing = [text for text in spec.expect if " ".join(text.split()) not in flat]
     assert not missing, f"README.md:{block.line} did not print {missing}:\n{output[-4000:]}"
