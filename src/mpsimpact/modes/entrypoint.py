@@ -103,7 +103,7 @@ class _Installed(NamedTuple):
 
 _INSTALLED: dict[tuple[Any, str], _Installed] = {}
 # Each place's wrapper, kept across uninstall with the original it wraps (functools.update_wrapper costs).
-_MADE: dict[tuple[Any, str], tuple[Any, Callable[..., Any]]] = {}
+_MADE: dict[tuple[Any, str], _Installed] = {}
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
 _ACTIVE_LOCK = threading.Lock()
@@ -186,11 +186,13 @@ def install() -> None:
     for name, places in ENTRY_POINTS.items():
         for owner, attribute in places:
             original = getattr(owner, attribute)
+            own = attribute in vars(owner)
             made = _MADE.get((owner, attribute))
-            if made is None or made[0] is not original:  # made once per original: entering a guard is cheap
-                made = _MADE[(owner, attribute)] = (original, _wrapper(name, original, owner, attribute))
-            wrapper = made[1]
-            _INSTALLED[(owner, attribute)] = _Installed(original, attribute in vars(owner), wrapper)
+            if made is None or made.original is not original or made.own is not own:
+                # made once per original: entering a guard is cheap
+                made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
+            wrapper = made.wrapper
+            _INSTALLED[(owner, attribute)] = made
             setattr(owner, attribute, wrapper)
             if id(original) in table:
                 table[id(wrapper)] = table[id(original)]
