@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the workers `-n 2` starts: one torch thread each
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
