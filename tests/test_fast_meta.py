@@ -27,6 +27,7 @@ def test_the_shortcut_traces_what_the_meta_kernels_trace(config, phase, monkeypa
         if not shortcut:
             monkeypatch.setattr(tracer, "_fast_meta", lambda func, args, kwargs: func(*args, **kwargs))
         tracer._META_DTYPES.clear()
+        tracer._STRIDED.clear()
         model, _ = prepare(CheckConfig(str(DATA / config / "config.json"), phase=phase))
         traces.append(signature(model.trace(2, 64)))
     assert len(traces[0]) > 100 and traces[0] == traces[1]
@@ -68,3 +69,17 @@ def test_each_shortcut_answers_what_the_kernel_answers(op, args, kwargs):
         for x, y in zip(tracer.outputs_of(got), tracer.outputs_of(ref), strict=True):
             assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
     assert list(tracer._META_DTYPES.values()) == [tuple(t.dtype for t in tracer.outputs_of(ref))]  # shortcut taken
+
+
+def test_a_non_contiguous_call_is_answered_as_the_kernel_answered_it_the_first_time():
+    tracer._STRIDED.clear()
+    x = torch.empty(2, 16, 4, 8, device="meta").transpose(1, 2)  # (2, 4, 16, 8), strides of (2, 16, 4, 8)
+    half = x[..., :4]  # RoPE's rotate_half reads halves of the last dim: offsets and strides of the whole
+    for _ in range(2):  # the kernel's answer, then the kept one
+        for func, args in ((torch.ops.aten.mul.Tensor, (x, x)), (torch.ops.aten.neg.default, (half,)),
+                           (torch.ops.aten.add.Tensor, (x, x[:1]))):
+            out, expected = tracer._fast_meta(func, args, {}), func(*args)
+            assert (out.shape, out.stride(), out.dtype) == (expected.shape, expected.stride(), expected.dtype)
+    assert len(tracer._STRIDED) == 3
+    # An argument it cannot key (a Python object) or an output that is a view is never kept.
+    assert tracer._strided_meta(torch.ops.aten.neg.default, (half,), {}).shape == half.shape

@@ -12,6 +12,20 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, sdpa_path
 from mpsimpact.engine.release import FaultProfile, resolve_profile
 
 
+def runs_on_mps(trace: Any, profile: FaultProfile) -> list[Any]:
+    """The traced calls MPS runs under `profile`: of an SDPA call, the fused op or its math path's calls
+    (two ways of one call), as the release runs it. `trace` holds CallRecords, or anything with a `call`
+    CallRecord (the fitted calls of safe_size), kept as they are."""
+    records = [getattr(item, "call", item) for item in trace]
+    parents = {c.index: c for c in records if c.family == "sdpa"}
+    kept = []
+    for item, call in zip(trace, records):
+        sdpa = parents.get(call.within) if call.within is not None else call if call.family == "sdpa" else None
+        if sdpa is None or (sdpa_path(sdpa.needs_grad, profile) == "math") == (call.family != "sdpa"):
+            kept.append(item)
+    return kept
+
+
 @dataclasses.dataclass(frozen=True)
 class FaultPlan:
     """Every bmm/mm/SDPA call one run makes on MPS under a torch release, in order, with its fault, and
@@ -32,12 +46,8 @@ class FaultPlan:
     def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None) -> FaultPlan:
         """The calls MPS makes under `profile`, each re-decided by that release's rules."""
         prof = resolve_profile(profile)
-        parents = {c.index: c for c in trace if c.family == "sdpa"}
         kept = []
-        for call in trace:
-            sdpa = parents.get(call.within) if call.within is not None else call if call.family == "sdpa" else None
-            if sdpa is not None and (sdpa_path(sdpa.needs_grad, prof) == "math") != (call.family != "sdpa"):
-                continue  # the fused op and its math path are two ways of one call: keep the one MPS runs
+        for call in runs_on_mps(trace, prof):
             fault = classify_record(call, index_bits, prof)
             kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
         return cls(tuple(kept), index_bits, prof.ref, tuple(trace))

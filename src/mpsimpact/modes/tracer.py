@@ -65,8 +65,10 @@ def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or "out" in kwargs or func._schema.is_mutable:
         return func(*args, **kwargs)
     tensors = tensors_of(args, kwargs)
-    if not tensors or not all(t.is_meta and t.is_contiguous() for t in tensors):
+    if not tensors or not all(t.is_meta for t in tensors):
         return func(*args, **kwargs)
+    if not all(t.is_contiguous() for t in tensors):
+        return _strided_meta(func, args, kwargs)
     shapes = _fast_shapes(name, pointwise, tensors, args, kwargs)
     if shapes is None:
         return func(*args, **kwargs)
@@ -83,6 +85,49 @@ def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     made = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(shapes, dtypes))
     return made if len(made) > 1 else made[0]
+
+
+# A call with a non-contiguous tensor (RoPE's rotate_half, a transposed operand): its outputs' strides follow the
+# inputs' (TensorIterator's order), which only the kernel works out. Every layer of a model makes the same calls,
+# so the answer is kept per exact call (op; each tensor's shape, strides, offset and dtype; every other argument)
+# and the kernel runs once per distinct call; a call whose output is not a new meta tensor is never kept.
+_STRIDED: dict[tuple[Any, ...], Any] = {}
+_STRIDED_MOST = 1 << 16  # distinct calls kept (traces at many lengths); then the table starts again
+
+
+def _exact(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_exact, value))
+    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format,
+                          type(None))):
+        return (type(value), value)
+    raise TypeError  # not keyed: the kernel's own answer
+
+
+def _strided_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func(*args, **kwargs)` on meta tensors, the kernel run once per exact call (see _STRIDED)."""
+    try:
+        key = (func, _exact(args), tuple((k, _exact(v)) for k, v in kwargs.items()))
+    except TypeError:
+        return func(*args, **kwargs)
+    kept = _STRIDED.get(key)
+    if kept is None:
+        out = func(*args, **kwargs)
+        made = outputs_of(out)
+        plain = (isinstance(out, torch.Tensor) or isinstance(out, tuple) and len(made) == len(out)) and all(
+            t.is_meta and not t._is_view() and t.storage_offset() == 0 for t in made)
+        if len(_STRIDED) >= _STRIDED_MOST:
+            _STRIDED.clear()
+        _STRIDED[key] = (isinstance(out, torch.Tensor), tuple((tuple(t.shape), t.stride(), t.dtype) for t in made)) \
+            if plain else False
+        return out
+    if kept is False:
+        return func(*args, **kwargs)
+    single, specs = kept
+    made = tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in specs)
+    return made[0] if single else made
 
 
 def _fast_shapes(name: str, pointwise: bool, tensors: list[torch.Tensor], args: tuple,

@@ -14,7 +14,8 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_record, out_elements
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
 from mpsimpact.modes.tracer import trace_module
-from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.engine.fault_plan import FaultPlan, runs_on_mps
+from mpsimpact.engine.release import resolve_profile
 from mpsimpact.errors import UsageError
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
@@ -94,9 +95,25 @@ def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int =
 
 def _decided(calls: Iterable[CallRecord], index_bits: int, profile: Profile) -> FaultPlan:
     """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
+    profile = resolve_profile(profile)  # resolved once: classify_record keeps its answers per release
     records = tuple(dataclasses.replace(c, fault=classify_record(c, index_bits, profile))
                     for c in calls)
     return FaultPlan.from_trace(records, index_bits, profile)
+
+
+def _distinct_runs(calls: list[LengthFittedCall], profile: Profile) -> list[LengthFittedCall]:
+    """The fitted calls MPS runs under `profile` (FaultPlan.from_trace keeps the same), one per distinct
+    op and operand fits: a model's layers repeat their calls, and equal fits give equal calls at any length."""
+    distinct = {}
+    for fitted in runs_on_mps(calls, resolve_profile(profile)):
+        distinct.setdefault((fitted.call.op, fitted.call.family, fitted.a, fitted.b), fitted)
+    return list(distinct.values())
+
+
+def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: Profile) -> bool:
+    """is_clean(plan_at_length(...)) for the calls of _distinct_runs, by arithmetic on them alone."""
+    profile = resolve_profile(profile)
+    return all(classify_record(fitted.at(length), index_bits, profile).is_ok for fitted in kept)
 
 
 def is_clean(plan: FaultPlan) -> bool:
@@ -171,8 +188,9 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
     lengths = fit_lengths(high, known)
     try:
         calls = fit_calls([trace_at(n) for n in lengths], lengths)
+        kept = _distinct_runs(calls, profile)
         first_bad = next((L for L in candidate_lengths(calls, high, index_bits)
-                          if not is_clean(plan_at_length(calls, L, index_bits, profile))), None)
+                          if not _clean_at(kept, L, index_bits, profile)), None)
     except _Unscalable as error:
         return bisect_clean(trace_at, high, f"the calls do not scale as quadratics in the length: {error}")
     answer = high if first_bad is None else first_bad - 1
