@@ -83,6 +83,29 @@ def measure(module, ids, mask, device: str, reps: int, function_mode: bool = Fal
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def micro(device: str, n: int = 20000) -> str:
+    """The guard's two costs apart: entering and leaving `guard("raise")` (the wrappers go in place and
+    away), and one small F.linear call answered by the fast path, beside the plain call (us each)."""
+    import timeit
+
+    x, w = torch.randn(8, 16, device=device), torch.randn(16, 16, device=device)
+
+    def enter() -> None:
+        with guard("raise", devices=(device,)):
+            pass
+
+    linear = torch.nn.functional.linear
+    enter()
+    entering = min(timeit.repeat(enter, number=n // 10, repeat=5)) / (n // 10) * 1e6
+    plain = min(timeit.repeat(lambda: linear(x, w), number=n, repeat=5)) / n * 1e6
+    with guard("raise", devices=(device,)):
+        guarded = min(timeit.repeat(lambda: torch.nn.functional.linear(x, w), number=n, repeat=5)) / n * 1e6
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (f"entering and leaving guard('raise'): {entering:.1f} us; F.linear (8 x 16 @ 16 x 16): plain "
+            f"{plain:.2f} us, guarded {guarded:.2f} us (+{guarded - plain:.2f} us a call; launch only on CUDA)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -90,11 +113,14 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x16")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--function-mode", action="store_true", help="also time the TorchFunctionMode design")
+    parser.add_argument("--micro", action="store_true", help="also time entering a guard and one guarded call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_embedded_classifier()
     module = model.module.to(args.device)
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
+    if args.micro:
+        print(micro(args.device))
     for shape in args.shapes.split(","):
         batch, length = map(int, shape.split("x"))
         ids = torch.randint(1000, 20000, (batch, length), device=args.device)

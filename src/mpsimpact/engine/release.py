@@ -282,6 +282,7 @@ def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | Non
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def parse_version(version: str) -> tuple[int, int, int] | None:
     """(major, minor, patch) of "2.13.0+cpu", "2.12.1", "2.15.0.dev20261101"; None if unreadable."""
     match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)

@@ -17,7 +17,7 @@ import os
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,14 +25,14 @@ import torch
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     ACTIVE, COMPOSITE, DECOMPOSED_OPS, OTHER, PRODUCT, aten, route, check_index_bits,
-    MatmulMode, activated, active_emulator, current_phase, innermost, needs_grad, op_name,
+    MatmulMode, active_emulator, current_phase, innermost, needs_grad, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, run_with_backward_under, split_bmm,
     split_sdpa,
 )
-from mpsimpact.modes.entrypoint import handling, push_handler, remove_handler
+from mpsimpact.modes.entrypoint import push_handler, remove_handler
 from mpsimpact.modes.op_size import (
     GROWING, SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
@@ -501,9 +501,8 @@ def _plain_check(func) -> str:
     return check
 
 
-@contextlib.contextmanager
 def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
-          profile: Profile = None, strict: bool = False) -> Iterator[GuardMode]:
+          profile: Profile = None, strict: bool = False) -> GuardContext:
     """Guards every bmm/mm/SDPA/cat call that would fault on MPS (with `strict`, every op), on this thread
     (threads started inside the block are not guarded: see `install_thread_guard`).
 
@@ -518,12 +517,51 @@ def guard(mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tup
             every op family past the per-dimension limit (elementwise, softmax, reductions, copies,
             lookups, creation: Note [Op families past INT_MAX]); the fast path leaves those to it.
 
-    Yields:
-        The active `GuardMode`; `stopped` and `chunked` list the calls it acted on.
+    Returns:
+        A context manager (also a decorator) whose `with` yields the active `GuardMode`; `stopped` and
+        `chunked` list the calls it acted on.
     """
-    mode_obj = GuardMode(mode, index_bits=index_bits, devices=devices, profile=profile, strict=strict)
-    with activated("guard", mode_obj), handling(mode_obj), (mode_obj if mode_obj.everywhere else contextlib.nullcontext()):
-        yield mode_obj
+    return GuardContext(mode, {"index_bits": index_bits, "devices": devices, "profile": profile, "strict": strict})
+
+
+class GuardContext(contextlib.ContextDecorator):
+    """What `guard()` returns: entering it makes the `GuardMode` (then, so that it sees an emulator entered
+    since) and activates it on this thread, leaving takes it away (a class, not a generator: a guard entered
+    around each small batch pays for the entering too). Used as a decorator, each call gets its own."""
+
+    def __init__(self, mode: str, options: dict) -> None:
+        self._mode, self._options = mode, options
+        self.mode: GuardMode | None = None
+
+    def _recreate_cm(self) -> GuardContext:
+        return GuardContext(self._mode, self._options)
+
+    def __enter__(self) -> GuardMode:
+        mode = self.mode = GuardMode(self._mode, **self._options)
+        push_active("guard", mode)
+        try:
+            push_handler(mode)
+            try:
+                if mode.everywhere:
+                    mode.__enter__()
+            except BaseException:
+                remove_handler(mode)
+                raise
+        except BaseException:
+            remove_active("guard", mode)
+            raise
+        return mode
+
+    def __exit__(self, *exc: Any) -> None:
+        mode = self.mode
+        try:
+            if mode.everywhere:
+                mode.__exit__(*exc)
+        finally:
+            try:
+                remove_handler(mode)
+            finally:
+                remove_active("guard", mode)
 
 
 def install_thread_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
