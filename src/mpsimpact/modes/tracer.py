@@ -61,13 +61,14 @@ def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _SAME_SHAPE); else
     the kernel's own."""
     name = op_name(func)
-    pointwise = op_family(func) == "elementwise" and not name.endswith("_")  # in place: self, not a new tensor
-    if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or "out" in kwargs or func._schema.is_mutable:
-        return func(*args, **kwargs)
+    family = op_family(func)
+    if "out" in kwargs or func._schema.is_mutable or family == "view" or name.endswith("_"):
+        return func(*args, **kwargs)  # in place, or a view: what it returns is (part of) an input
     tensors = tensors_of(args, kwargs)
     if not tensors or not all(t.is_meta for t in tensors):
         return func(*args, **kwargs)
-    if not all(t.is_contiguous() for t in tensors):
+    pointwise = family == "elementwise"
+    if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or not all(t.is_contiguous() for t in tensors):
         return _strided_meta(func, args, kwargs)
     shapes = _fast_shapes(name, pointwise, tensors, args, kwargs)
     if shapes is None:
@@ -87,8 +88,9 @@ def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     return made if len(made) > 1 else made[0]
 
 
-# A call with a non-contiguous tensor (RoPE's rotate_half, a transposed operand): its outputs' strides follow the
-# inputs' (TensorIterator's order), which only the kernel works out. Every layer of a model makes the same calls,
+# Any other call that makes new tensors (a non-contiguous input, RoPE's rotate_half or a transposed operand, whose
+# outputs' strides follow the inputs' in TensorIterator's order; an op nobody sized here): only the kernel works
+# its outputs out, and on meta they depend on the call alone. Every layer of a model makes the same calls,
 # so the answer is kept per exact call (op; each tensor's shape, strides, offset and dtype; every other argument)
 # and the kernel runs once per distinct call; a call whose output is not a new meta tensor is never kept.
 _STRIDED: dict[tuple[Any, ...], Any] = {}
@@ -116,8 +118,10 @@ def _strided_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     if kept is None:
         out = func(*args, **kwargs)
         made = outputs_of(out)
+        read = {t.untyped_storage()._cdata for t in tensors_of(args, kwargs)}
         plain = (isinstance(out, torch.Tensor) or isinstance(out, tuple) and len(made) == len(out)) and all(
-            t.is_meta and not t._is_view() and t.storage_offset() == 0 for t in made)
+            t.is_meta and not t._is_view() and t.storage_offset() == 0 and t.untyped_storage()._cdata not in read
+            for t in made) and len({t.untyped_storage()._cdata for t in made}) == len(made)
         if len(_STRIDED) >= _STRIDED_MOST:
             _STRIDED.clear()
         _STRIDED[key] = (isinstance(out, torch.Tensor), tuple((tuple(t.shape), t.stride(), t.dtype) for t in made)) \
