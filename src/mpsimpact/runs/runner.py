@@ -4,7 +4,9 @@ pass per guard condition against a reference, and the report. Scenarios never pi
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -188,10 +190,27 @@ def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_m
 
 
 def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> list[dict[str, Any]]:
-    """The version table at this run's full-scale geometry (see versions.version_table)."""
+    """The version table at this run's full-scale geometry (see versions.version_table). It follows from the
+    scenario's model config and the geometry alone (four meta traces), so a process that runs the same
+    scenario and geometry again (a notebook, the tests) reuses it."""
     from mpsimpact.prediction.version_table import version_table
 
-    return version_table(lambda a: scenario.meta_module(attention=a), batch, length, model.heads, index_bits)
+    try:
+        key = (scenario.name, model.name, json.dumps(model.config.to_dict(), sort_keys=True, default=str),
+               batch, length, model.heads, index_bits)
+    except (AttributeError, TypeError):
+        key = None
+    rows = _VERSION_ROWS.get(key) if key is not None else None
+    if rows is None:
+        rows = version_table(lambda a: scenario.meta_module(attention=a), batch, length, model.heads, index_bits)
+        if key is not None:
+            if len(_VERSION_ROWS) >= 8:
+                _VERSION_ROWS.pop(next(iter(_VERSION_ROWS)))
+            _VERSION_ROWS[key] = rows
+    return copy.deepcopy(rows)
+
+
+_VERSION_ROWS: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 
 def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
