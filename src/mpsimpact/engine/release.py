@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 import re
-from stat import S_ISREG
 from pathlib import Path
 from typing import Any, Literal
 
@@ -356,13 +355,14 @@ def installed_profile() -> FaultProfile:
 
     parsed = parse_version(torch.__version__)
     cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
-    try:
-        stat = cached.stat() if cached is not None else None
-    except OSError:
-        stat = None
-    if stat is None or not S_ISREG(stat.st_mode):
+    path = str(cached) if cached is not None else None
+    if path is None or not os.path.isfile(path):  # no exception raised for the usual case: no file
         return profile_for(torch.__version__)
-    key = (str(cached), stat.st_mtime_ns, stat.st_size)
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return profile_for(torch.__version__)
+    key = (path, stat.st_mtime_ns, stat.st_size)
     if _LOADED.get("key") != key:  # every guard asks: the file read again only when it changed
         _LOADED.update(key=key, profile=load_profile(cached))
     return _LOADED["profile"]
