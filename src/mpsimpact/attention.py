@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -67,8 +68,10 @@ def _within(blocks: Blocks, groups: int, length: int, keys: int, scores: int) ->
     block = min(blocks.block, scores // (groups * keys))
     if block >= 1:  # whole rows of keys: the whole-row softmax, as eager's
         return Blocks(1, block)
-    # Not one query row of the group over all keys fits: key blocks of at most 4096 query rows' worth.
-    block = max(1, min(blocks.block, length, scores // (groups * min(keys, 4096))))
+    # Not one query row of the group over all keys fits: key blocks. The number of (query block, key
+    # block) steps is about G * L * Lk / scores whatever their shape, so make them square-ish (products
+    # of r x D and D x kb, not one query row against many keys).
+    block = max(1, min(blocks.block, length, math.isqrt(scores // groups)))
     return Blocks(1, block, max(1, min(keys - 1, scores // (groups * block))))
 
 

@@ -17,7 +17,9 @@ import torch
 #   3. else, by device: cuda a quarter of the free memory, mps a quarter of
 #      recommended_max_memory() - current_allocated_memory(), both at most 1 GiB (bigger pieces buy no
 #      speed and cost peak); cpu and others 256 MiB; meta unbounded (shapes only).
-# The index limits stay an upper bound: the budget only makes pieces smaller, never larger.
+# The index limits stay an upper bound: the budget only makes pieces smaller, never larger. Not counted:
+# the piece's queries (G*r x D, a copy) and, with key blocks, the float32 accumulator (G*r x Dv), both
+# small against the scores at real sizes; nor the caller's output tensor and inputs.
 
 ENV = "MPSIMPACT_ATTENTION_BUDGET"
 CPU_DEFAULT = 256 * 2**20

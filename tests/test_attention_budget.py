@@ -1,0 +1,147 @@
+"""mps_safe_eager within a memory budget (issue 36): pieces hold at most the budget's scores, key blocks
+with an online softmax where one row of scores would not fit, values equal to transformers' eager
+attention; still exact where emulated eager goes wrong (index width 20)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mpsimpact
+from mpsimpact import budget
+from mpsimpact.attention import Blocks, _blocks_of, attention_blocks, mps_safe_eager_attention
+
+BITS = 20
+
+
+@pytest.fixture(autouse=True)
+def _default_budget(monkeypatch):
+    monkeypatch.delenv(budget.ENV, raising=False)
+    yield
+    budget.set_memory_budget(None)
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _eager(module, q, k, v, mask, scaling):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward(module, q, k, v, mask, scaling)[0]  # (B, L, H, Dv)
+
+
+def _mask(kind: str, batch: int, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """An additive mask as transformers' eager mask: 0 where attended, finfo.min elsewhere."""
+    if kind == "none":
+        return None
+    i = torch.arange(length)
+    keep = i[None, :] <= i[:, None]  # causal
+    if kind == "sliding":
+        keep &= i[:, None] - i[None, :] < 24
+    keep = keep.expand(batch, 1, length, length).clone()
+    if kind == "padding":
+        keep[1:, :, :, :5] = False  # left padding of the second text
+        keep[1:, :, :5, 0] = True  # padded rows see one key, as transformers keeps them finite
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(keep, zero, torch.finfo(dtype).min)
+
+
+def test_the_budget_comes_from_the_setting_then_the_environment_then_the_device(monkeypatch):
+    assert budget.memory_budget("cpu") == 256 * 2**20
+    assert budget.memory_budget("meta") is None  # shapes only: unbounded
+    monkeypatch.setenv(budget.ENV, "64M")
+    assert budget.memory_budget("cpu") == 64 * 2**20
+    budget.set_memory_budget(4096)
+    assert budget.memory_budget("cpu") == 4096
+    monkeypatch.setenv(budget.ENV, "lots")
+    budget.set_memory_budget(None)
+    with pytest.raises(ValueError, match="not a byte count"):
+        budget.memory_budget("cpu")
+    with pytest.raises(ValueError, match=">= 1 byte"):
+        budget.set_memory_budget(0)
+    # float32: the product and its scaled copy (4 + 4), the float32 softmax (4), probabilities (4)
+    assert budget.bytes_per_score(torch.float32) == 16 and budget.bytes_per_score(torch.bfloat16) == 10
+
+
+def test_attention_blocks_shrink_to_the_budget_and_never_grow_past_the_limits():
+    # 8 samples x 2 kv heads, G = 2, 64 tokens: one kv head's rows hold 2 * 64 * 64 = 8192 scores.
+    assert attention_blocks(8, 2, 2, 64, 64, 8, 8, BITS, scores=3 * 8192) == Blocks(3, 64)
+    # Less than one head: blocks of 4096 // (2 * 64) = 32 query rows, whole rows of keys.
+    assert attention_blocks(8, 2, 2, 64, 64, 8, 8, BITS, scores=4096) == Blocks(1, 32)
+    # Not one query row of the group (2 * 64 scores): key blocks, isqrt(50 // 2) = 5 query rows x
+    # 50 // (2 * 5) = 5 keys.
+    assert attention_blocks(8, 2, 2, 64, 64, 8, 8, BITS, scores=50) == Blocks(1, 5, 5)
+    # A budget above the limits changes nothing: the limit's 170 query rows (test_long_context).
+    assert attention_blocks(1, 2, 2, 1536, 1536, 8, 8, BITS, scores=2**40) == Blocks(1, 170)
+
+
+class _Largest(TorchDispatchMode):
+    """The most elements any op made (allocations of the output itself and views left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        skip = func._schema.name in ("aten::empty.memory_format", "aten::new_empty") or func.is_view
+        if isinstance(out, torch.Tensor) and not skip and not func._schema.is_mutable:
+            self.most = max(self.most, out.numel())
+        return out
+
+
+@pytest.mark.parametrize("scores", [4096, 200])
+def test_no_op_in_a_piece_makes_more_than_the_budget(scores):
+    # (2, 4, 128, 16) queries over 2 kv heads: eager's scores 2 * 4 * 128 * 128 = 131,072 elements.
+    q, k, v = torch.randn(2, 4, 128, 16), torch.randn(2, 2, 128, 16), torch.randn(2, 2, 128, 16)
+    budget.set_memory_budget(scores * budget.bytes_per_score(torch.float32))
+    # 4096: blocks of 4096 // (2 * 128) = 16 query rows; 200 < 2 * 128: key blocks, isqrt(100) = 10 query
+    # rows x 200 // (2 * 10) = 10 keys.
+    assert _blocks_of(q, k, v) == (Blocks(1, 16) if scores == 4096 else Blocks(1, 10, 10))
+    additive = _mask("causal", 2, 128, torch.float32)
+    with _Largest() as largest:
+        mps_safe_eager_attention(_Module(2).eval(), q, k, v, additive)
+    # The scores of a piece are the largest thing it makes, but for the online softmax's accumulator
+    # (G*r, Dv) = 2 * 10 * 16 = 320 in float32, which the budget does not count (at real sizes, Dv = 128
+    # against thousands of keys a block, it is a few percent of the scores).
+    assert largest.most == (scores if scores == 4096 else 320)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding", "padding"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_online_softmax_equals_eager_with_grouped_heads_and_masks(mask, dtype, tol):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 96, 32, dtype=dtype)
+    k, v = torch.randn(2, 2, 96, 32, dtype=dtype), torch.randn(2, 2, 96, 32, dtype=dtype)
+    additive = _mask(mask, 2, 96, dtype)
+    module = _Module(2).eval()
+    eager = _eager(module, q, k, v, additive, 32**-0.5)
+    budget.set_memory_budget(150 * budget.bytes_per_score(dtype))  # isqrt(75) = 8 query rows x 9 keys
+    assert _blocks_of(q, k, v) == Blocks(1, 8, 9)
+    got, _ = mps_safe_eager_attention(module, q, k, v, additive)
+    # fp32: the online softmax's rounding (~1e-6 relative); bf16: one rounding of the output (2**-7 = 7.8e-3
+    # relative) plus eager's own rounding of the probabilities to bf16 before P V.
+    torch.testing.assert_close(got, eager, atol=tol, rtol=tol)
+    budget.set_memory_budget(None)  # the default fits: the whole-row path, bitwise eager's
+    assert _blocks_of(q, k, v).key_block is None
+    assert torch.equal(mps_safe_eager_attention(module, q, k, v, additive)[0], eager)
+
+
+def test_with_key_blocks_it_is_still_exact_where_emulated_eager_is_wrong():
+    # One head of 1152 tokens: 1152 * 1152 = 1,327,104 scores > 2**20, so eager's Q K^T faults.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1152, 16) for _ in range(3))
+    additive = _mask("causal", 1, 1152, torch.float32)
+    module = _Module(1).eval()
+    plain = _eager(module, q, k, v, additive, 0.25)
+    with mpsimpact.emulate(index_bits=BITS, profile="2.14.0"):
+        broken = _eager(module, q, k, v, additive, 0.25)
+    assert not torch.allclose(broken, plain, atol=1e-3)  # the emulator really faults eager
+    budget.set_memory_budget(1000 * budget.bytes_per_score(torch.float32))  # < one query row of 1152 keys
+    with mpsimpact.emulate(index_bits=BITS, profile="2.14.0") as emu:
+        assert _blocks_of(q, k, v).key_block is not None
+        got, _ = mps_safe_eager_attention(module, q, k, v, additive, scaling=0.25)
+    assert emu.records == []  # no piece crossed a limit
+    torch.testing.assert_close(got, plain, atol=2e-6, rtol=2e-6)
