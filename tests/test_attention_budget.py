@@ -4,11 +4,14 @@ attention; still exact where emulated eager goes wrong (index width 20)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsimpact
 from mpsimpact import budget
 from mpsimpact.attention import Blocks, _blocks_of, attention_blocks, mps_safe_eager_attention
+from mpsimpact.modes import guard as guard_module
+from mpsimpact.modes.chunking import SdpaSplit, split_sdpa
 
 BITS = 20
 
@@ -145,3 +148,23 @@ def test_with_key_blocks_it_is_still_exact_where_emulated_eager_is_wrong():
         got, _ = mps_safe_eager_attention(module, q, k, v, additive, scaling=0.25)
     assert emu.records == []  # no piece crossed a limit
     torch.testing.assert_close(got, plain, atol=2e-6, rtol=2e-6)
+
+
+def test_the_guards_sdpa_split_shrinks_to_the_budget_with_the_same_values(monkeypatch):
+    # Limits alone: blocks of 2**20 // 2048 = 512 query rows (test_long_context); a budget of 100,000
+    # scores: 100,000 // 2048 = 48 query rows a piece.
+    assert split_sdpa((1, 1, 2048, 16), (1, 1, 2048, 16), 16, BITS, scores=100_000) == SdpaSplit(1, 48)
+    # Whole heads that fit the limits, fewer of them: 8 heads of 64 x 64, 3 heads' scores a piece.
+    assert split_sdpa((2, 4, 64, 8), (2, 4, 64, 8), 8, BITS, scores=3 * 64 * 64) == SdpaSplit(3, 64)
+    q = torch.randn(1, 4, 1536, 8)
+    k, v = torch.randn(1, 2, 1536, 8), torch.randn(1, 2, 1536, 8)
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    budget.set_memory_budget(50_000 * budget.bytes_per_score(torch.float32))  # 50,000 // 1536 = 32 rows
+    splits = []
+    run = guard_module.run_sdpa_chunked
+    monkeypatch.setattr(guard_module, "run_sdpa_chunked", lambda *a: splits.append(a[3]) or run(*a))
+    with mpsimpact.emulate(index_bits=BITS, profile="2.12.1"), mpsimpact.guard("chunk", index_bits=BITS,
+                                                                                 profile="2.12.1") as guard:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert len(guard.chunked) == 1 and splits == [SdpaSplit(1, 32)]
+    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)

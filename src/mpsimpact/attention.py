@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from mpsimpact.budget import bytes_per_score, memory_budget
+from mpsimpact.budget import budget_scores
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.modes.base import active_emulator
@@ -85,10 +85,8 @@ def safe_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> in
 
 def _blocks_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Blocks | None:
     batch, heads, length, dim = query.shape
-    budget = memory_budget(query.device)
-    scores = None if budget is None else max(1, budget // bytes_per_score(query.dtype))
     return attention_blocks(batch, key.shape[1], heads // key.shape[1], length, key.shape[2], dim,
-                            value.shape[-1], scores=scores)
+                            value.shape[-1], scores=budget_scores(query))
 
 
 def mps_safe_eager_attention(

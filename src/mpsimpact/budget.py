@@ -80,3 +80,9 @@ def bytes_per_score(dtype: torch.dtype) -> int:
     scaled or masked copy briefly coexist), the float32 softmax and the probabilities cast back."""
     size = torch.empty((), dtype=dtype, device="meta").element_size()
     return 3 * size + SCORE_BYTES_FP32
+
+
+def budget_scores(query: torch.Tensor) -> int | None:
+    """Score elements one attention piece over `query` may hold (None: unbounded)."""
+    budget = memory_budget(query.device)
+    return None if budget is None else max(1, budget // bytes_per_score(query.dtype))
