@@ -64,7 +64,7 @@ def test_the_budget_comes_from_the_setting_then_the_environment_then_the_device(
         budget.memory_budget("cpu")
     with pytest.raises(ValueError, match=">= 1 byte"):
         budget.set_memory_budget(0)
-    # float32: the product and its scaled copy (4 + 4), the float32 softmax (4), probabilities (4)
+    # float32: the masked scores and the mask rows (4 + 4), the float32 softmax (4), probabilities (4)
     assert budget.bytes_per_score(torch.float32) == 16 and budget.bytes_per_score(torch.bfloat16) == 10
 
 
@@ -168,3 +168,31 @@ def test_the_guards_sdpa_split_shrinks_to_the_budget_with_the_same_values(monkey
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert len(guard.chunked) == 1 and splits == [SdpaSplit(1, 32)]
     torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_decoders_with_the_lazy_mask_and_key_blocks_equal_eager(kind, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from mpsimpact import attention
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    config = (transformers.LlamaConfig(**common) if kind == "llama"
+              else transformers.MistralConfig(**common, sliding_window=40))
+    torch.manual_seed(0)
+    model = (transformers.LlamaForCausalLM if kind == "llama" else transformers.MistralForCausalLM)(config).eval()
+    ids = torch.randint(0, 64, (2, 120))
+    padding = torch.ones(2, 120, dtype=torch.long)
+    padding[1, :9] = 0  # left padding
+    masks = []
+    piece = attention._online_piece
+    monkeypatch.setattr(attention, "_online_piece", lambda *a, **k: masks.append(type(a[4])) or piece(*a, **k))
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        eager = model(ids, attention_mask=padding).logits
+        model.config._attn_implementation = attention.register()
+        budget.set_memory_budget(200 * budget.bytes_per_score(torch.float32))  # G * 120 keys > 200: key blocks
+        safe = model(ids, attention_mask=padding).logits
+    assert set(masks) == {attention.LazyEagerMask}  # no whole (B, 1, L, L) mask was made
+    torch.testing.assert_close(safe[0], eager[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(safe[1, 9:], eager[1, 9:], atol=1e-5, rtol=1e-5)

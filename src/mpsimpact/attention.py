@@ -14,6 +14,7 @@ import torch
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits
 from mpsimpact.errors import OversizedOpError
+from mpsimpact.lazy_mask import LazyEagerMask, lazy_eager_mask
 from mpsimpact.modes.base import active_emulator
 from mpsimpact.modes.chunking import pieces
 
@@ -120,7 +121,7 @@ def mps_safe_eager_attention(
     if blocks is None:
         raise OversizedOpError(f"mps_safe_eager: {keys} keys x {groups} query heads per key/value head cross "
                                "MPS's index limits even one query row at a time; shorten the sequence.")
-    if attention_mask is not None:
+    if attention_mask is not None and not isinstance(attention_mask, LazyEagerMask):
         attention_mask = attention_mask[:, :, :, :keys]
     out = query.new_empty(batch, length, heads, value.shape[-1])  # (B, L, H, Dv)
     piece = _piece if blocks.key_block is None else functools.partial(_online_piece, key_block=blocks.key_block)
@@ -140,8 +141,11 @@ def _grouped_query(query, groups, texts, rows, heads) -> torch.Tensor:
     return q.reshape(b, h // groups, groups * r, d)  # (b, n, G*r, D)
 
 
-def _mask_part(mask, batch, texts, rows, heads, n, groups) -> torch.Tensor | None:
+def _mask_part(mask, batch, keys, texts, rows, heads, n, groups) -> torch.Tensor | None:
     """The piece's slice of the additive mask, shaped to add to scores viewed as (b, n, G, r, Lk)."""
+    if isinstance(mask, LazyEagerMask):  # this piece's rows only; see Note [Lazy eager mask]
+        mask = mask.rows(rows.start, rows.stop, keys)
+        rows = slice(None)
     if mask is None:
         return None
     part = mask[texts] if mask.shape[0] == batch else mask
@@ -160,7 +164,7 @@ def _piece(module, query, key, value, mask, scaling, dropout, texts, kv, rows, h
     k, v = key[texts, kv], value[texts, kv]  # (b, n, Lk, D): views, no copy
     scores = torch.matmul(q, k.transpose(2, 3)) * scaling  # (b, n, G*r, Lk)
     scores = scores.view(b, n, groups, r, -1)  # (b, n, G, r, Lk)
-    part = _mask_part(mask, query.shape[0], texts, rows, heads, n, groups)
+    part = _mask_part(mask, query.shape[0], key.shape[2], texts, rows, heads, n, groups)
     if part is not None:
         scores = scores + part
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -188,7 +192,7 @@ def _online_piece(module, query, key, value, mask, scaling, dropout, texts, kv, 
     q = _grouped_query(query, groups, texts, rows, heads)  # (b, n, G*r, D)
     b, n, gr, _ = q.shape
     k, v = key[texts, kv], value[texts, kv]  # (b, n, Lk, D): views
-    part = _mask_part(mask, query.shape[0], texts, rows, heads, n, groups)
+    part = _mask_part(mask, query.shape[0], key.shape[2], texts, rows, heads, n, groups)
     lowest = torch.finfo(torch.float32).min  # a fully masked block keeps exp(-inf - lowest) = 0
     top = q.new_full((b, n, gr, 1), lowest, dtype=torch.float32)  # running max
     total = q.new_zeros((b, n, gr, 1), dtype=torch.float32)  # running sum of exp(s - top)
@@ -213,8 +217,8 @@ def _online_piece(module, query, key, value, mask, scaling, dropout, texts, kv, 
 def register() -> str:
     """Registers `mps_safe_eager` with transformers; returns the name to pass as attn_implementation."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, mps_safe_eager_attention)
-    AttentionMaskInterface.register(NAME, eager_mask)  # additive float masks, as eager expects
+    AttentionMaskInterface.register(NAME, lazy_eager_mask)  # eager's additive masks, made by row blocks
     return NAME

@@ -76,8 +76,9 @@ def memory_budget(device: torch.device | str | None = None) -> int | None:
 
 
 def bytes_per_score(dtype: torch.dtype) -> int:
-    """Transient bytes per score element of one piece: the scores in `dtype` (twice: the product and the
-    scaled or masked copy briefly coexist), the float32 softmax and the probabilities cast back."""
+    """Transient bytes per score element of one piece, all alive at the softmax's cast: the masked scores
+    and the piece's mask rows in `dtype` (see Note [Lazy eager mask]), the float32 softmax and the
+    probabilities cast back to `dtype`."""
     size = torch.empty((), dtype=dtype, device="meta").element_size()
     return 3 * size + SCORE_BYTES_FP32
 
