@@ -87,3 +87,20 @@ def budget_scores(query: torch.Tensor) -> int | None:
     """Score elements one attention piece over `query` may hold (None: unbounded)."""
     budget = memory_budget(query.device)
     return None if budget is None else max(1, budget // bytes_per_score(query.dtype))
+
+
+def target_budget(device: str = "mps") -> int:
+    """The budget a run on `device` would use, for predictions made elsewhere (check on a Linux host): the
+    setting or the environment variable, the device's own figure where it is this machine's, else the
+    GPU default's cap (what a Mac with 4 GiB or more free gets)."""
+    found = memory_budget(device)
+    if _budget is not None or _from_env() is not None:
+        return found
+    here = device == "mps" and torch.backends.mps.is_available() or device == "cuda" and torch.cuda.is_available()
+    return found if here and found is not None else DEVICE_CAP
+
+
+def bytes_per_score_of(name: str) -> int:
+    """`bytes_per_score` of a dtype named as TensorSpec names it ("float32", "bfloat16")."""
+    found = getattr(torch, name.removeprefix("torch."), None)
+    return bytes_per_score(found if isinstance(found, torch.dtype) else torch.float32)
