@@ -72,7 +72,9 @@ def _try_forward(model, ids, attention: str, context):
     """forward(), or None where the device runs out of memory (eager at 64k on one GPU)."""
     try:
         return forward(model, ids, attention, context, keep=1)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if "out of memory" not in str(error).lower():
+            raise
         if ids.is_cuda:
             torch.cuda.empty_cache()
         return None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsimpact
-from mpsimpact import budget
+from mpsimpact import budget, lazy_mask
 from mpsimpact.attention import Blocks, _blocks_of, attention_blocks, mps_safe_eager_attention
 from mpsimpact.modes import guard as guard_module
 from mpsimpact.modes.chunking import SdpaSplit, split_sdpa
@@ -184,6 +184,7 @@ def test_decoders_with_the_lazy_mask_and_key_blocks_equal_eager(kind, monkeypatc
     ids = torch.randint(0, 64, (2, 120))
     padding = torch.ones(2, 120, dtype=torch.long)
     padding[1, :9] = 0  # left padding
+    monkeypatch.setattr(lazy_mask, "LAZY_FROM", 1)  # lazy at any size (2 * 120 * 120 is below the default)
     masks = []
     piece = attention._online_piece
     monkeypatch.setattr(attention, "_online_piece", lambda *a, **k: masks.append(type(a[4])) or piece(*a, **k))

@@ -15,8 +15,11 @@ import torch
 # function instead: it keeps the arguments transformers passes (the mask function, the 2-D padding mask,
 # offsets, dtype) and each piece calls transformers' `eager_mask` for its own query rows only
 # (q_length = rows, q_offset moved by the block's start): the same index-based mask function, so the
-# same values as the whole mask's rows. Anything else that reads the mask (a slice, `.shape`) gets the
-# whole mask, made once on first use.
+# same values as the whole mask's rows. Anything else that reads the mask (a slice, a torch function)
+# gets the whole mask, made once on first use. Masks below LAZY_FROM elements are made whole at once, as
+# before, so short contexts (and any model code that expects a tensor there) see what eager sees.
+
+LAZY_FROM = 2**24  # B * L * Lk elements: 64 MiB of float32 mask
 
 
 class LazyEagerMask:
@@ -62,11 +65,14 @@ class LazyEagerMask:
 
 
 def lazy_eager_mask(**arguments: Any) -> LazyEagerMask | None:
-    """A mask function for transformers' AttentionMaskInterface: `eager_mask`'s arguments, kept.
-    Bidirectional masks that transformers may skip are skipped (None), as eager_mask does."""
+    """A mask function for transformers' AttentionMaskInterface: `eager_mask`'s arguments, kept (from
+    LAZY_FROM elements; below, eager_mask's tensor). Bidirectional masks that transformers may skip are
+    skipped (None), as eager_mask does."""
     from transformers.masking_utils import eager_mask
 
     arguments.pop("allow_is_causal_skip", None)
+    if arguments["batch_size"] * arguments["q_length"] * arguments["kv_length"] < LAZY_FROM:
+        return eager_mask(**arguments)
     if arguments.get("allow_is_bidirectional_skip") and eager_mask(**{**arguments, "q_length": 1}) is None:
         return None
     return LazyEagerMask(arguments)
