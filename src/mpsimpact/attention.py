@@ -103,8 +103,11 @@ def mps_safe_eager_attention(
     """Eager attention (as transformers' `eager_attention_forward`) in pieces of samples and key/value
     heads, and blocks of query rows when one head is too big. Grouped key/value heads are read, never
     copied per query head: the G query heads of a key/value head are stacked as G*r rows of one
-    product. Causal and sliding-window masks come in `attention_mask` (transformers' eager mask) and
-    are sliced like the queries.
+    product. Causal and sliding-window masks come in `attention_mask` (transformers' eager mask, or
+    the lazy one `register` asks for, made per block of query rows: Note [Lazy eager mask]) and are
+    sliced like the queries. Pieces also stay within the memory budget (Note [Attention memory
+    budget]): where one query row over all keys would not fit, over blocks of keys with an online
+    softmax (Note [Online softmax over key blocks]).
 
     Returns (attn_output (B, L, H, Dv), None): attention weights are not kept, since the full
     weights tensor is the very thing that crosses the limit.
