@@ -217,11 +217,17 @@ def _online_piece(module, query, key, value, mask, scaling, dropout, texts, kv, 
     return output.view(b, n * groups, gr // groups, -1).transpose(1, 2)  # (b, r, h, Dv)
 
 
+def _mask(**arguments) -> torch.Tensor | LazyEagerMask | None:
+    """transformers' eager mask, lazy from LAZY_FROM elements or from the index width's view limit, where
+    the whole mask's own creation would cross it (an emulated narrow width)."""
+    return lazy_eager_mask(limits(_index_bits())[1], **arguments)
+
+
 def register() -> str:
     """Registers `mps_safe_eager` with transformers; returns the name to pass as attn_implementation."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, mps_safe_eager_attention)
-    AttentionMaskInterface.register(NAME, lazy_eager_mask)  # eager's additive masks, made by row blocks
+    AttentionMaskInterface.register(NAME, _mask)  # eager's additive masks, made by row blocks
     return NAME

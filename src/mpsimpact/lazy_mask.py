@@ -64,14 +64,15 @@ class LazyEagerMask:
         return func(*args, **(kwargs or {}))
 
 
-def lazy_eager_mask(**arguments: Any) -> LazyEagerMask | None:
+def lazy_eager_mask(lazy_from: int | None = None, **arguments: Any) -> LazyEagerMask | None:
     """A mask function for transformers' AttentionMaskInterface: `eager_mask`'s arguments, kept (from
-    LAZY_FROM elements; below, eager_mask's tensor). Bidirectional masks that transformers may skip are
+    LAZY_FROM elements, or from `lazy_from` where fewer; below, eager_mask's tensor). Bidirectional masks that transformers may skip are
     skipped (None), as eager_mask does."""
     from transformers.masking_utils import eager_mask
 
     arguments.pop("allow_is_causal_skip", None)
-    if arguments["batch_size"] * arguments["q_length"] * arguments["kv_length"] < LAZY_FROM:
+    elements = arguments["batch_size"] * arguments["q_length"] * arguments["kv_length"]
+    if elements < min(lazy_from or LAZY_FROM, LAZY_FROM):
         return eager_mask(**arguments)
     if arguments.get("allow_is_bidirectional_skip") and eager_mask(**{**arguments, "q_length": 1}) is None:
         return None
