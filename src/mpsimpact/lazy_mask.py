@@ -38,6 +38,10 @@ class LazyEagerMask:
     def dtype(self) -> torch.dtype:
         return self.arguments.get("dtype", torch.float32)
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.arguments.get("device", "cpu"))
+
     def rows(self, start: int, stop: int, keys: int | None = None) -> torch.Tensor | None:
         """Query rows start..stop of the mask over its first `keys` keys (all: None), (B, 1, stop - start,
         keys); None where transformers skips it."""
