@@ -170,13 +170,18 @@ def test_bert_base_at_4096_predicts_the_feed_forward_abort():
     assert report["largest_safe_batch"] == 1365
 
 
-def test_mps_safe_eager_advice_uses_the_chunk_the_attention_module_would():
+def test_mps_safe_eager_advice_uses_the_chunk_the_attention_module_would(monkeypatch):
     from mpsimpact.attention import safe_rows
 
+    # Both within the same memory budget (issue 36): 2**30 // 16 bytes a float32 score = 67,108,864 scores,
+    # // (12 * 512 * 512) = 21 samples a piece (the index limits alone would allow 682).
+    monkeypatch.setenv("MPSIMPACT_ATTENTION_BUDGET", "1G")
     report = check_json(BERT, "--batch-size", 2048, "--seq-len", 512, "--attention", "eager")
     q = torch.empty(2048, 12, 512, 64, device="meta")
     chunk = safe_rows(q, q, q) // 12
-    assert chunk > 1 and f"in chunks of {chunk} samples" in report["guard_advice"][2]
+    assert chunk == 21 and f"in chunks of {chunk} samples" in report["guard_advice"][2]
+    # 21 * 12 * 512**2 scores * 16 B = 1,056,964,608 B = 0.98 GiB, stated to one decimal as check does
+    assert "take about 1.0 GiB on top of the model" in report["guard_advice"][2]
     assert report["guard_advice"][0].startswith("guard 'chunk'")
     assert "makes all 12 faulting calls safe" in report["guard_advice"][0]
 

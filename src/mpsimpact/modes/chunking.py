@@ -120,12 +120,28 @@ class SdpaSplit:
 
 
 def split_sdpa(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
-               index_bits: int, causal: bool = False, full_mask: bool = False) -> SdpaSplit | None:
+               index_bits: int, causal: bool = False, full_mask: bool = False,
+               scores: int | None = None) -> SdpaSplit | None:
     """Pieces whose scores stay at or below LIMIT and whose operands (slices, so views) stay below
     VIEW_LIMIT on every release: whole batch-head rows where one row fits, else one row over blocks of
     query rows (`causal`: each block's mask, made for it, also at most DIM_MAX elements, which no op
     family faults on; `full_mask`: a mask with a row per query and batch row, sliced like the scores, so
-    below VIEW_LIMIT too). None when one key or value head alone crosses the view limit."""
+    below VIEW_LIMIT too). None when one key or value head alone crosses the view limit.
+
+    With `scores` (the most score elements a piece may hold, from the memory budget, see Note [Attention
+    memory budget]), fewer rows a piece, then fewer query rows (at least one), never more than the limits
+    allow."""
+    split = _split_sdpa_by_limits(query_shape, key_shape, value_dim, index_bits, causal, full_mask)
+    if split is None or scores is None or split.rows * split.block * key_shape[-2] <= scores:
+        return split
+    lk = key_shape[-2]
+    if split.block * lk <= scores:
+        return SdpaSplit(scores // (split.block * lk), split.block)
+    return SdpaSplit(1, max(1, min(split.block, scores // lk)))
+
+
+def _split_sdpa_by_limits(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_dim: int,
+                          index_bits: int, causal: bool, full_mask: bool) -> SdpaSplit | None:
     limit, view_limit = limits(index_bits)
     lq, d = query_shape[-2], query_shape[-1]
     lk = key_shape[-2]

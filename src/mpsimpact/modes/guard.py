@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     ACTIVE, COMPOSITE, DECOMPOSED_OPS, OTHER, PRODUCT, aten, route, check_index_bits,
@@ -225,7 +226,7 @@ class GuardMode(MatmulMode):
         mask = bound.get("attn_mask")
         full_mask = isinstance(mask, torch.Tensor) and mask.dim() > 2 and mask.shape[-2] > 1
         split = None if dropout else split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active),
-                                                bool(bound.get("is_causal")), full_mask)
+                                                bool(bound.get("is_causal")), full_mask, budget_scores(query))
         record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
         copies = self._copies(active)
         why_not = f"its dropout_p={dropout} draws one random mask, which no split reproduces" if dropout else None

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.attention import Blocks, attention_blocks
+from mpsimpact.budget import bytes_per_score_of, target_budget
+from mpsimpact.prediction.memory import in_gib
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
@@ -157,9 +159,17 @@ def is_attention_call(call: CallRecord, batch: int, heads: int) -> bool:
     return not call.is_product and len(call.a.shape) == 4 and call.a.shape[:2] == (batch, heads)
 
 
-def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bits: int) -> Blocks | None:
+def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bits: int,
+                      scores: int | None = None) -> Blocks | None:
     """The pieces mps_safe_eager (mpsimpact.attention) would use for these attention calls: its own
-    `attention_blocks` at their largest geometry (grouped heads counted as copied, as eager does)."""
+    `attention_blocks` at their largest geometry (grouped heads counted as copied, as eager does), within
+    `scores` score elements a piece where given (the memory budget, see Note [Attention memory budget])."""
+    length, keys, dim = attention_geometry(calls)
+    return attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits, scores)
+
+
+def attention_geometry(calls: list[CallRecord]) -> tuple[int, int, int]:
+    """(query rows, keys, head dim) of attention calls at their largest."""
     length = keys = dim = 0
     for call in calls:
         if call.family == "sdpa":  # a = query (B, H, L, D), b = key (B, Hkv, Lk, D)
@@ -169,7 +179,7 @@ def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bit
         else:  # Q K^T: (L, D) @ (D, Lk); P V: (L, Lk) @ (Lk, Dv): the keys are the wider of the two
             inner, outer = sorted((call.a.shape[-1], call.b.shape[-1]))
         length, keys, dim = max(length, call.a.shape[-2]), max(keys, outer), max(dim, inner)
-    return attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits)
+    return length, keys, dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,16 +236,25 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
-    blocks = safe_eager_blocks(attention, batch, heads, index_bits)
+    per_score = bytes_per_score_of(attention[0].a.dtype)
+    budget = target_budget("mps")
+    blocks = safe_eager_blocks(attention, batch, heads, index_bits, max(1, budget // per_score))
     if blocks is None:
         return f"{name} cannot make them safe: one query row of a head already crosses a limit."
     length = max(c.a.shape[-2] for c in attention)
     unit = (f"blocks of {blocks.block} query rows of one head" if blocks.block < length else
             f"{blocks.rows // heads} samples" if blocks.rows >= heads else f"{blocks.rows} heads of one sample")
+    if blocks.key_block is not None:
+        unit += f" over blocks of {blocks.key_block} keys (online softmax)"
+    keys = attention_geometry(attention)[1]
+    rows = blocks.rows - blocks.rows % heads if blocks.rows >= heads else blocks.rows  # whole samples a piece
+    piece = per_score * rows * blocks.block * (blocks.key_block or keys)
     tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
             "the guard") if others else ""
     return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
-            f"dispatch mode{tail}.")
+            f"dispatch mode; a piece's scores, mask and softmax take about {in_gib(piece):.1f} GiB on top of "
+            f"the model (memory budget {in_gib(budget):.1f} GiB: mpsimpact.budget.set_memory_budget or "
+            f"MPSIMPACT_ATTENTION_BUDGET){tail}.")
 
 
 def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callable[[Prediction], str],
