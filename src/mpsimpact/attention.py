@@ -128,9 +128,9 @@ def mps_safe_eager_attention(
         attention_mask = attention_mask[:, :, :, :keys]
     out = query.new_empty(batch, length, heads, value.shape[-1])  # (B, L, H, Dv)
     piece = _piece if blocks.key_block is None else functools.partial(_online_piece, key_block=blocks.key_block)
-    for texts, kv in pieces(batch, kv_heads, blocks.rows):
-        for start in range(0, length, blocks.block):
-            rows = slice(start, min(length, start + blocks.block))
+    for start in range(0, length, blocks.block):  # rows outermost: a lazy mask makes each block's rows once
+        rows = slice(start, min(length, start + blocks.block))
+        for texts, kv in pieces(batch, kv_heads, blocks.rows):
             heads_of_kv = slice((kv.start or 0) * groups, (kv_heads if kv.stop is None else kv.stop) * groups)
             out[texts, rows, heads_of_kv] = piece(module, query, key, value, attention_mask, scaling, dropout,
                                                   texts, kv, rows, heads_of_kv)

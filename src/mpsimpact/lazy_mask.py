@@ -28,6 +28,7 @@ class LazyEagerMask:
     def __init__(self, arguments: dict[str, Any]):
         self.arguments = arguments
         self._whole: torch.Tensor | None = None
+        self._last: tuple[tuple[int, int, int | None], torch.Tensor | None] | None = None  # the latest rows made
 
     @property
     def shape(self) -> torch.Size:
@@ -47,11 +48,15 @@ class LazyEagerMask:
         keys); None where transformers skips it."""
         from transformers.masking_utils import eager_mask
 
+        if self._last is not None and self._last[0] == (start, stop, keys):
+            return self._last[1]  # the pieces of one block of query rows (every sample, key/value head) share it
         a = dict(self.arguments)
         a["q_offset"] = a.get("q_offset", 0) + start
         a["q_length"] = stop - start
         mask = eager_mask(**a)
-        return mask if mask is None or keys is None else mask[..., :keys]
+        mask = mask if mask is None or keys is None else mask[..., :keys]
+        self._last = ((start, stop, keys), mask)
+        return mask
 
     def whole(self) -> torch.Tensor | None:
         """The whole mask, as transformers' eager_mask makes it (once)."""
