@@ -58,8 +58,9 @@ def _signature(value: Any) -> Any:
 
 def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func(*args, **kwargs)` on meta tensors: for a pointwise or same-shape op (or a layer norm) whose tensors
-    are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _SAME_SHAPE); else
-    the kernel's own."""
+    are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _SAME_SHAPE); for any
+    other call that makes new tensors, the kernel's answer to the same exact call (see _STRIDED); for a view or
+    an in-place op, the kernel's own."""
     name = op_name(func)
     family = op_family(func)
     if "out" in kwargs or func._schema.is_mutable or family == "view" or name.endswith("_"):
