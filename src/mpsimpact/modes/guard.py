@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import operator
 import os
 import threading
@@ -35,7 +34,7 @@ from mpsimpact.modes.chunking import (
 )
 from mpsimpact.modes.entrypoint import push_handler, remove_handler
 from mpsimpact.modes.op_size import (
-    GROWING, SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+    SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
@@ -263,27 +262,23 @@ class GuardMode(MatmulMode):
 
     # Dispatch level.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Strict's hot path first: without an emulator, a call of a family with a size rule whose every tensor
-        is within DIM_MAX (and a broadcast whose inputs' product is) runs at once, as on_other would decide
-        after the route, the family and the sizes were looked up one by one (`_plain_check`)."""
+        """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
+        nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
+        its entry bound runs at once, without the full route (`_plain_check`)."""
         check = _PLAIN.get(id(func))
         if check is None:
             check = _plain_check(func)
         if check is not _FULL and not ACTIVE.stacks["emulator"]:
+            kwargs = kwargs or {}
             if check is _NO_KERNEL:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            if check is not _SIZES and check is not _BROADCAST:  # linear, matmul: decomposes' bound, quicker
-                if self._quick_pass(check, args, kwargs or {}):
-                    return func(*args, **kwargs) if kwargs else func(*args)
-                return self.dispatch(func, args, kwargs or {})
-            most = self._most
-            tensors = tensors_of(args, kwargs)
-            for tensor in tensors:
-                if tensor.numel() > most:
-                    break
-            else:
-                if check is _SIZES or len(tensors) < 2 or math.prod(t.numel() for t in tensors) <= most:
-                    return func(*args, **kwargs) if kwargs else func(*args)
+                return func(*args, **kwargs)
+            if check is _SIZED or check is _COMPOSITE_SIZED:
+                most, full_most = judged_at(self.index_bits)
+                if (check is _SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
+                        and size_call(func, args, kwargs, most, full_most) is None:
+                    return func(*args, **kwargs)
+            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
+                return func(*args, **kwargs)
         return self.dispatch(func, args, kwargs or {})
 
     # One bmm/mm with its real operands.
@@ -478,25 +473,23 @@ def _family_advice(record: CallRecord, chunk: int | Pieces | None) -> str:
 
 
 # Per op (by id, the op kept alive beside it): how strict's hot path may pass it (GuardMode.__torch_dispatch__).
-_FULL, _NO_KERNEL, _SIZES, _BROADCAST = "full", "no kernel", "sizes", "broadcast"
+_FULL, _NO_KERNEL, _SIZED, _COMPOSITE_SIZED = "full", "no kernel", "sized", "composite sized"
 _PLAIN: dict[int, str] = {}
 _PLAIN_OPS: list[Any] = []
 
 
 def _plain_check(func) -> str:
     """"linear", "matmul": a product whose entry point's quick bound decides it as decomposes' bound would;
-    _NO_KERNEL: a view, or a product or SDPA call decided elsewhere (size_call's SKIPPED); _SIZES: a family
-    whose rules need a tensor past DIM_MAX; _BROADCAST: elementwise, whose output may also outgrow its inputs up
-    to their product; _FULL: products and SDPA (decomposed and judged by their operands), a family whose
-    output can outgrow its inputs otherwise, or one nobody sized (on_other's whole path)."""
+    _NO_KERNEL: a view, or a product or SDPA call decided elsewhere (size_call's SKIPPED); _SIZED: any other op,
+    passed where size_call finds nothing to judge (on_other's own test); _COMPOSITE_SIZED: a composite op, passed
+    where moreover no tensor makes decomposes split it; _FULL: the other products and SDPA (the full route)."""
     kind = route(func)
     family = op_family(func) if kind in (OTHER, COMPOSITE) else None
     entry = _DECOMPOSED_ENTRY.get(func) if kind is PRODUCT else None
     check = (entry if entry in ("linear", "matmul")
-             else _FULL if family is None or family in GROWING or family == "other"
-             else _NO_KERNEL if family in SKIPPED and kind is OTHER
-             else _FULL if family in SKIPPED
-             else _BROADCAST if family == "elementwise" else _SIZES)
+             else _FULL if family is None or family in SKIPPED and kind is COMPOSITE
+             else _NO_KERNEL if family in SKIPPED
+             else _SIZED if kind is OTHER else _COMPOSITE_SIZED)
     _PLAIN_OPS.append(func)
     _PLAIN[id(func)] = check
     return check
