@@ -72,8 +72,8 @@ def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or not all(t.is_contiguous() for t in tensors):
         return _strided_meta(func, args, kwargs)
     shapes = _fast_shapes(name, pointwise, tensors, args, kwargs)
-    if shapes is None:
-        return func(*args, **kwargs)
+    if shapes is None:  # a reduction over one dim, a cat of mixed ranks: as any other call
+        return _strided_meta(func, args, kwargs)
     key = (func, tuple(map(_signature, args)), tuple((k, _signature(v)) for k, v in kwargs.items()))
     dtypes = _META_DTYPES.get(key)
     if dtypes is None:
