@@ -234,9 +234,13 @@ class EmulateMode(MatmulMode):
         name = op_name(func)
         return self._planned.get((self._scope, name, self._seen.get((self._scope, name), -1) + 1))
 
+    def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Every entry point but SDPA runs as it is (the dispatch mode sees its bmm/mm calls)."""
+        return name != "sdpa" or (self._grouped and self.plan is not None)
+
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]."""
-        if name != "sdpa" or (self._grouped and self.plan is not None):
+        if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
+import math
 import operator
 import os
 import threading
@@ -40,7 +43,7 @@ from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import FaultProfile, resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
@@ -49,6 +52,7 @@ _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear
                      aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 _PRODUCTS = frozenset({"matmul", "bmm", "mm"})
+_Tensor = torch.Tensor
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
@@ -77,9 +81,10 @@ class GuardMode(MatmulMode):
         self.index_bits = index_bits
         self.devices = devices
         if devices is not None and len(devices) == 1 and devices[0] in _DEVICE_FLAGS:
-            self._device_flag = operator.attrgetter(_DEVICE_FLAGS[devices[0]])
-            self._applies = self._applies_flag  # type: ignore[method-assign]
-        self.profile = resolve_profile(profile)
+            # the tensor's own flag (`is_cuda`), read without making a torch.device on the hot path
+            self._applies = operator.attrgetter(_DEVICE_FLAGS[devices[0]])  # type: ignore[method-assign]
+        if profile is not None:  # a release asked for: resolved (and a bad name refused) on entering
+            self.profile = resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
         self._view_limit = limits(index_bits)[1]
@@ -89,6 +94,12 @@ class GuardMode(MatmulMode):
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self._warned: set[tuple[str, int]] = set()
         self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
+
+    @functools.cached_property
+    def profile(self) -> FaultProfile:
+        """The installed torch's profile, read when a call first needs it (most guarded calls do not): entering
+        a guard around each small batch does not pay for the file system and the environment."""
+        return resolve_profile(None)
 
     def __enter__(self) -> GuardMode:
         self._entering = True  # TorchDispatchMode.__enter__ asks ignore_compile_internals too
@@ -112,11 +123,6 @@ class GuardMode(MatmulMode):
             return tensor.device.type in self.devices
         return tensor.is_mps or active_emulator() is not None
 
-    def _applies_flag(self, tensor: torch.Tensor) -> bool:
-        """`_applies` for devices=("cuda",) and the like: the tensor's own flag (`is_cuda`), read without
-        making a torch.device on the hot path."""
-        return self._device_flag(tensor)
-
     def _is_outer(self) -> bool:
         """Whether a guard entered (or installed) later on this thread is active: nested guards, the inner one
         decides alone, with or without an emulator; an outer one passes every call on."""
@@ -124,35 +130,35 @@ class GuardMode(MatmulMode):
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        guards = ACTIVE.stacks["guard"]  # _is_outer, inlined: the hot path
-        if not guards or guards[-1] is not self:
-            return proceed(*args, **kwargs)
-        if _tracing_state() is not None:
-            plain = self._cannot_fault_untraced(name, args, kwargs)
-        elif name == "sdpa":
-            plain = self._sdpa_is_plain(args, kwargs)
-        else:
-            plain = self.everywhere or self._quick_pass(name, args, kwargs)
-        if plain:  # the hot path
+        if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         if name == "sdpa":
             return self._on_sdpa(proceed, args, kwargs)
         return self._through_dispatch(proceed, args, kwargs)
 
-    def _cannot_fault_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """`_cannot_fault` while torch.jit.trace records: sizes read with tracing paused (a traced size is a
-        tensor, whose reading would warn and be recorded), so the trace holds nothing of the guard."""
+    def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether the call runs as it is: an outer guard's (nested guards: the inner one decides alone), one
+        not on a guarded device, or one that cannot meet a rule (the wrappers' hot path)."""
+        guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
+        if not guards or guards[-1] is not self:
+            return True
+        if _tracing_state() is not None:
+            return self._passes_untraced(name, args, kwargs)
+        if name == "sdpa":
+            return self._sdpa_is_plain(args, kwargs)
+        if self.everywhere:
+            return True  # the dispatch mode decides every op
+        return self._quick_pass(name, args, kwargs)
+
+    def _passes_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """`passes` while torch.jit.trace records: sizes read with tracing paused (a traced size is a tensor,
+        whose reading would warn and be recorded), so the trace holds nothing of the guard."""
         state = _tracing_state()
         torch._C._set_tracing_state(None)
         try:
-            return self._cannot_fault(name, args, kwargs)
+            return self.passes(name, args, kwargs)
         finally:
             torch._C._set_tracing_state(state)
-
-    def _cannot_fault(self, name: str, args: tuple, kwargs: dict) -> bool:
-        if name == "sdpa":
-            return self._sdpa_is_plain(args, kwargs)
-        return self.everywhere or self._quick_pass(name, args, kwargs)
 
     def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
         """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
@@ -169,23 +175,20 @@ class GuardMode(MatmulMode):
         return not self.everywhere and classify_call("sdpa", query, key, self.index_bits, self.profile).is_ok
 
     def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """True when the call cannot meet any rule (or is not on a guarded device): the hot path."""
-        # Sizes read as size(d), which answers an int (shape[d] makes a torch.Size first): the hot path.
-        if name == "linear" and len(args) >= 2 and not kwargs:  # most calls of a transformer
-            x, w = args[0], args[1]
-            if not self._applies(x):
-                return True
-            nx, limit = x.numel(), self._view_limit
-            return (x.storage_offset() + nx < limit and w.storage_offset() + w.numel() < limit
-                    and nx // (x.size(-1) or 1) * w.size(0) < limit)
-        if name in _PRODUCTS and len(args) == 2 and not kwargs and args[0].dim() > 1 and args[1].dim() > 1:
-            a, b = args
-            if not self._applies(a):
-                return True
-            na, limit = a.numel(), self._view_limit
-            if a.dim() == b.dim() == 2 or a.shape[:-2] == b.shape[:-2]:  # no broadcasting: what bmm sees, in size
-                return (a.storage_offset() + na < limit and b.storage_offset() + b.numel() < limit
-                        and na // (a.size(-1) or 1) * b.size(-1) < limit)
+        """True when the call cannot meet any rule (or is not on a guarded device). The hot path: a matrix product
+        or linear of a transformer is decided by its shapes, read from a table (_LARGEST), and storage offsets."""
+        if not kwargs and (name == "linear" and len(args) >= 2 or name in _PRODUCTS and len(args) == 2):
+            a, b = args[0], args[1]
+            if isinstance(b, _Tensor):
+                if not self._applies(a):
+                    return True
+                key = (name == "linear", a.shape, b.shape)
+                try:
+                    top = _LARGEST.get(key) or _largest_count(key)
+                except TypeError:  # symbolic sizes (torch.export with dynamic shapes) are no dict keys
+                    top = _count_for(*key)
+                limit = self._view_limit
+                return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
@@ -418,6 +421,36 @@ def _user_site() -> tuple[str, int]:
         if "/torch/" not in frame.filename and "/mpsimpact/" not in frame.filename:
             return frame.filename, frame.lineno or 0
     return "", 0
+
+
+# (is linear, shape of a, shape of b) -> the largest element count of the call's operands (as bmm sees them,
+# broadcast) and output: the guard's hot path reads shapes, not sizes one by one.
+_LARGEST: dict[tuple[bool, torch.Size, torch.Size], int | float] = {}
+
+
+def _largest_count(key: tuple[bool, torch.Size, torch.Size]) -> int | float:
+    """The largest element count among a product's (or linear's) operands and output, by their shapes (is
+    linear, shape of a, shape of b), remembered; a shape it cannot read (a 0-d operand, which torch rejects)
+    counts as past every limit, sending the call to the exact route."""
+    found = _LARGEST.get(key)
+    if found is None:
+        found = _count_for(*key)
+        if len(_LARGEST) > 4096:
+            _LARGEST.clear()
+        _LARGEST[key] = found
+    return found
+
+
+def _count_for(linear: bool, sa: torch.Size, sb: torch.Size) -> int | float:
+    if not sa or not sb:
+        return math.inf
+    na, nb = math.prod(sa), math.prod(sb)
+    if linear:
+        return max(na, nb, na // (sa[-1] or 1) * (sb[0] if len(sb) == 2 else 1))
+    m, k = (sa[-2], sa[-1]) if len(sa) > 1 else (1, sa[-1])
+    n = sb[-1] if len(sb) > 1 else 1
+    batch = math.prod(max(x, y) for x, y in itertools.zip_longest(reversed(sa[:-2]), reversed(sb[:-2]), fillvalue=1))
+    return max(na, nb, batch * max(m * k, k * n, m * n))
 
 
 def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:

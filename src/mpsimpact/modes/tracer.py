@@ -242,9 +242,13 @@ class TraceMode(MatmulMode):
         self.calls.append(record)
         return out
 
+    def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Every entry point but SDPA runs as it is (the dispatch mode records its calls)."""
+        return name != "sdpa" or self._within is not None
+
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA: one record for the fused op, then its math path's calls (see FaultPlan.from_trace)."""
-        if name != "sdpa" or self._within is not None:
+        if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
         self._within = self._add("sdpa", "sdpa", query, key, needs_grad((query, key, value)))
