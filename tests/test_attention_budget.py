@@ -199,6 +199,7 @@ def test_decoders_with_the_lazy_mask_and_key_blocks_equal_eager(kind, monkeypatc
     torch.testing.assert_close(safe[1, 9:], eager[1, 9:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # benchmarks/long_context.py --peak-rss in two fresh processes at 16k tokens: about 35 s
 def test_cpu_peak_rss_at_16k_tokens_one_layer_within_half_a_gib_of_sdpa(tmp_path):
     # benchmarks/long_context.py --peak-rss: each condition's forward in a fresh process, its ru_maxrss.
     # Measured here (2 cores, float32, 2 query / 1 key/value head of 128): sdpa 0.714 GiB, mps_safe_eager

@@ -164,6 +164,17 @@ def measured_peak(attention, batch=128, length=256, samples=2):
     return int(done.stdout)
 
 
+def test_the_blocked_estimate_is_under_half_of_eagers_at_the_measured_geometry():
+    # The arithmetic the measured test below checks against a real peak, without the two processes.
+    config = types.SimpleNamespace(**FIELDS)
+    held = 4 * parameter_count(config, 256) + 2 * 8 * 128 * 256
+    blocked_bytes = blocked_peak_bytes(config, 128, 256, 4, samples=2) - held
+    eager_bytes = estimate_peak_bytes(config, 128, 256, 4, "eager") - held
+    p_bytes = 128 * 4 * 256**2 * 4
+    assert p_bytes < blocked_bytes < 0.5 * eager_bytes  # P itself, plus what the product holds beside it
+
+
+@pytest.mark.slow  # two fresh processes each import torch and transformers and run a 128 x 256 batch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from Linux's /proc")
 def test_the_blocked_estimate_against_a_peak_measured_on_the_cpu():
     config = types.SimpleNamespace(**FIELDS)

@@ -75,6 +75,15 @@ class CallRecord:
             a = b = TensorSpec.contiguous(())
         return cls(index, op, a or b, b or a, fault, phase, **fields)  # type: ignore[arg-type]
 
+    def evolve(self, **changes: Any) -> CallRecord:
+        """A copy with `changes` (field names): dataclasses.replace without its per-call introspection, which
+        plan and check pay for every call of every rebuilt plan (the record is frozen, with no __post_init__)."""
+        new = object.__new__(CallRecord)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        return new
+
     @property
     def family(self) -> str:
         return family_of(self.op)

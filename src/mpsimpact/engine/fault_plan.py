@@ -49,7 +49,7 @@ class FaultPlan:
         kept = []
         for call in runs_on_mps(trace, prof):
             fault = classify_record(call, index_bits, prof)
-            kept.append(dataclasses.replace(call, index=len(kept), fault=fault))
+            kept.append(call.evolve(index=len(kept), fault=fault))
         return cls(tuple(kept), index_bits, prof.ref, tuple(trace))
 
     def under(self, profile: Profile) -> FaultPlan:

@@ -62,7 +62,7 @@ class LengthFittedCall:
     def at(self, length: int) -> CallRecord:
         """The call at `length` (its fault not yet decided)."""
         a, b = _spec_at(self.call.a, self.a, length), _spec_at(self.call.b, self.b, length)
-        return dataclasses.replace(self.call, a=a, b=b)
+        return self.call.evolve(a=a, b=b)
 
 
 def _spec_at(spec: TensorSpec, fits: tuple[Fit, ...], length: int) -> TensorSpec:
@@ -95,10 +95,8 @@ def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int =
 
 def _decided(calls: Iterable[CallRecord], index_bits: int, profile: Profile) -> FaultPlan:
     """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
-    profile = resolve_profile(profile)  # resolved once: classify_record keeps its answers per release
-    records = tuple(dataclasses.replace(c, fault=classify_record(c, index_bits, profile))
-                    for c in calls)
-    return FaultPlan.from_trace(records, index_bits, profile)
+    # from_trace decides each call MPS runs (its `trace` keeps the rebuilt records, read for their operands)
+    return FaultPlan.from_trace(tuple(calls), index_bits, resolve_profile(profile))
 
 
 def _distinct_runs(calls: list[LengthFittedCall], profile: Profile) -> list[LengthFittedCall]:
@@ -336,5 +334,5 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = M
 def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
             profile: Profile = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
-    rebuilt = (dataclasses.replace(p.call, a=a, b=b) for p in calls for a, b in [p.at(batch)])
+    rebuilt = (p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
     return _decided(rebuilt, index_bits, profile)
