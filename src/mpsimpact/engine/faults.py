@@ -58,7 +58,7 @@ __all__ = [
 # view would (kind wrong_other, inferred): the guard stops them; the emulator computes them as the
 # contiguous copy the strided read is inferred to equal, and says so.
 
-FaultKind = Literal["ok", "error", "wrong_all", "wrong_tail", "abort", "truncated", "wrong_other"]
+FaultKind = Literal["ok", "error", "wrong_all", "wrong_tail", "abort", "truncated", "wrong_other", "undecided"]
 Layout = Literal["contiguous", "offset", "transposed", "strided"]
 SILENT_KINDS = frozenset({"wrong_all", "wrong_tail", "truncated", "wrong_other"})
 STOP_KINDS = frozenset({"error", "abort"})
@@ -153,7 +153,8 @@ class Fault:
     Attributes:
         kind: "ok", "error" (raises before computing), "abort" (the process aborts), "wrong_all"
             (every batch wrong), "wrong_tail" (batches from `first_bad_batch` on wrong), "truncated"
-            (2.4.1: mostly zeros) or "wrong_other" (wrong, pattern not characterised).
+            (2.4.1: mostly zeros) or "wrong_other" (wrong, pattern not characterised); "undecided" only on a
+            tracer's record before FaultPlan.from_trace decides it (modes.tracer.UNDECIDED).
         operand: the operand that causes it: "a", "b", "ab" (both), "bias" (mm) or None.
         first_bad_batch: first wrong batch (0 for wrong_all), or None.
         message: the MPS error text for "error" and "abort", else "".

@@ -11,10 +11,9 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.call import CallRecord, classify_call
-from mpsimpact.engine.families import classify_op
+from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, TensorSpec
 from mpsimpact.engine.release import resolve_profile
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.modes.entrypoint import handling
@@ -161,11 +160,17 @@ def _fast_shapes(name: str, pointwise: bool, tensors: list[torch.Tensor], args: 
     return None
 
 
+# A record's fault before FaultPlan.from_trace decides it: the tracer records operands only (deciding each op
+# here too was a fifth of a trace's own time, and from_trace decided every call MPS runs again anyway).
+UNDECIDED = Fault("undecided", None, None, "not decided: FaultPlan.from_trace decides the calls MPS runs", "undecided")
+
+
 class TraceMode(MatmulMode):
-    """Records every bmm/mm call, and every SDPA call with its math path's calls, with its predicted
-    fault, and every other op (views aside) whose largest tensor has more than DIM_MAX elements (with
-    `every_op`, all of them: traces rescaled by arithmetic need the same calls at every size); computes
-    nothing on meta tensors."""
+    """Records every bmm/mm call, and every SDPA call with its math path's calls, and every other op (views
+    aside) whose largest tensor has more than DIM_MAX elements (with `every_op`, all of them: traces rescaled
+    by arithmetic need the same calls at every size); computes nothing on meta tensors. Each record's fault
+    is left UNDECIDED: `trace_faults` returns FaultPlan.from_trace of them, which decides the calls the
+    release runs (its `trace` keeps them all, to be decided again for another release)."""
 
     def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
                  profile: Profile = None, every_op: bool = False) -> None:
@@ -216,8 +221,7 @@ class TraceMode(MatmulMode):
 
     def _add(self, op: str, family: str, a, b, grad: bool = False) -> int:
         phase = current_phase()
-        fault = classify_call(family, a, b, self.index_bits, self.profile)
-        record = CallRecord(len(self.calls), op, TensorSpec.of(a), TensorSpec.of(b), fault, phase,
+        record = CallRecord(len(self.calls), op, TensorSpec.of(a), TensorSpec.of(b), UNDECIDED, phase,
                             self._where(phase), grad, self._within)
         self.calls.append(record)
         return record.index
@@ -234,9 +238,8 @@ class TraceMode(MatmulMode):
         if max((t.numel() for t in (*inputs, *outputs)), default=0) <= self._most:
             return out  # the prefilter: past no limit
         phase = current_phase()
-        fault = classify_op(func, inputs, outputs, index_bits=self.index_bits, profile=self.profile)
         live = self._live_bytes(args, kwargs, out) if self._most < 0 and op_family(func) == "softmax" else None
-        record = CallRecord.of_op(len(self.calls), name, inputs, outputs, fault, phase,
+        record = CallRecord.of_op(len(self.calls), name, inputs, outputs, UNDECIDED, phase,
                                   module=self._where(phase), within=self._within, occurrence=occurrence,
                                   live_bytes=live)
         self.calls.append(record)
