@@ -185,8 +185,8 @@ class GuardMode(MatmulMode):
                 key = (name == "linear", a.shape, b.shape)
                 try:
                     top = _LARGEST.get(key) or _largest_count(key)
-                except TypeError:  # symbolic sizes (torch.export with dynamic shapes) are no dict keys
-                    top = _count_for(*key)
+                except TypeError:  # symbolic sizes (torch.export with dynamic shapes): no arithmetic on them
+                    return False  # here (it would add guards to the export); the caller looks closer
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
