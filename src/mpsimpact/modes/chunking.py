@@ -297,13 +297,18 @@ def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
         x, w = tensors[0], tensors[1]
         return max(bound, x.numel() // max(x.shape[-1], 1) * w.shape[0])
     a, b = tensors[-2], tensors[-1]  # the two matrix operands (baddbmm/addmm: after the input)
-    sa, sb = a.shape, b.shape
+    return max(bound, product_elements(a.shape, b.shape))
+
+
+def product_elements(sa: tuple[int, ...], sb: tuple[int, ...]) -> int:
+    """The largest logical element count of a matrix product of shapes `sa` @ `sb` as bmm sees it: either
+    operand broadcast to the batch, or the output."""
     m, k = (sa[-2], sa[-1]) if len(sa) > 1 else (1, sa[-1])
     n = sb[-1] if len(sb) > 1 else 1
     batch = 1
     for x, y in itertools.zip_longest(reversed(sa[:-2]), reversed(sb[:-2]), fillvalue=1):
         batch *= max(x, y)
-    return max(bound, batch * max(m * k, k * n, m * n))
+    return batch * max(m * k, k * n, m * n)
 
 
 def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import operator
 import os
@@ -32,7 +31,8 @@ from mpsimpact.modes.base import (
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
-    Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, run_with_backward_under, split_bmm,
+    Split, cat_in_place, entry_bound, flat_arguments, product_elements, run_in_pieces, run_sdpa_chunked,
+    run_with_backward_under, split_bmm,
     split_sdpa,
 )
 from mpsimpact.modes.entrypoint import push_handler, remove_handler
@@ -447,10 +447,7 @@ def _count_for(linear: bool, sa: torch.Size, sb: torch.Size) -> int | float:
     na, nb = math.prod(sa), math.prod(sb)
     if linear:
         return max(na, nb, na // (sa[-1] or 1) * (sb[0] if len(sb) == 2 else 1))
-    m, k = (sa[-2], sa[-1]) if len(sa) > 1 else (1, sa[-1])
-    n = sb[-1] if len(sb) > 1 else 1
-    batch = math.prod(max(x, y) for x, y in itertools.zip_longest(reversed(sa[:-2]), reversed(sb[:-2]), fillvalue=1))
-    return max(na, nb, batch * max(m * k, k * n, m * n))
+    return max(na, nb, product_elements(sa, sb))
 
 
 def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:
