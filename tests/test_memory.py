@@ -256,19 +256,33 @@ FALCON_FIELDS = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_att
                      max_position_embeddings=2048)
 
 
+def _falcon_has_its_own_eager() -> bool:
+    """Older transformers: Falcon's own eager attention (softmax(scores + mask, dtype=model dtype));
+    later releases give Falcon Llama's shared eager_attention_forward (softmax in fp32, then cast back)."""
+    from transformers.models.falcon import modeling_falcon
+
+    return not hasattr(modeling_falcon, "eager_attention_forward")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_peak_estimate_counts_what_falcons_softmax_keeps_alive(tmp_path, dtype):
     from mpsimpact.prediction.memory import largest_softmax
 
-    # Falcon's eager attention: scores = q @ k^T; scores /= sqrt(d); softmax(scores + mask, dtype=model dtype):
-    # while softmax runs, the scores (still named), their masked sum (its input) and the output are alive:
-    # 3 score-sized tensors, not the 2 the formula assumes. One layer, 8 heads, 2048 tokens.
+    # Falcon's own eager attention: scores = q @ k^T; scores /= sqrt(d); softmax(scores + mask, dtype=model
+    # dtype): while softmax runs, the scores (still named), their masked sum (its input) and the output are
+    # alive: 3 score-sized tensors, not the 2 the formula assumes. Where Falcon uses the shared eager code,
+    # what is alive is Llama's: bf16 scores, their fp32 copy and fp32 P (10 bytes a score), fp32 4 + 4.
+    # One layer, 8 heads, 2048 tokens; the count is the trace's, whichever code transformers has.
     estimate, basis, plan, module_dtype, _ = _traced_estimate(tmp_path, "FalconForCausalLM", "falcon",
                                                               {**FALCON_FIELDS, "dtype": dtype})
     scores, size = 8 * 2048**2, module_dtype.itemsize
-    assert largest_softmax(plan).live_bytes == 3 * scores * size  # traced, not assumed
-    assert "keeps 6 bytes a score alive" in basis if dtype == "bfloat16" else "keeps 12 bytes a score" in basis
-    assert estimate >= 3 * scores * size
+    per_score = 3 * size if _falcon_has_its_own_eager() else (10 if dtype == "bfloat16" else 8)
+    assert largest_softmax(plan).live_bytes == per_score * scores  # traced, not assumed
+    if _falcon_has_its_own_eager():  # more than the formula counts: the basis says so
+        assert f"keeps {per_score} bytes a score alive" in basis
+    else:
+        assert ("fp32" in basis) == (dtype == "bfloat16")
+    assert estimate >= per_score * scores
 
 
 @pytest.mark.slow  # two fresh processes each import torch and transformers and run a 2048-token layer
@@ -284,5 +298,6 @@ def test_the_falcon_estimate_against_a_measured_peak(tmp_path, dtype):
     # alone says 137 and 274 MiB: a third low.
     print(f"{dtype}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert 0.9 < estimate / measured < 1.1, (estimate, measured)
-    formula = peak_bytes(parameters, 2048 * 64, scores, 8, 2048 * 64 * 4, size)
-    assert formula / measured < 0.8
+    if _falcon_has_its_own_eager():  # the shared eager code is Llama's, measured above
+        formula = peak_bytes(parameters, 2048 * 64, scores, 8, 2048 * 64 * 4, size)
+        assert formula / measured < 0.8
