@@ -30,4 +30,4 @@ class FinetuneScenario(SentimentScenario):
         if self.dataset_name is None:
             self.data = load_embedded("train")
         held = self.eval_data
-        self.eval_data = LabelledTexts(held.texts[-EVAL_TEXTS:], held.labels[-EVAL_TEXTS:], held.label_names, held.source + ", last 512")
+        self.eval_data = LabelledTexts(held.texts[-EVAL_TEXTS:], held.labels[-EVAL_TEXTS:], held.label_names, f"{held.source}, last {EVAL_TEXTS}")

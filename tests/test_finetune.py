@@ -15,26 +15,29 @@ runner = CliRunner()
 
 def test_training_step_under_each_guard(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("mpsimpact.scenarios.finetune.EVAL_TEXTS", 64)  # 512 evaluate the same code 8x longer
     out = tmp_path / "ft"
-    # 2.14.0: on 2.13.0 (the installed torch) the scale on scores past LIMIT aborts first
-    args = ["run", "finetune", "--batch-size", "16", "--max-length", "256", "--index-bits", "23",
+    # 2.14.0: on 2.13.0 (the installed torch) the scale on scores past LIMIT aborts first. Index width 22:
+    # 8 texts of 256 tokens cross it as 16 x 256 cross 23 bits, for half the arithmetic.
+    args = ["run", "finetune", "--batch-size", "8", "--max-length", "256", "--index-bits", "22",
             "--torch-profile", "2.14.0", "--out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     off, stop, chunk = report["conditions"]
-    # Forward: P V wraps from text 10 (as in `run sentiment`). Backward, first: the FFN's bias gradient sums
-    # (16*256, 1536) = 6,291,456 > 2**22 - 1 elements, which 2.14.0 refuses (its sum needs 64-bit indexing,
-    # inferred from the 1-D sum); then grad_V = P^T @ G would read P through a transposed view of
-    # 16*12*256*256 >= 2**22 elements (rule 2 raises). Either way the step fails loudly instead of
+    # Forward: P V wraps from text 5 (2**22 / (12*256*256) = 5.3, as in `run sentiment`). Backward, first: the
+    # FFN's bias gradient sums (8*256, 1536) = 3,145,728 > 2**21 - 1 elements, which 2.14.0 refuses (its sum
+    # needs 64-bit indexing, inferred from the 1-D sum); then grad_V = P^T @ G would read P through a
+    # transposed view of 8*12*256*256 >= 2**21 elements (rule 2 raises). Either way the step fails loudly instead of
     # returning silently wrong gradients.
-    assert (off["status"], off["phase"], off["corrupted_count"]) == ("error", "backward", 6)
+    assert (off["status"], off["phase"], off["corrupted_count"]) == ("error", "backward", 3)
     assert "sum_reduction: tensors requiring 64-bit indexing are not supported" in off["message"]
     assert {(o["kind"], tuple(o["phases"])) for o in off["faulted_ops"]} == {("wrong_tail", ("forward",)), ("error", ("backward",))}
     assert report["backward_prediction"]["stops"]["kind"] == "error"
     assert (stop["status"], stop["phase"]) == ("stopped_by_guard", "forward") and "in forward" in stop["message"]
     assert chunk["status"] == "completed" and chunk["corrupted_gradient_tensors"] == 0
     assert chunk["max_gradient_rel_error"] < 1e-4 and chunk["eval_flips_after_training"] == 0
+    assert report["reference"]["eval_texts"] == 64
     assert (out / "gradient_error_by_layer.png").stat().st_size > 0 and (out / "gradients.json").is_file()
 
 
