@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import csv
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import io
@@ -64,6 +65,14 @@ def load_embedded(split: str) -> LabelledTexts:
     if split not in ("train", "heldout"):
         raise UsageError(f"split must be 'train' or 'heldout', got '{split}'.")
     path = embedded_corpus_path()
+    stat = path.stat()
+    return _split_of(str(path), stat.st_mtime_ns, stat.st_size, split)
+
+
+@functools.lru_cache(maxsize=4)
+def _split_of(path: str, mtime_ns: int, size: int, split: str) -> LabelledTexts:
+    """One split of the file as it is (its time and size in the key): parsed once per process, as a sweep or
+    compare that runs several scenarios in one process reads it several times (its tuples are immutable)."""
     first: dict[str, int] = {}
     with open(path, encoding="latin-1", newline="") as file:
         for row in csv.DictReader(file):
