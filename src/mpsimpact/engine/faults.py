@@ -205,9 +205,12 @@ class Fault:
         return self.is_unmeasured or self.rule.startswith("conservative")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Its fields are scalars: the dict dataclasses.asdict gives, without its recursive copy (a fit asks
+        # for hundreds of thousands).
+        return {name: getattr(self, name) for name in _FAULT_FIELDS}
 
 
+_FAULT_FIELDS = tuple(field.name for field in dataclasses.fields(Fault))
 OK = Fault()
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from mpsimpact.engine.faults import classify_bmm
+from mpsimpact.engine.faults import TensorSpec, classify_bmm
 from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
 from mpsimpact.engine.release import (
     INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, MASKED_FILL_MESSAGE, MULTI_DIMENSION_ROWS, ONE_DIMENSION_ROWS,
@@ -60,25 +60,21 @@ def candidate_settings(texts: Iterable[str]) -> list[dict[str, Any]]:
     return settings
 
 
-def disagreeing(rows: list[dict[str, Any]], setting: dict[str, Any], release: str) -> list[dict[str, Any]]:
-    """The measured rows a setting's predictions disagree with."""
+def disagreeing(rows: list[tuple[dict[str, Any], TensorSpec, TensorSpec]], setting: dict[str, Any],
+                release: str) -> list[dict[str, Any]]:
+    """The measured rows (each with its cell's operand specs) a setting's predictions disagree with."""
     profile = FaultProfile(release, release, True, **setting)
-    bad = []
-    for row in rows:
-        a, b = Cell(**row["cell"]).specs()
-        expected = classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()
-        if not agrees(row | {"expected": expected}):
-            bad.append(row)
-    return bad
+    return [row for row, a, b in rows if not agrees(
+        row | {"expected": classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()})]
 
 
 def fit_bmm(rows: list[dict[str, Any]], release: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(every setting that agrees with every measured row, in BMM_FIELDS order; the rows the closest
     setting disagrees with when none agrees)."""
-    measured = [row for row in rows if is_measured(row)]
+    measured = [(row, *Cell(**row["cell"]).specs()) for row in rows if is_measured(row)]  # specs once, not per setting
     if not measured:
         return [], []
-    texts = (text for row in measured if row["observed"] == "error" and (text := failure_text(row)))
+    texts = (text for row, _, _ in measured if row["observed"] == "error" and (text := failure_text(row)))
     scored = [(setting, disagreeing(measured, setting, release)) for setting in candidate_settings(texts)]
     fitting = [{name: setting[name] for name in BMM_FIELDS} for setting, bad in scored if not bad]
     closest = min(scored, key=lambda pair: len(pair[1]))[1] if not fitting else []
