@@ -182,21 +182,19 @@ def test_doctor_list_compare_and_matrix_fit_80_columns(tmp_path):
             assert "abort -> completed" in flat(result.stdout) and "dies (the process aborts)" in flat(result.stdout)
 
 
-@pytest.mark.parametrize("memory", ["16GB", "32GB"])
+@pytest.mark.parametrize(("memory", "named"), [("16GB", False), ("32GB", True)], ids=["16GB-installed", "32GB-named"])
 @pytest.mark.parametrize("release", ["2.13.0", "2.14.0", "2.15.0"])
-def test_plan_memory_answers_in_words_for_every_release(release, memory, monkeypatch):
-    # The release a newcomer is likely to have installed, and the same asked by name.
+def test_plan_memory_answers_in_words_for_every_release(release, memory, named, monkeypatch):
+    # The release a newcomer is likely to have installed, or the same asked by name (each memory one way).
     import torch
 
     monkeypatch.setattr(torch, "__version__", release)
-    for args in (["plan", "sentiment", "--memory", memory], ["plan", "sentiment", "--memory", memory,
-                                                             "--torch-profile", release]):
-        text = invoke(args)
-        assert_fits(text)
-        lines = flat(text)
-        # eager's clear demo from 1438 texts; blocked_eager's (a Mac whose memory binds) from 1398
-        assert re.search(r"Run: mpsimpact run sentiment --batch-size (1438 --max-length 512 --dtype float16|"
-                         r"1398 --max-length 512( --dtype float16)? --attention blocked_eager)", lines), lines[-600:]
-        if "--torch-profile" in args and release == "2.15.0":  # nobody measured it: said, never a count of it
-            assert "Cannot tell on torch 2.15.0: nobody measured it on MPS" in lines
-            assert "On torch 2.14.0, the published demo's release:" in lines
+    text = invoke(["plan", "sentiment", "--memory", memory, *(["--torch-profile", release] if named else [])])
+    assert_fits(text)
+    lines = flat(text)
+    # eager's clear demo from 1438 texts; blocked_eager's (a Mac whose memory binds) from 1398
+    assert re.search(r"Run: mpsimpact run sentiment --batch-size (1438 --max-length 512 --dtype float16|"
+                     r"1398 --max-length 512( --dtype float16)? --attention blocked_eager)", lines), lines[-600:]
+    if named and release == "2.15.0":  # nobody measured it: said, never a count of it
+        assert "Cannot tell on torch 2.15.0: nobody measured it on MPS" in lines
+        assert "On torch 2.14.0, the published demo's release:" in lines
