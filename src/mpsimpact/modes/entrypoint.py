@@ -81,7 +81,16 @@ ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "einsum": ((torch, "einsum"),),
     "sdpa": ((F, "scaled_dot_product_attention"),),
     "cat": ((torch, "cat"), (torch, "concat"), (torch, "concatenate")),
+    # Factories, by how their size is given: the births a gated strict guard sees (Note [Strict, gated]).
+    "sized": tuple((torch, f) for f in ("empty", "zeros", "ones", "rand", "randn")),
+    "full": ((torch, "full"),),
+    "randint": ((torch, "randint"),),
+    "arange": ((torch, "arange"),),
+    "like": tuple((torch, f"{f}_like") for f in ("empty", "zeros", "ones", "full", "rand", "randn", "randint")),
+    "new": tuple((torch.Tensor, f"new_{f}") for f in ("empty", "zeros", "ones", "full")),
 }
+# Entry points whose operands are sizes, not tensors (the wrapper hands them on without looking for a tensor).
+FACTORIES = frozenset({"sized", "full", "randint", "arange"})
 
 
 class EntryHandler(Protocol):
@@ -132,10 +141,13 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 
 
 def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> Callable[..., Any]:
+    sizes = name in FACTORIES
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = _LOCAL.__dict__.get("handlers")
-        # Not for arguments that are not tensors (an FX proxy: symbolic tracing records torch's own callable).
-        if not handlers or not (args and isinstance(args[0], _Tensor)
+        # Not for arguments that are not tensors (an FX proxy: symbolic tracing records torch's own callable);
+        # a factory's are sizes (a handler passes what it cannot read as numbers).
+        if not handlers or not (sizes or args and isinstance(args[0], _Tensor)
                                 or isinstance(_first_operand(args, kwargs), _Tensor)):
             return original(*args, **kwargs)
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.

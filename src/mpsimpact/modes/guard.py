@@ -35,7 +35,7 @@ from mpsimpact.modes.chunking import (
     run_with_backward_under, split_bmm,
     split_sdpa,
 )
-from mpsimpact.modes.entrypoint import push_handler, remove_handler
+from mpsimpact.modes.entrypoint import FACTORIES, push_handler, remove_handler
 from mpsimpact.modes.op_size import (
     SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
@@ -62,6 +62,52 @@ _HOLDERS: dict[int, tuple[str, int]] = {}  # thread id -> (thread name, installe
 _HOLDERS_LOCK = threading.Lock()
 
 
+def _mps_bytes() -> int:
+    return torch.mps.current_allocated_memory() if torch.backends.mps.is_available() else 0
+
+
+def _cuda_bytes() -> int:
+    if not torch.cuda.is_initialized():
+        return 0  # no CUDA tensor exists (and asking would start CUDA)
+    return sum(torch.cuda.memory_allocated(index) for index in range(torch.cuda.device_count()))
+
+
+# Device type -> the bytes its tensors hold now: where a strict guard can be gated (Note [Strict, gated]).
+HELD_BYTES: dict[str, Callable[[], int]] = {"mps": _mps_bytes, "cuda": _cuda_bytes}
+# The factory entry points, and the _like and new_ forms (whose size is a tensor's or given after it).
+_FACTORY_SIZES = FACTORIES | {"like", "new"}
+_SIZES = (tuple, list, torch.Size)
+
+
+def factory_elements(name: str, args: tuple, kwargs: dict) -> int:
+    """The elements a factory call asks for; 0 where its sizes are not plain numbers (an FX proxy, a symbolic
+    size under torch.export: no arithmetic on them), so the call passes unseen."""
+    if name == "like":
+        like = args[0] if args else kwargs.get("input")
+        return like.numel() if isinstance(like, _Tensor) else 0
+    if name == "arange":
+        return _arange_length(args, kwargs)
+    if name == "new":
+        args = args[1:]  # after the tensor
+    if name == "randint":  # (high, size) or (low, high, size)
+        size = next((a for a in args if isinstance(a, _SIZES)), kwargs.get("size"))
+    else:  # (*size), (size, ...), size=
+        size = args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
+    if not isinstance(size, _SIZES) or not all(type(d) is int for d in size):
+        return 0
+    return math.prod(size)
+
+
+def _arange_length(args: tuple, kwargs: dict) -> int:
+    numbers = [a for a in args if not isinstance(a, (torch.dtype, torch.device, str))]
+    start, end, step = ((0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], 1) if len(numbers) == 2
+                        else tuple(numbers[:3]) if numbers else (0, None, 1))
+    start, end, step = kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
+    if not all(type(x) in (int, float) for x in (start, end, step)) or not step:
+        return 0
+    return max(0, math.ceil((end - start) / step))
+
+
 class MpsImpactWarning(UserWarning):
     """Emitted by guard mode "warn", once per op site, with the text the error would have."""
 
@@ -86,6 +132,13 @@ class GuardMode(MatmulMode):
         if profile is not None:  # a release asked for: resolved (and a bad name refused) on entering
             self.profile = resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
+        # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
+        # only from a sighting of a tensor that could pass a limit.
+        self._gated = strict and active_emulator() is None and all(
+            device in HELD_BYTES for device in self._guarded_devices)
+        self.watching = False  # the dispatch mode is pushed for the rest of the block
+        self._held = 0  # how many times the dispatch mode is entered now (watching, or around one call)
+        self._depth = 0  # the dispatch stack's length when the guard was entered
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
         self._view_limit = limits(index_bits)[1]
         self._most = dim_max(index_bits)
@@ -101,12 +154,67 @@ class GuardMode(MatmulMode):
         a guard around each small batch does not pay for the file system and the environment."""
         return resolve_profile(None)
 
+    @property
+    def _guarded_devices(self) -> tuple[str, ...]:
+        return self.devices if self.devices is not None else ("mps",)
+
     def __enter__(self) -> GuardMode:
         self._entering = True  # TorchDispatchMode.__enter__ asks ignore_compile_internals too
         try:
-            return super().__enter__()
+            entered = super().__enter__()
         finally:
             self._entering = False
+        self._held += 1
+        return entered
+
+    def __exit__(self, *exc: Any) -> None:
+        self._held -= 1
+        super().__exit__(*exc)
+
+    # Note [Strict, gated]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # Every rule of every release needs some tensor of VIEW_LIMIT (2**31) elements or more, and such a tensor
+    # holds VIEW_LIMIT bytes or more. A dispatch mode that looks at every op costs 1.5x on a small GPU batch
+    # before it judges anything (benchmarks/README.md), so strict, on devices that count the bytes their
+    # tensors hold (MPS, CUDA), pushes it only from the first sighting of a tensor that could pass a limit
+    # until the block ends: on entering, when the guarded devices already hold VIEW_LIMIT bytes; at a matrix
+    # product, SDPA or cat (the fast path's own arithmetic) that could meet a rule; at a factory (empty, zeros,
+    # ones, full, rand, randn, randint, arange, their _like and new_ forms) asked for VIEW_LIMIT elements or
+    # more. From there every op is judged as before. Not seen at its birth: a tensor past the limit made,
+    # from smaller ones, by any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name
+    # bound before the guard): the ops on it are judged from the next sighting on (a product or cat it feeds,
+    # or entering the guard again). On devices without a count (the CPU, meta) and under an emulator, strict
+    # watches every op from the start, as it always did. Where another dispatch mode was entered inside the
+    # guard, the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path
+    # does, with every op family.
+
+    def begin(self) -> None:
+        """On entering (or installing): strict watches from here when it is not gated, or when the guarded
+        devices already hold a tensor's worth of bytes (Note [Strict, gated])."""
+        self._depth = torch._C._len_torch_dispatch_stack()
+        if self.everywhere and (not self._gated or self._holds_enough()):
+            self._watch()
+
+    def end(self, *exc: Any) -> None:
+        """On leaving (or uninstalling): the dispatch mode leaves with the guard."""
+        if self.watching:
+            self.watching = False
+            self.__exit__(*exc)
+
+    def _holds_enough(self) -> bool:
+        """Whether the guarded devices hold VIEW_LIMIT bytes of tensors (a tensor that could pass a limit)."""
+        return sum(HELD_BYTES[device]() for device in self._guarded_devices) >= self._view_limit
+
+    def _watch(self) -> bool:
+        """Pushes the dispatch mode for the rest of the block; False where it cannot go where the guard was
+        entered (entered around a call now, or another mode entered since: Note [Strict, gated])."""
+        if self.watching:
+            return True
+        if self._held or torch._C._len_torch_dispatch_stack() != self._depth:
+            return False
+        self.__enter__()
+        self.watching = True
+        return True
 
     def ignore_compile_internals(self) -> bool:
         """Yes: torch.compile compiles with this mode off (Dynamo skips every frame while a mode that says
@@ -140,15 +248,17 @@ class GuardMode(MatmulMode):
         """Whether the call runs as it is: an outer guard's (nested guards: the inner one decides alone), one
         not on a guarded device, or one that cannot meet a rule (the wrappers' hot path)."""
         guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
-        if not guards or guards[-1] is not self:
+        if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
             return True
         if _tracing_state() is not None:
             return self._passes_untraced(name, args, kwargs)
         if name == "sdpa":
             return self._sdpa_is_plain(args, kwargs)
-        if self.everywhere:
+        if self.watching:
             return True  # the dispatch mode decides every op
-        return self._quick_pass(name, args, kwargs)
+        if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
+            return not self.everywhere or factory_elements(name, args, kwargs) < self._view_limit or self._watch()
+        return self._quick_pass(name, args, kwargs) or self.everywhere and self._watch()
 
     def _passes_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
         """`passes` while torch.jit.trace records: sizes read with tracing paused (a traced size is a tensor,
@@ -216,7 +326,7 @@ class GuardMode(MatmulMode):
                     "runs with gradients), whose random mask is not this device's kernel's, so it stops "
                     "instead of computing other values. Use dropout_p=0, or run it on MPS.",
                     op="sdpa", phase=current_phase())
-            return sdpa_math(*args, **kwargs) if self.everywhere else self._through_dispatch(sdpa_math, args, kwargs)
+            return sdpa_math(*args, **kwargs) if self.watching else self._through_dispatch(sdpa_math, args, kwargs)
         fault, full_q, full_k = (
             active.peek("sdpa", None, query, key) if active
             else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
@@ -566,8 +676,7 @@ class GuardContext(contextlib.ContextDecorator):
         try:
             push_handler(mode)
             try:
-                if mode.everywhere:
-                    mode.__enter__()
+                mode.begin()
             except BaseException:
                 remove_handler(mode)
                 raise
@@ -579,8 +688,7 @@ class GuardContext(contextlib.ContextDecorator):
     def __exit__(self, *exc: Any) -> None:
         mode = self.mode
         try:
-            if mode.everywhere:
-                mode.__exit__(*exc)
+            mode.end(*exc)
         finally:
             try:
                 remove_handler(mode)
@@ -609,8 +717,7 @@ def install_thread_guard(mode: str | None = None, **options: Any) -> GuardMode |
     if mode == "off":
         return None
     mode_obj = GuardMode(mode, **options)
-    if mode_obj.everywhere:
-        mode_obj.__enter__()
+    mode_obj.begin()
     push_active("guard", mode_obj)
     push_handler(mode_obj)
     _thread_guards().append(mode_obj)
@@ -639,8 +746,7 @@ def uninstall_thread_guard() -> None:
     _count_holder(-1)
     remove_handler(mode_obj)
     remove_active("guard", mode_obj)
-    if mode_obj.everywhere:
-        mode_obj.__exit__(None, None, None)
+    mode_obj.end(None, None, None)
 
 
 def install_guard(mode: str | None = None, **options: Any) -> GuardMode | None:
