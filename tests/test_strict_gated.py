@@ -136,3 +136,14 @@ def test_the_installed_strict_guard_leaves_no_mode_behind(held):
     finally:
         mpsimpact.uninstall_thread_guard()
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_the_factories_are_wrapped_only_while_a_gated_strict_guard_is_active(held):
+    zeros, ones_like = torch.zeros, torch.ones_like
+    with guard("raise", index_bits=BITS, devices=("cpu",)):
+        assert torch.zeros is zeros  # the fast path has no factory to look at: it leaves them alone
+        with guard("raise", index_bits=BITS, devices=("cpu",), strict=True):
+            assert torch.zeros is not zeros and torch.ones_like is not ones_like
+            assert torch.zeros.__wrapped__ is zeros and torch.zeros(2, 3).shape == (2, 3)
+        assert torch.zeros is zeros
+    assert torch.zeros is zeros and torch.ones_like is ones_like

@@ -13,8 +13,8 @@ for i in 1 2 3 4; do
     path=/tmp/site
     [ "$code" = before ] && path=$PWD/.old/src:/tmp/site
     echo "== $code, run $i" | tee -a "$out/guard_latency.txt"
-    PYTHONPATH=$path timeout 100 python3 benchmarks/guard_latency.py --device cuda --shapes 8x128 --reps 60 \
-      2>&1 | tail -1 | tee -a "$out/guard_latency.txt"
+    PYTHONPATH=$path timeout 100 python3 benchmarks/guard_latency.py --device cuda --shapes 8x128 --reps 60 --micro \
+      2>&1 | tail -2 | tee -a "$out/guard_latency.txt"
   done
 done
 PYTHONPATH=/tmp/site timeout 120 python3 benchmarks/guard_latency.py --device cuda --shapes 64x128,512x128 --reps 30 \

@@ -75,8 +75,10 @@ def main() -> None:
     try:
         with guard("raise", devices=("cuda",), strict=True, profile="2.9.1") as g:
             before = g.watching
-            big = torch.ones(n, dtype=torch.uint8, device="cuda")
-            after = g.watching
+            try:
+                big = torch.ones(n, dtype=torch.uint8, device="cuda")  # judged itself once watched (2.9.1 may stop it)
+            finally:
+                after = g.watching
             big * 2
         stopped = False
     except OversizedOpError:

@@ -81,7 +81,10 @@ ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "einsum": ((torch, "einsum"),),
     "sdpa": ((F, "scaled_dot_product_attention"),),
     "cat": ((torch, "cat"), (torch, "concat"), (torch, "concatenate")),
-    # Factories, by how their size is given: the births a gated strict guard sees (Note [Strict, gated]).
+}
+# Factories, by how their size is given: the births a gated strict guard sees (Note [Strict, gated] in
+# modes/guard.py), wrapped only while a handler that asks for them (`sees_births`) is active.
+FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "sized": tuple((torch, f) for f in ("empty", "zeros", "ones", "rand", "randn")),
     "full": ((torch, "full"),),
     "randint": ((torch, "randint"),),
@@ -119,6 +122,7 @@ _INSTALLED: dict[tuple[Any, str], _Installed] = {}
 _MADE: dict[tuple[Any, str], _Installed] = {}
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
+_BIRTHS = 0  # of them, those that see factories (sees_births)
 _ACTIVE_LOCK = threading.Lock()
 
 _compiling = torch.compiler.is_compiling
@@ -199,11 +203,15 @@ def install() -> None:
         torch.bmm`, `from torch import matmul`) is not seen by the fast path; `guard(strict=True)`
         sees every op whatever its name.
     """
-    if _INSTALLED:
-        return
+    _install(ENTRY_POINTS)
+
+
+def _install(points: dict[str, tuple[tuple[Any, str], ...]]) -> None:
     table = jit_builtins._get_builtin_table()  # built now, if not yet, from torch's own callables
-    for name, places in ENTRY_POINTS.items():
+    for name, places in points.items():
         for owner, attribute in places:
+            if (owner, attribute) in _INSTALLED:
+                continue
             original = getattr(owner, attribute)
             own = attribute in vars(owner)
             made = _MADE.get((owner, attribute))
@@ -227,8 +235,13 @@ def uninstall() -> None:
     path leads to the original now). Entering a guard, emulator or tracer installs the wrappers
     again.
     """
+    _uninstall(list(_INSTALLED))
+
+
+def _uninstall(places: list[tuple[Any, str]]) -> None:
     table = jit_builtins._get_builtin_table()
-    for (owner, attribute), (original, own, wrapper) in _INSTALLED.items():
+    for owner, attribute in places:
+        original, own, wrapper = _INSTALLED.pop((owner, attribute))
         table.pop(id(wrapper), None)  # the wrapper is alive until here, so no other object has its id
         if getattr(owner, attribute) is not wrapper:
             continue  # replaced again since: not ours to undo
@@ -236,27 +249,34 @@ def uninstall() -> None:
             setattr(owner, attribute, original)
         else:
             delattr(owner, attribute)  # inherited (Tensor.__matmul__ from TensorBase): uncover it again
-    _INSTALLED.clear()
 
 
 def push_handler(handler: EntryHandler) -> None:
     """Activates `handler` on this thread (innermost); the first active handler of the process puts
-    the wrappers in place."""
-    global _ACTIVE
+    the wrappers in place, the first that `sees_births` the factories' too."""
+    global _ACTIVE, _BIRTHS
     with _ACTIVE_LOCK:
         _ACTIVE += 1
         install()
+        if getattr(handler, "sees_births", False):
+            _BIRTHS += 1
+            _install(FACTORY_POINTS)
     _handlers().append(handler)
 
 
 def remove_handler(handler: EntryHandler) -> None:
-    """Deactivates `handler`; the last active handler of the process takes the wrappers away."""
-    global _ACTIVE
+    """Deactivates `handler`; the last active handler of the process takes the wrappers away (the last
+    that `sees_births`, the factories')."""
+    global _ACTIVE, _BIRTHS
     _handlers().remove(handler)
     with _ACTIVE_LOCK:
         _ACTIVE -= 1
+        births = getattr(handler, "sees_births", False)
+        _BIRTHS -= births
         if not _ACTIVE:
             uninstall()
+        elif births and not _BIRTHS:
+            _uninstall([place for places in FACTORY_POINTS.values() for place in places])
 
 
 @contextlib.contextmanager

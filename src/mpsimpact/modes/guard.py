@@ -155,6 +155,11 @@ class GuardMode(MatmulMode):
         return resolve_profile(None)
 
     @property
+    def sees_births(self) -> bool:
+        """Whether the factories are wrapped for this guard (a gated strict one: Note [Strict, gated])."""
+        return self._gated
+
+    @property
     def _guarded_devices(self) -> tuple[str, ...]:
         return self.devices if self.devices is not None else ("mps",)
 
