@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import mpsimpact.modes.emulator
@@ -117,3 +118,30 @@ def test_a_cell_judged_row_by_row_sees_one_wrong_row_and_agrees_with_the_whole(t
     bad[-1] = bad[-1] + 1 if bad.dtype != torch.bool else ~bad[-1]
     observed, rel = _judge(cell, inputs, bad)
     assert observed == "wrong" and rel > 1e-2
+
+
+def test_a_cell_whose_bad_values_are_mostly_zero_is_truncated(monkeypatch):
+    # The study's criterion: at least 90% of the wrong elements of the bad batches exactly 0. A device
+    # that zeroes batches 5.. (and makes one element of batch 4 wrong but not 0: 1 of 193 wrong elements)
+    # is "truncated"; one that negates batches 4.. is a wrong tail.
+    real = torch.bmm
+
+    def zero_tail(out):
+        out[5:] = 0
+        out[4, 0, 0] += 1
+
+    def negate_tail(out):
+        out[4:] *= -1
+
+    cell = Cell(8, 8, 8, 8, "contiguous", "fp32")
+    for damage, kind in ((zero_tail, "truncated"), (negate_tail, "wrong_tail")):
+        def bmm(a, b):
+            out = real(a, b)
+            if a.dtype == torch.float32:  # the cell's call, not the float64 reference
+                damage(out)
+            return out
+
+        monkeypatch.setattr(torch, "bmm", bmm)
+        row = observe(cell, "cpu", False, 20)
+        monkeypatch.undo()
+        assert (row["observed"], row["first_bad_batch"]) == (kind, 4), row

@@ -125,11 +125,15 @@ def outcome_map(rows: list[dict[str, Any]], title: str) -> bytes:
         cells = [r for r in rows if (r["cell"]["m"], r["cell"]["k"], r["cell"]["n"]) == family]
         ys = sorted({f"{r['cell']['layout']} {r['cell']['dtype']}" for r in cells})
         xs = sorted({r["cell"]["batch"] for r in cells})
-        for r in cells:
-            x, y = xs.index(r["cell"]["batch"]), ys.index(f"{r['cell']['layout']} {r['cell']['dtype']}")
-            ax.scatter(x, y, s=90, marker="s", color=OUTCOME_COLORS.get(r["observed"], "gray"))
-            if r["agree"] is False:
-                ax.scatter(x, y, s=60, marker="x", color="black")
+        column = {x: i for i, x in enumerate(xs)}
+        line = {y: i for i, y in enumerate(ys)}
+        x = [column[r["cell"]["batch"]] for r in cells]
+        y = [line[f"{r['cell']['layout']} {r['cell']['dtype']}"] for r in cells]
+        # One collection per panel (a scatter call per cell drew 268 collections for a quick sweep).
+        ax.scatter(x, y, s=90, marker="s", c=[OUTCOME_COLORS.get(r["observed"], "gray") for r in cells])
+        crossed = [i for i, r in enumerate(cells) if r["agree"] is False]
+        if crossed:
+            ax.scatter([x[i] for i in crossed], [y[i] for i in crossed], s=60, marker="x", color="black")
         ax.set_xticks(range(len(xs)), [str(x) for x in xs], rotation=60, fontsize=6)
         ax.set_yticks(range(len(ys)), ys, fontsize=6)
         ax.set_title(f"M={family[0]} K={family[1]} N={family[2]}", fontsize=8)
