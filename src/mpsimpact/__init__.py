@@ -36,5 +36,6 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)  # asked once
+        return value
     raise AttributeError(f"module 'mpsimpact' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -92,6 +92,10 @@ FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "like": tuple((torch, f"{f}_like") for f in ("empty", "zeros", "ones", "full", "rand", "randn", "randint")),
     "new": tuple((torch.Tensor, f"new_{f}") for f in ("empty", "zeros", "ones", "full")),
 }
+# Each group as one flat tuple of (kind, owner, attribute): installed and taken away as a whole.
+_ENTRY_PLACES = tuple((name, owner, attribute) for name, places in ENTRY_POINTS.items() for owner, attribute in places)
+_FACTORY_PLACES = tuple((name, owner, attribute) for name, places in FACTORY_POINTS.items()
+                        for owner, attribute in places)
 # Entry points whose operands are sizes, not tensors (the wrapper hands them on without looking for a tensor).
 FACTORIES = frozenset({"sized", "full", "randint", "arange"})
 
@@ -203,26 +207,24 @@ def install() -> None:
         torch.bmm`, `from torch import matmul`) is not seen by the fast path; `guard(strict=True)`
         sees every op whatever its name.
     """
-    _install(ENTRY_POINTS)
+    _install(_ENTRY_PLACES)
 
 
-def _install(points: dict[str, tuple[tuple[Any, str], ...]]) -> None:
+def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
+    if (places[0][1], places[0][2]) in _INSTALLED:
+        return  # a group is in place as a whole or not at all
     table = jit_builtins._get_builtin_table()  # built now, if not yet, from torch's own callables
-    for name, places in points.items():
-        for owner, attribute in places:
-            if (owner, attribute) in _INSTALLED:
-                continue
-            original = getattr(owner, attribute)
-            own = attribute in vars(owner)
-            made = _MADE.get((owner, attribute))
-            if made is None or made.original is not original or made.own is not own:
-                # made once per original: entering a guard is cheap
-                made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
-            wrapper = made.wrapper
-            _INSTALLED[(owner, attribute)] = made
-            setattr(owner, attribute, wrapper)
-            if id(original) in table:
-                table[id(wrapper)] = table[id(original)]
+    for name, owner, attribute in places:
+        original = getattr(owner, attribute)
+        own = attribute in owner.__dict__
+        made = _MADE.get((owner, attribute))
+        if made is None or made.original is not original or made.own is not own:
+            # made once per original: entering a guard is cheap
+            made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
+        _INSTALLED[(owner, attribute)] = made
+        setattr(owner, attribute, made.wrapper)
+        if id(original) in table:
+            table[id(made.wrapper)] = table[id(original)]
 
 
 def uninstall() -> None:
@@ -235,13 +237,15 @@ def uninstall() -> None:
     path leads to the original now). Entering a guard, emulator or tracer installs the wrappers
     again.
     """
-    _uninstall(list(_INSTALLED))
+    _uninstall(_INSTALLED)
+    _INSTALLED.clear()
 
 
-def _uninstall(places: list[tuple[Any, str]]) -> None:
+def _uninstall(places: Iterable[tuple[Any, str]]) -> None:
+    """Takes the wrappers of `places` away (each must be in place)."""
     table = jit_builtins._get_builtin_table()
     for owner, attribute in places:
-        original, own, wrapper = _INSTALLED.pop((owner, attribute))
+        original, own, wrapper = _INSTALLED[(owner, attribute)]
         table.pop(id(wrapper), None)  # the wrapper is alive until here, so no other object has its id
         if getattr(owner, attribute) is not wrapper:
             continue  # replaced again since: not ours to undo
@@ -260,7 +264,7 @@ def push_handler(handler: EntryHandler) -> None:
         install()
         if getattr(handler, "sees_births", False):
             _BIRTHS += 1
-            _install(FACTORY_POINTS)
+            _install(_FACTORY_PLACES)
     _handlers().append(handler)
 
 
@@ -276,7 +280,10 @@ def remove_handler(handler: EntryHandler) -> None:
         if not _ACTIVE:
             uninstall()
         elif births and not _BIRTHS:
-            _uninstall([place for places in FACTORY_POINTS.values() for place in places])
+            places = [(owner, attribute) for _, owner, attribute in _FACTORY_PLACES]
+            _uninstall(places)
+            for place in places:
+                del _INSTALLED[place]
 
 
 @contextlib.contextmanager
