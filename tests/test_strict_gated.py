@@ -147,3 +147,38 @@ def test_the_factories_are_wrapped_only_while_a_gated_strict_guard_is_active(hel
             assert torch.zeros.__wrapped__ is zeros and torch.zeros(2, 3).shape == (2, 3)
         assert torch.zeros is zeros
     assert torch.zeros is zeros and torch.ones_like is ones_like
+
+
+def test_a_fast_guard_on_another_thread_lets_the_wrapped_factories_run(held, monkeypatch):
+    # The factories are wrapped process-wide while this thread's gated strict guard is active; a raise guard
+    # on another thread is that thread's only handler, and a factory is none of its business: it passes at
+    # once (never handled, never through a dispatch mode).
+    import threading
+
+    made, errors, handled = {}, [], []
+    on_entry = guard_module.GuardMode.on_entry
+
+    def recorded(self, name, proceed, args, kwargs):
+        handled.append((threading.current_thread().name, name))
+        return on_entry(self, name, proceed, args, kwargs)
+
+    monkeypatch.setattr(guard_module.GuardMode, "on_entry", recorded)
+
+    def other():
+        try:
+            x = torch.ones(2, 3)
+            with guard("raise", index_bits=BITS, devices=("cpu",)):
+                made.update(zeros=torch.zeros(4, 5), like=torch.zeros_like(x), new=x.new_ones(3),
+                            full=torch.full((2,), 7.0), arange=torch.arange(6), randint=torch.randint(0, 5, (3,)))
+        except Exception as error:  # noqa: BLE001 - reported to the main thread
+            errors.append(error)
+
+    with guard("raise", index_bits=BITS, devices=("cpu",), strict=True):
+        assert torch.zeros.__wrapped__ is not None
+        thread = threading.Thread(target=other, name="other")
+        thread.start()
+        thread.join()
+    assert errors == [] and [name for thread, name in handled if thread == "other"] == []
+    assert {k: tuple(v.shape) for k, v in made.items()} == {
+        "zeros": (4, 5), "like": (2, 3), "new": (3,), "full": (2,), "arange": (6,), "randint": (3,)}
+    assert torch.equal(made["arange"], torch.arange(6)) and float(made["full"].sum()) == 14.0

@@ -259,11 +259,13 @@ class GuardMode(MatmulMode):
             return self._passes_untraced(name, args, kwargs)
         if name == "sdpa":
             return self._sdpa_is_plain(args, kwargs)
+        if not self.everywhere:
+            return self._quick_pass(name, args, kwargs)
         if self.watching:
             return True  # the dispatch mode decides every op
         if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
-            return not self.everywhere or factory_elements(name, args, kwargs) < self._view_limit or self._watch()
-        return self._quick_pass(name, args, kwargs) or self.everywhere and self._watch()
+            return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
+        return self._quick_pass(name, args, kwargs) or self._watch()
 
     def _passes_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
         """`passes` while torch.jit.trace records: sizes read with tracing paused (a traced size is a tensor,
@@ -304,6 +306,8 @@ class GuardMode(MatmulMode):
                     return False  # here (it would add guards to the export); the caller looks closer
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
+        if name in _FACTORY_SIZES:
+            return True  # wrapped for another thread's gated strict guard: births are that guard's business
         first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
