@@ -153,11 +153,11 @@ def test_the_layer_check_catches_a_planted_violation():
     ]
 
 
-def test_the_engine_imports_no_other_subpackage_and_no_torch_at_top():
+def test_the_engine_imports_no_other_subpackage_but_the_errors_and_no_torch_at_top():
     graph = project_graph()
     engine = {name for name in graph if room(name) == "engine"}
     assert len(engine) >= 3
-    assert {(m, t) for m in engine for t in graph[m] if room(t) != "engine"} == set()
+    assert {(m, t) for m in engine for t in graph[m] if room(t) not in ("engine", "errors")} == set()
     assert [m for m in engine if torch_at_top(module_files()[m])] == []
 
 
@@ -209,3 +209,14 @@ def test_the_readme_layout_names_every_module_in_its_room():
             unnamed.append(name)
     assert len(rows) >= 8  # the table was found
     assert unnamed == []
+
+
+def test_the_cli_imports_no_engine_module_and_the_engine_errors_are_mpsimpact_errors():
+    from mpsimpact.engine.profile_file import ProfileFileError
+    from mpsimpact.errors import MpsImpactError
+
+    assert not {t for t in project_graph()["mpsimpact.cli"] if room(t) == "engine"}
+    error = ProfileFileError("Profile 'p.json': bad", "p.json", "release")
+    assert isinstance(error, MpsImpactError) and isinstance(error, ValueError)
+    assert error.to_json() == {"type": "ProfileFileError", "message": "Profile 'p.json': bad",
+                               "path": "p.json", "field": "release"}

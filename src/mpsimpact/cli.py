@@ -31,20 +31,18 @@ DEMO_MODULES = frozenset({"transformers", "datasets", "numpy", "sklearn", "matpl
 
 
 def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]:
-    """Turns an MpsImpactError into one line on stderr and exit code 2, and so an unusable profile file (the
-    engine's own ProfileFileError, e.g. a bad one in the cache) and a missing demo package; anything else
-    keeps its traceback."""
+    """Turns an MpsImpactError (an unusable profile file among them) and a missing demo package into one line
+    on stderr and exit code 2; anything else keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mpsimpact.engine.profile_file import ProfileFileError
         from mpsimpact.errors import MpsImpactError
         from mpsimpact.output.signals import exit_cleanly_on_signals
 
         try:
             with exit_cleanly_on_signals():  # SIGTERM/SIGHUP clean up like Ctrl-C, exit 143/129
                 return command(*args, **kwargs)
-        except (MpsImpactError, ProfileFileError) as error:
+        except MpsImpactError as error:
             typer.echo(f"error: {error.message}", err=True)
             raise typer.Exit(2) from None
         except ModuleNotFoundError as error:

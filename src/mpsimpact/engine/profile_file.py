@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.errors import UsageError
+
 
 
 PROFILE_KIND = "mpsimpact-fault-profile"
@@ -26,14 +28,13 @@ FAMILY_CODES = ("ok", "abort", "error", "wrong", "wrap", "unmeasured", "sum-64-b
 _RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
 
 
-class ProfileFileError(ValueError):
+class ProfileFileError(UsageError, ValueError):
     """A profile file that cannot be used: missing, unreadable, not a profile, or a field wrong; the message
-    is one line naming the file (and the field). A ValueError, as a bad release string is (the engine
-    imports nothing of the rest of mpsimpact); the CLI reports it as a usage error."""
+    is one line naming the file (and the field). A usage error, and a ValueError as a bad release string is."""
 
     def __init__(self, message: str, path: Path, field: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.path, self.field = message, str(path), field
+        super().__init__(message, path=str(path), field=field)
+        self.path, self.field = str(path), field
 
 
 class _Reader:
