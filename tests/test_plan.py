@@ -120,7 +120,7 @@ def test_sweep_table_and_figure(tmp_path):
 
 def test_run_on_real_mps_skips_a_predicted_process_abort():
     from mpsimpact.models.classifier import meta_classifier
-    from mpsimpact.runs.runner import skipped_abort, would_abort
+    from mpsimpact.runs.device_pass import skipped_abort, would_abort
     from mpsimpact.runs.device_pass import Geometry
     from transformers import AutoConfig
 

@@ -140,7 +140,7 @@ with exit_cleanly_on_signals():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["runs.runner.device_pass", "reports.run.render_markdown"], ids=["mid-run", "writing"])
+@pytest.mark.parametrize("where", ["runs.device_pass.device_pass", "reports.run.render_markdown"], ids=["mid-run", "writing"])
 def test_sigterm_to_a_run_mid_run_and_while_writing(tmp_path, where):
     """`mpsimpact run` as the commands will run it (inside exit_cleanly_on_signals), stopped during a device
     pass or while the report folder is written: exit 143, nothing next to --out, nothing temporary in

@@ -12,8 +12,8 @@ from mpsimpact.output.page import Footnotes, fitted_table
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
-from mpsimpact.runs.runner import device_reference, reference_logits, run_conditions
-from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
+from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
+from mpsimpact.runs.reference import device_reference, reference_logits
 
 
 def select_reference(config, model, texts: list[str], geometry: Geometry, boundary: int | None,

@@ -1,26 +1,29 @@
-"""One device pass's workload: the batch (texts, tokens), its geometry (device, emulation, run
-length, checked against memory before anything big is allocated), and the emulation-and-guard
-condition it runs under. Shared by the inference and training runners."""
+"""The device passes: the batch (texts, tokens), its geometry (device, emulation, run length, checked
+against memory before anything big is allocated), the emulation-and-guard condition, and one pass per
+condition (or its predicted abort, skipped). Shared by the kinds and the training steps."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
+from mpsimpact.blocked_attention import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.config import GIB
 from mpsimpact.runs.device import check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
-from mpsimpact.errors import MemoryPreflightError, UsageError
+from mpsimpact.errors import MemoryPreflightError, NotEmulatedError, OversizedOpError, UsageError
 from mpsimpact.prediction.memory import (TRAINING_PARTS, estimate_peak_bytes, estimate_training_bytes,
                                          largest_fitting_batch)
 from mpsimpact.modes.guard import guard
 from mpsimpact.prediction.demo_size import DTYPE_BYTES
+from mpsimpact.prediction.outcome import predict, site
+from mpsimpact.runs.kind import condition_key
 
 # Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
 # full-scale plan replayed; a power of two, so the wrap period maps exactly (emulator.replay_decision).
@@ -186,4 +189,98 @@ def tokenize(tokenizer, texts: list[str], geometry: Geometry
         "truncated_by_reduced_length": reduced.tolist(),
         "truncated_by_reduced_length_fraction": reduced.size / len(texts),
         "mean_tokens": float(lengths.mean()),
+    }
+
+
+def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, plan,
+                guard_mode: str) -> dict[str, Any]:
+    """One forward pass of the whole batch under one guard condition."""
+    if geometry.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result: dict[str, Any] = {"guard": guard_mode, "status": "completed", "message": None, "logits": None}
+    if geometry.attention != "eager":
+        result["attention"] = geometry.attention
+    state: dict[str, Any] = {}
+    try:
+        with condition(geometry, plan, guard_mode) as (emu, g):
+            state.update(emu=emu, guard=g)
+            result["logits"] = module(**inputs).float().cpu().numpy()
+    except OversizedOpError as error:
+        result.update(status="stopped_by_guard", message=str(error))
+    except NotEmulatedError as error:  # wrong on MPS, but nobody characterised the values
+        result.update(status="not_emulated", message=error.message)
+    except RuntimeError as error:  # MPS's own error, real or emulated
+        result.update(status="error", message=str(error).splitlines()[0])
+    emu, g = state.get("emu"), state.get("guard")
+    result["wall_s"] = time.perf_counter() - start
+    stopped_at = (g.stopped[-1] if result["status"] == "stopped_by_guard" and g and g.stopped else
+                  emu.records[-1] if result["status"] in ("error", "not_emulated") and emu and emu.records else None)
+    if stopped_at is not None:  # in a speaker's words, and whether anybody measured it (headlines read these)
+        result["where"] = site(stopped_at)
+        result["unmeasured"] = stopped_at.fault.nobody_measured
+    if geometry.device == "cuda":
+        result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
+    result["guard_calls"] = [r.to_json() for r in (g.stopped + g.chunked)] if g else []
+    result["silent_faults_injected"] = sum(r.fault.is_silent for r in (emu.records if emu else []))
+    if result["status"] != "completed":
+        result["wrong_values_before_stop"] = result["silent_faults_injected"]
+    return result
+
+
+@contextlib.contextmanager
+def layer_progress(layers: list[torch.nn.Module], advance):
+    """Advances a progress bar as each layer finishes its forward."""
+    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_conditions(config: Any, module, inputs, geometry: Geometry, plans: dict, heads: int, progress):
+    """Every condition, attention implementation by guard mode: yields (key, result); the module is
+    back on eager attention afterwards."""
+    from mpsimpact.models.classifier import use_attention
+
+    for attention, plan in plans.items():
+        use_attention(module, attention, samples_per_block(heads, geometry.max_length))  # as the plan's trace
+        prediction = predict(plan, geometry.batch_size, heads)
+        geo = dataclasses.replace(geometry, attention=attention)
+        for guard_mode in config.guards:
+            yield condition_key(attention, guard_mode), condition_pass(
+                module, inputs, geo, plan, prediction, guard_mode, progress)
+    use_attention(module, "eager")
+
+
+def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_mode: str,
+                   progress) -> dict[str, Any]:
+    """One guard condition's device pass with a per-layer progress bar (or its predicted abort, skipped)."""
+    if would_abort(geometry, prediction, guard_mode):
+        return skipped_abort(guard_mode, prediction)
+    layers = transformer_layers(module)
+    label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
+    with layer_progress(layers, progress(label, len(layers))):
+        result = device_pass(module, inputs, geometry, plan, guard_mode)
+    result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
+    return result
+
+
+def would_abort(geometry: Geometry, prediction, guard_mode: str) -> bool:
+    """On real MPS an unguarded call the plan says aborts would kill this process (and the report)."""
+    stop = prediction.stop
+    return (geometry.device == "mps" and not geometry.emulated and guard_mode == "off"
+            and stop is not None and stop.fault.kind == "abort")
+
+
+def skipped_abort(guard_mode: str, prediction) -> dict[str, Any]:
+    call = prediction.stop
+    return {
+        "guard": guard_mode, "status": "skipped_predicted_abort", "wall_s": 0.0, "where": site(call),
+        "unmeasured": call.fault.nobody_measured,
+        "predicted_first_corrupted_index": prediction.first_corrupted_text,
+        "message": f"not run: {call.describe()} ({call.out_numel} output elements) would abort the process "
+                   f"on MPS ({call.fault.message}); see `mpsimpact plan`.",
     }

@@ -16,8 +16,7 @@ from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
 from mpsimpact.output.page import EMULATED_LABEL, Footnotes, fitted_table
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
-from mpsimpact.runs.runner import run_conditions
-from mpsimpact.runs.device_pass import Geometry, build_batch, tokenize
+from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
 
 
 class EmbedKind(RunKind):

@@ -47,12 +47,6 @@ class RunKind(abc.ABC):
                              f"--dtype {' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} "
                              "--versions` predicts sdpa.")
 
-    def geometry(self, config: Any, model: Any, device: str, batch: int, max_length: int):
-        """Emulation, run length and the memory check for this kind's device pass (or step)."""
-        from mpsimpact.runs.device_pass import decide_geometry
-
-        return decide_geometry(config, model, device, batch, max_length, training=self.backward)
-
     @abc.abstractmethod
     def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict,
             progress) -> tuple[dict, dict]:

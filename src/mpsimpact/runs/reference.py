@@ -186,3 +186,31 @@ def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequenc
     below every limit, padded to the run length exactly as the device pass is; no emulation, no
     guard: an independent computation on the same kernels."""
     return run_chunked(module, tokenizer, texts, run_length, advance=advance, device=device, padding="max_length")
+
+
+def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
+    """CPU fp32 reference at the run length, from the on-disk cache when present (an entry of another shape
+    than these texts by this model's labels is damage: removed and recomputed)."""
+    key = cache_key(model_fingerprint(model.module), texts, run_length)
+    cached = cached_reference(key, shape=(len(texts), len(model.label_names)))
+    if cached is not None:
+        return cached, True
+    logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance)
+    store_reference(key, logits)
+    return logits, False
+
+
+def device_reference(model, texts: list[str], run_length: int, device: str, boundary: int | None,
+                     advance=None) -> tuple[np.ndarray, dict]:
+    """A chunked, unemulated reference on the device itself (for big GPUs), spot-checked on the
+    CPU on a sample that includes the texts around the predicted boundary."""
+    from mpsimpact.runs.metrics import relative_error
+
+    logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance, device=device)
+    around = range(max(0, (boundary or 0) - 8), min(len(texts), (boundary or 0) + 8))
+    drawn = np.random.default_rng(0).choice(len(texts), size=min(48, len(texts)), replace=False).tolist()
+    sample = sorted(set(around) | set(drawn))
+    cpu = run_chunked(model.module.to("cpu"), model.tokenizer, [texts[i] for i in sample], run_length)
+    model.module.to(device)
+    return logits, {"texts": len(sample), "includes_boundary": boundary is not None,
+                    "max_relative_difference": float(relative_error(logits[sample], cpu).max())}
