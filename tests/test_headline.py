@@ -4,7 +4,7 @@ measured) and about emulation; a figure says the same in a few words."""
 
 import pytest
 
-from mpsimpact.reports.run import kind_of
+from mpsimpact.runs.kinds import kind_of
 
 SCALE = "the scale of the attention scores (mul on 4096x12x512x512)"
 

@@ -64,6 +64,7 @@ def main(
 
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.reports.run import write_run_folder
+    from mpsimpact.runs.kinds import kind_of
     from mpsimpact.runs.runner import run_scenario
 
     with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
@@ -72,9 +73,10 @@ def main(
         with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
             advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
             report, arrays = run_scenario(run_config, advance)
-        write_run_folder(folder, report, arrays)
-    _print_summary(report, folder, verbose)
-    _check_expectation(report, expect)
+        kind = kind_of(report)
+        write_run_folder(folder, report, arrays, kind)
+    _print_summary(report, folder, kind, verbose)
+    _check_expectation(report, expect, kind)
 
 
 def _log_progress(console: Any) -> Any:
@@ -103,13 +105,12 @@ def _rich_progress(progress: Any) -> Any:
     return make
 
 
-def _print_summary(report: dict, folder: Any, verbose: bool = False) -> None:
+def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) -> None:
     from rich.console import Console
 
     from mpsimpact.output.page import Footnotes, release_lines
-    from mpsimpact.runs.kind import kind_of
 
-    kind, footnotes = kind_of(report), Footnotes()
+    footnotes = Footnotes()
     console = Console()
     geometry = report["geometry"]
     style = "bold yellow" if geometry["emulated"] else "bold green"
@@ -125,15 +126,14 @@ def _print_summary(report: dict, folder: Any, verbose: bool = False) -> None:
     console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})", markup=False)
 
 
-def _check_expectation(report: dict, expect: str | None) -> None:
+def _check_expectation(report: dict, expect: str | None, kind: Any) -> None:
     if expect is None:
         return
     off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
     if off is None:
         typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
         raise typer.Exit(2)
-    corrupted = (off["status"] != "completed" or off.get("corrupted_count", 0) > 0
-                 or off.get("corrupted_gradient_tensors", 0) > 0)
+    corrupted = off["status"] != "completed" or kind.is_corrupted(off)
     if corrupted != (expect == "corrupted"):
         found = "corrupted" if corrupted else "clean"
         typer.echo(f"expectation failed: --expect {expect}, but guard off was {found}.", err=True)

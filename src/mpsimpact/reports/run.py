@@ -8,16 +8,15 @@ from pathlib import Path
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, html_table, markdown_table, release_lines
 from mpsimpact.output.page import format_cell as _fmt
-from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
-from mpsimpact.runs.kind import columns, condition_rows, kind_of
 
 
-def render_markdown(run: dict) -> str:
-    """report.md: the headline, the geometry, the conditions table, collapse and notes."""
+def render_markdown(run: dict, kind) -> str:
+    """report.md: the headline, the geometry, the conditions table, the kind's lines and the notes;
+    `kind`: the run's runs.kind.RunKind."""
     g, p, env = run["geometry"], run["prediction"], run["environment"]
     lines = [
         f"# mpsimpact run: {run['config']['scenario']}", "",
-        f"**{kind_of(run).headline(run, plain=True)}**", "",
+        f"**{kind.headline(run, plain=True)}**", "",
         *[f"{line}  " for line in release_lines(run)], "",
         f"**{g['mode']}** on {env['machine']}, torch {env['torch']}, transformers {env['transformers']}.", "",
         f"Model `{run['model']}`, data: {run['data_source']}. Batch {g['batch_size']}, "
@@ -25,21 +24,13 @@ def render_markdown(run: dict) -> str:
         + (f" (run at {g['run_length']} tokens)" if g["run_length"] != g["max_length"] else "") + ".",
         f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} "
         f"(head {_fmt(p['first_corrupted_head'])}), {p['corrupted_count']} of {g['batch_size']} texts.", "",
-        *markdown_table([title for _, title in columns(run)], condition_rows(run)), "",
+        *markdown_table([title for _, title in kind.table_columns(run)], kind.condition_rows(run)), "",
     ]
     for c in run["conditions"]:
-        for op in c.get("faulted_ops", []):
-            lines.append(f"- guard {c['guard']}: {op['op']} {op['a']} @ {op['b']} was {op['kind']} in "
-                         f"{' and '.join(op['phases'])}.")
-        if c.get("collapse", {}).get("class"):
-            col = c["collapse"]
-            lines.append(
-                f"- guard {c['guard']}: corrupted texts collapse onto **{col['class']}**: "
-                f"{col['device_share']:.1%} on the device vs {col['reference_share']:.1%} in the reference "
-                f"(chi-square p = {_fmt(c['significance']['chi2_collapse_p'])}).")
+        lines += kind.condition_lines(c)
         if c.get("message"):
             lines.append(f"- guard {c['guard']}: {c['status']}: `{c['message']}`")
-    lines += kind_of(run).markdown_lines(run)
+    lines += kind.markdown_lines(run)
     lines += ["", *[f"- {note}" for note in run["notes"]]]
     lines += ["", *[f"![{name}]({name})" for name in run["figures"]]]
     if run.get("versions"):
@@ -57,24 +48,24 @@ def _inline(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text))
 
 
-def render_html(run: dict, figures: dict[str, bytes]) -> str:
+def render_html(run: dict, figures: dict[str, bytes], kind) -> str:
     """report.html: self-contained (figures inlined), for talks."""
     import html
     from base64 import b64encode
 
     esc, g, env = html.escape, run["geometry"], run["environment"]
-    lines = render_markdown(run).splitlines()
+    lines = render_markdown(run, kind).splitlines()
     notes = "".join(f"<li>{_inline(esc(line[2:]))}</li>" for line in lines if line.startswith("- "))
     images = "".join(f'<figure><img alt="{name}" src="data:image/png;base64,{b64encode(data).decode()}">'
                      f"<figcaption>{name}</figcaption></figure>" for name, data in figures.items())
-    table = html_table([t for _, t in columns(run)], condition_rows(run))
+    table = html_table([t for _, t in kind.table_columns(run)], kind.condition_rows(run))
     scenario, model, data = esc(run["config"]["scenario"]), esc(run["model"]), esc(run["data_source"])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {scenario}</title>
 <style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}
 .headline{{font-size:1.5em;font-weight:bold}}</style>
 </head><body>
 <h1>mpsimpact run: {scenario}</h1>
-<p class="headline">{esc(kind_of(run).headline(run, plain=True))}</p>
+<p class="headline">{esc(kind.headline(run, plain=True))}</p>
 {"".join(f"<p>{esc(line)}</p>" for line in release_lines(run))}
 <p class="banner">{esc(g['mode'])}</p>
 <p>Model <code>{model}</code>; data: {data}; batch {g['batch_size']}, max length {g['max_length']};
@@ -97,13 +88,12 @@ def _versions_html(run: dict) -> str:
     return f"<h2>On every torch release (predicted from shapes)</h2><table><tr>{head}</tr>{body}</table>"
 
 
-def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
-    """Writes report.json, report.md, report.html, the figures and the run kind's own files
+def write_run_folder(out: Path, report: dict, arrays: dict, kind) -> Path:
+    """Writes report.json, report.md, report.html, the figures and the run `kind`'s own files
     (samples.jsonl, gradients.json, ...) into a hidden partial folder, then renames it to `out`: an
     interrupted run leaves no complete-looking report."""
     import json
 
-    kind = kind_of(report)
     with folder_written_atomically(out) as partial:
         figures = kind.figures(report, arrays)
         for name, data in kind.extra_files(report, arrays).items():
@@ -111,7 +101,7 @@ def write_run_folder(out: Path, report: dict, arrays: dict) -> Path:
         report = report | {"figures": sorted(figures)}
         for name, data in figures.items():
             atomic_write_bytes(partial / name, data)
-        atomic_write_text(partial / "report.md", render_markdown(report))
-        atomic_write_text(partial / "report.html", render_html(report, figures))
+        atomic_write_text(partial / "report.md", render_markdown(report, kind))
+        atomic_write_text(partial / "report.html", render_html(report, figures, kind))
         atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")
     return Path(out)

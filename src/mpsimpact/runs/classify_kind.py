@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.output.page import Footnotes, fitted_table
+from mpsimpact.output.page import Footnotes, fitted_table, format_cell
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
@@ -39,6 +39,7 @@ class ClassifyKind(RunKind):
     columns = (*PASS_COLUMNS, ("flips", "flips"), ("accuracy", "accuracy"),
                ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "figures")
+    console_formats = RunKind.console_formats | {"accuracy": "{:.3f}"}
 
     @full_precision_reductions()
     def run(self, config, scenario, model, geometry: Geometry, plans: dict,
@@ -69,7 +70,8 @@ class ClassifyKind(RunKind):
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
         from mpsimpact.runs.figures import render_all
 
-        return render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1))
+        return render_all(report, arrays["errors"], arrays["preds"], arrays["reference"].argmax(axis=1),
+                          self.figure_line(report))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
@@ -89,6 +91,14 @@ class ClassifyKind(RunKind):
         if c.get("class") and c.get("device_share", 0) > 0.5:
             then += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
         return f"{wrong} of {report['geometry']['batch_size']} outputs came back wrong", then
+
+    def condition_lines(self, condition: dict) -> list[str]:
+        if not condition.get("collapse", {}).get("class"):
+            return []
+        c = condition["collapse"]
+        return [f"- guard {condition['guard']}: corrupted texts collapse onto **{c['class']}**: "
+                f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} in the reference "
+                f"(chi-square p = {format_cell(condition['significance']['chi2_collapse_p'])})."]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         lines = []

@@ -27,6 +27,7 @@ class EmbedKind(RunKind):
     columns = (*PASS_COLUMNS, ("self_retrieval_failures", "self-retrieval failures"),
                ("recall_at_10", "recall@10"), ("top1_changed", "top-1 changed"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")
+    console_formats = RunKind.console_formats | {"recall_at_10": "{:.3f}"}
 
     @full_precision_reductions()
     def run(self, config, scenario, model, geometry: Geometry, plans: dict,
@@ -62,7 +63,7 @@ class EmbedKind(RunKind):
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
         from mpsimpact.runs.figures import render_retrieval
 
-        return render_retrieval(report, arrays["per_text"])
+        return render_retrieval(report, arrays["per_text"], self.figure_line(report))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         buffer = io.BytesIO()

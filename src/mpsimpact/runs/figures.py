@@ -10,7 +10,7 @@ import numpy as np
 from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.output.page import EMULATED_LABEL
 from mpsimpact.output.plot import png, pyplot
-from mpsimpact.runs.kind import condition_key, kind_of
+from mpsimpact.runs.kind import condition_key
 
 
 GUARD_STYLES = {"off": ("tab:red", 3), "chunk": ("tab:green", 2), "raise": ("tab:blue", 2)}  # color, dot size
@@ -78,13 +78,13 @@ def confusion(device_pred: np.ndarray, reference_pred: np.ndarray, label_names: 
 
 
 def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[str, np.ndarray],
-               reference_pred: np.ndarray) -> dict[str, bytes]:
-    """Every figure of a run, by file name."""
+               reference_pred: np.ndarray, verdict: str) -> dict[str, bytes]:
+    """Every figure of a run, by file name; `verdict`: the kind's figure line for the run."""
     tag = run_tag(run)
     batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
     figures = {"error_by_position.png": error_by_position(
         errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"],
-        f"{tag}: batch {batch}, max length {length}\n{kind_of(run).figure_line(run)}")}
+        f"{tag}: batch {batch}, max length {length}\n{verdict}")}
     off = next((c for c in run["conditions"] if c["guard"] == "off" and c["status"] == "completed"), None)
     if off is not None:
         classes_title = f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts"
@@ -230,14 +230,15 @@ def top10_appearances(appearances: np.ndarray, corrupted: np.ndarray, title: str
     return png(fig)
 
 
-def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarray]]) -> dict[str, bytes]:
-    """The figures of a retrieval run, by file name."""
+def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarray]],
+                     verdict: str) -> dict[str, bytes]:
+    """The figures of a retrieval run, by file name; `verdict`: the kind's figure line for the run."""
     tag, g = run_tag(run), run["geometry"]
     threshold, first = run["reference"]["threshold"], run["prediction"]["first_corrupted_text"]
     figures = {}
     if per_text:
         title = (f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference\n"
-                 f"{kind_of(run).figure_line(run)}")
+                 f"{verdict}")
         cosines = {k: v["cosine"] for k, v in per_text.items()}
         figures["cosine_by_position.png"] = cosine_by_position(cosines, first, threshold, title)
         figures["recall_per_query.png"] = recall_per_query(

@@ -1,6 +1,6 @@
 """The kind of run a scenario asks for (classify, train, embed): one object that runs the conditions
-and answers for its report's columns, figures, extra files and console lines. The runner, the report
-writer and the CLI ask the kind; none of them branches on it."""
+and answers for its report's columns, corrupted test, figures, extra files, markdown and console lines.
+The runner, the report writer and the CLI ask the kind (runs.kinds finds it by name); none branches on it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from mpsimpact.output.page import (
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
 # (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
 SCHEMA_VERSION = 2
-# Every kind by its report name, filled as kind classes are defined (see RunKind.__init_subclass__).
-KINDS: dict[str, RunKind] = {}
 # The columns a kind that judges one device pass per condition (classify, embed) leads with.
 PASS_COLUMNS = (("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"),
                 ("corrupted_fraction", "fraction"), ("first_corrupted_index", "first corrupted"),
@@ -34,11 +32,8 @@ class RunKind(abc.ABC):
     files: ClassVar[tuple[str, ...]]  # what a run folder holds, for the console's last line
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     attentions: ClassVar[tuple[str, ...]] = RUN_ATTENTIONS
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if not getattr(cls, "__abstractmethods__", None):
-            KINDS[cls.name] = cls()
+    # How the console writes a condition's numbers (report.md keeps format_cell's).
+    console_formats: ClassVar[dict[str, str]] = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}"}
 
     def check(self, config: Any) -> None:
         """Refuses, before anything is loaded, the options this kind does not support."""
@@ -62,8 +57,21 @@ class RunKind(abc.ABC):
         return {}
 
     def markdown_lines(self, report: dict) -> list[str]:
-        """Kind-specific bullet lines ("- ...") for report.md and report.html."""
+        """Kind-specific bullet lines ("- ...") for report.md and report.html, after the conditions'."""
         return []
+
+    def condition_lines(self, condition: dict) -> list[str]:
+        """Kind-specific bullet lines about one condition, before its message's."""
+        return []
+
+    def corrupted_parts(self, condition: dict) -> list[str]:
+        """What a completed condition got wrong, counted ("683 texts"); empty when nothing."""
+        count = condition.get("corrupted_count") or 0
+        return [f"{count} texts"] if count else []
+
+    def is_corrupted(self, condition: dict) -> bool:
+        """Whether a completed condition got anything wrong (the kind's corrupted test)."""
+        return bool(self.corrupted_parts(condition))
 
     def headline(self, report: dict, plain: bool = False) -> str:
         """The run in one plain sentence for a slide: was the damage silent, and how much of it (led by
@@ -80,8 +88,7 @@ class RunKind(abc.ABC):
         unmeasured = release.get("measured") is False
         if off["status"] != "completed":
             return self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain)
-        wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
-        if not wrong:
+        if not self.is_corrupted(off):
             return "Clean: without a guard every output matches the reference (nothing crossed a limit)."
         if off.get("non_finite_count"):
             return f"Not silent: {off['non_finite_count']} outputs came back NaN or infinite."
@@ -125,9 +132,8 @@ class RunKind(abc.ABC):
             dies = stop_kind(off) == "abort" or off["status"] == "skipped_predicted_abort"
             return "guard off: the process would die" + (f" at {off['where']}" if off.get("where") else "") \
                 if dies else "guard off: MPS raises an error"
-        wrong = off.get("corrupted_count") or off.get("corrupted_gradient_tensors") or 0
         what = self.damage(report, off)[0]
-        return f"guard off, silent: {what}" if wrong else "guard off: clean"
+        return f"guard off, silent: {what}" if self.is_corrupted(off) else "guard off: clean"
 
     def damage(self, report: dict, off: dict) -> tuple[str, str]:
         """What went wrong without a guard ("N of M outputs came back wrong"), and what it did to the task
@@ -137,26 +143,33 @@ class RunKind(abc.ABC):
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         """The console's conditions table (output.page.FittedTable): by default the report's columns, a
         condition's message as a footnote of its status."""
-        g, header = report["geometry"], [title for _, title in columns(report)]
+        g, header = report["geometry"], [title for _, title in self.table_columns(report)]
         title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        rows = [[status_cell(c, footnotes, verbose) if key == "status" else console_cell(c, key)
-                 for key, _ in columns(report)] for c in report["conditions"]]
+        rows = [[status_cell(c, footnotes, verbose) if key == "status" else self.console_cell(c, key)
+                 for key, _ in self.table_columns(report)] for c in report["conditions"]]
         return fitted_table(title, header, rows, justify="right")
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         """Lines printed under the table and its footnotes (before the notes)."""
         return []
 
+    def console_cell(self, condition: dict, key: str) -> str:
+        """One cell of the console's conditions table, in the kind's format for that key."""
+        value = condition.get(key, "eager" if key == "attention" else None)
+        form = self.console_formats.get(key)
+        return form.format(value) if form and value is not None else format_cell(value)
 
-# How the console writes a condition's numbers (report.md keeps format_cell's).
-CONSOLE_FORMATS = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}", "recall_at_10": "{:.3f}",
-                   "max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}", "accuracy": "{:.3f}"}
+    def table_columns(self, run: dict) -> tuple[tuple[str, str], ...]:
+        """The conditions table's (key, title) pairs, as report.json records them (schema 2); for a
+        schema-1 report, the kind's, led by the attention when it varies."""
+        if "columns" in run:
+            return tuple((key, title) for key, title in run["columns"])
+        return columns_of(self, run["conditions"])
 
-
-def console_cell(condition: dict, key: str) -> str:
-    """One cell of the console's conditions table."""
-    value = condition.get(key, "eager" if key == "attention" else None)
-    return CONSOLE_FORMATS[key].format(value) if key in CONSOLE_FORMATS and value is not None else format_cell(value)
+    def condition_rows(self, run: dict) -> list[list[str]]:
+        """The conditions table: one row per condition (attention implementation and guard)."""
+        return [[format_cell(c.get(key, "eager" if key == "attention" else None))
+                 for key, _ in self.table_columns(run)] for c in run["conditions"]]
 
 
 def condition_key(attention: str, guard_mode: str) -> str:
@@ -204,32 +217,8 @@ def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) ->
     return f"{words} {footnotes.mark(f'guard {who}: {text}')}"
 
 
-def kind_of(report: dict) -> RunKind:
-    """The kind that wrote `report`, by its "kind" field (reports before the field: inference). Kinds
-    register when their module is imported (the scenario's, or reports.run for any report)."""
-    name = report.get("kind", "inference")
-    if name not in KINDS:
-        raise UsageError(f"Report kind '{name}' is not one this mpsimpact knows "
-                         f"({', '.join(sorted(KINDS))}).")
-    return KINDS[name]
-
-
-def columns(run: dict) -> tuple[tuple[str, str], ...]:
-    """The conditions table's (key, title) pairs, as report.json records them (schema 2); for a
-    schema-1 report, the kind's, led by the attention when it varies."""
-    if "columns" in run:
-        return tuple((key, title) for key, title in run["columns"])
-    return columns_of(kind_of(run), run["conditions"])
-
-
 def columns_of(kind: RunKind, conditions: list[dict]) -> tuple[tuple[str, str], ...]:
     """A kind's conditions table for these conditions: led by the attention when it varies."""
     if any("attention" in c for c in conditions):  # --attention sdpa or both
         return (("attention", "attention"), *kind.columns)
     return kind.columns
-
-
-def condition_rows(run: dict) -> list[list[str]]:
-    """The conditions table: one row per condition (attention implementation and guard)."""
-    return [[format_cell(c.get(key, "eager" if key == "attention" else None)) for key, _ in columns(run)]
-            for c in run["conditions"]]

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.output.page import FAULT_WORDS, Footnotes, fitted_table, op_cell
-from mpsimpact.runs.kind import RunKind, console_cell, status_cell
+from mpsimpact.runs.kind import RunKind, status_cell
 
 
 class TrainKind(RunKind):
@@ -24,6 +24,7 @@ class TrainKind(RunKind):
         ("max_gradient_rel_error", "max gradient error"), ("update_rel_error", "update error"),
         ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "gradients.json", "figures")
+    console_formats = RunKind.console_formats | {"max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}"}
 
     def run(self, config, scenario, model, geometry, plans: dict,
             progress) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -42,6 +43,14 @@ class TrainKind(RunKind):
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         return {"gradients.json": (json.dumps(arrays["gradient_errors"], indent=1) + "\n").encode("utf-8")}
 
+    def corrupted_parts(self, condition: dict) -> list[str]:
+        grads = condition.get("corrupted_gradient_tensors") or 0
+        return [*super().corrupted_parts(condition), *([f"{grads} gradient tensors"] if grads else [])]
+
+    def condition_lines(self, condition: dict) -> list[str]:
+        return [f"- guard {condition['guard']}: {op['op']} {op['a']} @ {op['b']} was {op['kind']} in "
+                f"{' and '.join(op['phases'])}." for op in condition.get("faulted_ops", [])]
+
     def damage(self, report: dict, off: dict) -> tuple[str, str]:
         return (f"{off.get('corrupted_count') or 0} of {report['geometry']['batch_size']} logits and "
                 f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong", "")
@@ -54,7 +63,7 @@ class TrainKind(RunKind):
                   "eval flips after", "wall")
         keys = ("corrupted_count", "corrupted_gradient_tensors", "max_gradient_rel_error", "update_rel_error",
                 "eval_flips_after_training", "wall_s")
-        rows = [[c["guard"], status_cell(c, footnotes, verbose), *(console_cell(c, key) for key in keys)]
+        rows = [[c["guard"], status_cell(c, footnotes, verbose), *(self.console_cell(c, key) for key in keys)]
                 for c in report["conditions"]]
         return fitted_table(title, header, rows, justify="right")
 

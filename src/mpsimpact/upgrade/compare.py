@@ -11,7 +11,8 @@ from typing import Any
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import without_rule_names
-from mpsimpact.runs.kind import SCHEMA_VERSION, columns, status_words, stop_kind
+from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind
+from mpsimpact.runs.kinds import kind_of
 from mpsimpact.runs.sweep import NOT_RUN, cell_name
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
 from mpsimpact.upgrade.profile_change import describe_change
@@ -170,15 +171,15 @@ class _Outcome:
     signature: tuple  # what "the same" means when positions are unknown
 
 
-def _outcome(condition: dict[str, Any], positions: frozenset[int] | None) -> _Outcome:
-    """Reduces a report condition to its _Outcome."""
+def _outcome(condition: dict[str, Any], positions: frozenset[int] | None, kind: RunKind) -> _Outcome:
+    """Reduces a report condition to its _Outcome; `kind`: the run's kind, which says what it got wrong."""
     status, phase = condition.get("status"), condition.get("phase")
-    count, grads = condition.get("corrupted_count") or 0, condition.get("corrupted_gradient_tensors") or 0
-    first, wrong = condition.get("first_corrupted_index"), condition.get("wrong_values_before_stop") or 0
+    count, wrong = condition.get("corrupted_count") or 0, condition.get("wrong_values_before_stop") or 0
+    first, parts = condition.get("first_corrupted_index"), kind.corrupted_parts(condition)
     where = f" in {phase}" if phase else ""
     if status == "completed":
-        state = "corrupted" if count or grads else "clean"
-        detail = "is clean" if state == "clean" else _corrupts(count, grads, first)
+        state = "corrupted" if parts else "clean"
+        detail = "is clean" if state == "clean" else _corrupts(parts, first)
     elif status == "stopped_by_guard":
         when = f"after {wrong} wrong values" if wrong else "before any wrong value"
         state, detail = "stopped", f"stops{where} {when}"
@@ -191,18 +192,18 @@ def _outcome(condition: dict[str, Any], positions: frozenset[int] | None) -> _Ou
     else:
         state, detail = str(status), f"was not run ({status})"
     exact = positions if state == "corrupted" else None
-    return _Outcome(state, detail, count, first, exact, wrong, (state, count, first, grads, phase, wrong))
+    return _Outcome(state, detail, count, first, exact, wrong, (state, count, first, tuple(parts), phase, wrong))
 
 
-def _corrupts(count: int, grads: int, first: int | None) -> str:
+def _corrupts(parts: list[str], first: int | None) -> str:
     """'corrupts 683 texts, first at position 1365' (and gradient tensors in training)."""
-    parts = [f"{count} texts"] * bool(count) + [f"{grads} gradient tensors"] * bool(grads)
     return "corrupts " + " and ".join(parts) + (f", first at position {first}" if first is not None else "")
 
 
 def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
     """The condition table and one verdict per condition."""
-    compared = [(key, title) for key, title in columns(new.report) if key not in NOT_COMPARED]
+    compared = [(key, title) for key, title in kind_of(new.report).table_columns(new.report)
+                if key not in NOT_COMPARED]
     old_conditions, new_conditions = old.conditions(), new.conditions()
     rows, verdicts = [], []
     for key in [*old_conditions, *(k for k in new_conditions if k not in old_conditions)]:
@@ -219,7 +220,8 @@ def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
         if unrun:
             verdicts.append(_cannot_tell(key, *unrun[0]))
         else:
-            verdicts.append(judge(key, _outcome(a, old.corrupted.get(key)), _outcome(b, new.corrupted.get(key))))
+            verdicts.append(judge(key, _outcome(a, old.corrupted.get(key), kind_of(old.report)),
+                                  _outcome(b, new.corrupted.get(key), kind_of(new.report))))
     return {"columns": [title for _, title in compared], "conditions": rows, "verdicts": verdicts}
 
 
