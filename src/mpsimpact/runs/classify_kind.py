@@ -39,6 +39,7 @@ class ClassifyKind(RunKind):
     columns = (*PASS_COLUMNS, ("flips", "flips"), ("accuracy", "accuracy"),
                ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "figures")
+    counts = (*RunKind.counts, "flips")
     console_formats = RunKind.console_formats | {"accuracy": "{:.3f}"}
 
     @full_precision_reductions()

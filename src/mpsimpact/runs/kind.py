@@ -32,6 +32,7 @@ class RunKind(abc.ABC):
     files: ClassVar[tuple[str, ...]]  # what a run folder holds, for the console's last line
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     attentions: ClassVar[tuple[str, ...]] = RUN_ATTENTIONS
+    counts: ClassVar[tuple[str, ...]] = ("corrupted_count",)  # a condition's counts of at most the batch
     # How the console writes a condition's numbers (report.md keeps format_cell's).
     console_formats: ClassVar[dict[str, str]] = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}"}
 

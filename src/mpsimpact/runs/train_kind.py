@@ -24,6 +24,7 @@ class TrainKind(RunKind):
         ("max_gradient_rel_error", "max gradient error"), ("update_rel_error", "update error"),
         ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "gradients.json", "figures")
+    counts = (*RunKind.counts, "corrupted_gradient_tensors")
     console_formats = RunKind.console_formats | {"max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}"}
 
     def run(self, config, scenario, model, geometry, plans: dict,

@@ -16,8 +16,8 @@ from mpsimpact.bounds import parse_json
 from mpsimpact.config import CORRUPTION_THRESHOLD
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
-from mpsimpact.runs import classify_kind, embed_kind, train_kind  # noqa: F401  (they register their kinds)
 from mpsimpact.runs.kind import SCHEMA_VERSION
+from mpsimpact.runs.kinds import kind_of
 
 # What must match for two runs to be comparable: (name on a slide, path in report.json).
 RUN_GEOMETRY = (
@@ -159,7 +159,7 @@ def _check_run_report(path: Path, report: dict[str, Any]) -> None:
     batch = _get(report, ("geometry", "batch_size"))
     if not _is_count(batch) or not batch:
         raise _damaged(path, f"geometry.batch_size is {json.dumps(batch)[:40]}, not a whole number >= 1")
-    seen = set()
+    seen, counts = set(), kind_of(report).counts
     for number, condition in enumerate(report["conditions"], 1):
         if not isinstance(condition.get("guard"), str) or not isinstance(condition.get("status"), str):
             raise _damaged(path, f"condition {number} has no guard or status")
@@ -167,13 +167,13 @@ def _check_run_report(path: Path, report: dict[str, Any]) -> None:
         if key in seen:
             raise _damaged(path, f"condition {number} (guard {key[0]}, {key[1]} attention) appears twice")
         seen.add(key)
-        problem = _condition_problem(condition, batch)
+        problem = _condition_problem(condition, batch, counts)
         if problem:
             raise _damaged(path, f"condition {number} (guard {key[0]}): {problem}")
 
 
-def _condition_problem(condition: dict[str, Any], batch: int) -> str | None:
-    for name in ("corrupted_count", "flips", "wrong_values_before_stop", "corrupted_gradient_tensors"):
+def _condition_problem(condition: dict[str, Any], batch: int, counts: tuple[str, ...]) -> str | None:
+    for name in (*counts, "wrong_values_before_stop"):
         value = condition.get(name)
         if value is not None and not _is_count(value, None if name == "wrong_values_before_stop" else batch + 1):
             return f"{name} is {json.dumps(value)[:40]}, not a count of at most {batch}"
