@@ -90,10 +90,10 @@ DEVICE = Check("--device", choices=DEVICES)
 
 def _parse_profile(value: str) -> None:
     from mpsimpact.engine.profile_file import ProfileFileError
-    from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.engine.release import judge_release
 
     try:
-        resolve_profile(value)
+        judge_release(value)  # resolved here to refuse it at the boundary; commands judge it again
     except ProfileFileError as error:  # its message names the file and the field: no release hint
         raise UsageError(error.message, option="--torch-profile", path=error.path,
                          field=error.field) from None

@@ -15,7 +15,7 @@ from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.faults import (
     OK, Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, dim_max, spec_of,
 )
-from mpsimpact.engine.release import FaultProfile, family_of
+from mpsimpact.engine.release import FaultProfile, family_of, takes_release
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}
 PRODUCTS = frozenset(RULES)
@@ -124,28 +124,25 @@ class CallRecord:
         }
 
 
+@takes_release
 def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
     """The fault of one matrix-product call, by family ("bmm", "mm", or "sdpa" with a = query, b = key;
     fused path). See Note [MPS 32-bit index faults]."""
     return RULES[family](a, b, index_bits=index_bits, profile=profile)
 
 
+@takes_release
 def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) -> Fault:
     """The fault of a recorded call under a release: the products' rules on `a` and `b`; any other
     family's rule on its first input and largest output (Note [Op families past INT_MAX]).
 
-    Under a resolved release (a FaultProfile) the answer is kept per (call's family or op, a, b, width,
-    release): the rules are pure, and a model's layers make the same calls (plan and check decide the same
+    The answer is kept per (call's family or op, a, b, width, release): the rules are pure, and a model's layers make the same calls (plan and check decide the same
     traced calls at many lengths and batches, and FaultPlan.from_trace decides them again)."""
     if call.is_product:
-        if isinstance(profile, FaultProfile):
-            return _product_fault(call.family, call.a, call.b, index_bits, profile)
-        return classify_call(call.family, call.a, call.b, index_bits, profile)
+        return _product_fault(call.family, call.a, call.b, index_bits, profile)
     if max(call.a.numel, call.b.numel) <= dim_max(index_bits):
         return OK  # no family rule meets a call whose every tensor has at most DIM_MAX elements
-    if isinstance(profile, FaultProfile):
-        return _op_fault(call.op, call.a, call.b, index_bits, profile)
-    return classify_op(call.op, [call.a], call.b, index_bits=index_bits, profile=profile)
+    return _op_fault(call.op, call.a, call.b, index_bits, profile)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -15,7 +15,7 @@ from mpsimpact.engine.faults import (
 )
 from mpsimpact.engine.release import (
     CAT_ABORT_MESSAGE, FAMILY_ABORT_MESSAGE, MASKED_FILL_MESSAGE, MEASURED_OPS, SIGSEGV_MESSAGE,
-    SUM_64_BIT_MESSAGE, FaultProfile, family_of, op_base_name, resolve_profile,
+    SUM_64_BIT_MESSAGE, FaultProfile, family_of, op_base_name, takes_release,
 )
 
 # Note [Op families past INT_MAX]
@@ -44,6 +44,7 @@ from mpsimpact.engine.release import (
 # invent its values, plans say "unmeasured".
 
 
+@takes_release
 def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = MPS_INDEX_BITS,
                  profile: Profile = None) -> Fault:
     """Decides `torch.cat` of `inputs` along `dim`: tensors or specs, whose shapes decide (Note [Op
@@ -52,7 +53,7 @@ def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = MPS_I
     before a silent one)."""
     items = list(inputs)
     if items and all(isinstance(n, int) for n in items):
-        return _cat_of_counts(items, index_bits, resolve_profile(profile))
+        return _cat_of_counts(items, index_bits, profile)
     specs = [spec_of(x) for x in items]
     ref = next((s for s in specs if s.numel), specs[0]) if specs else TensorSpec.contiguous((0,))
     shape = list(ref.shape)
@@ -74,6 +75,7 @@ def _cat_of_counts(numels: list[int], index_bits: int, prof: FaultProfile) -> Fa
     return faults[0] if faults else OK
 
 
+@takes_release
 def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_bits: int = MPS_INDEX_BITS,
                 profile: Profile = None) -> Fault:
     """Decides one aten op call on MPS from its tensors' metadata: the one entry for every op.
@@ -96,7 +98,7 @@ def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_b
         return _classify_product(op_base_name(op), family, tensors, index_bits, profile)
     if family == "view":
         return OK  # no kernel runs
-    prof = resolve_profile(profile)
+    prof = profile
     if prof.judges_conservatively("families"):
         return conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p), prof)
     specs, most = [spec_of(x) for x in (*tensors, *_tensors([out]))], dim_max(index_bits)

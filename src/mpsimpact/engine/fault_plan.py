@@ -9,7 +9,7 @@ from typing import Any
 
 from mpsimpact.engine.call import CallRecord, classify_record
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, sdpa_path
-from mpsimpact.engine.release import FaultProfile, resolve_profile
+from mpsimpact.engine.release import FaultProfile, takes_release
 
 
 def runs_on_mps(trace: Any, profile: FaultProfile) -> list[Any]:
@@ -39,26 +39,23 @@ class FaultPlan:
 
     calls: tuple[CallRecord, ...]
     index_bits: int = MPS_INDEX_BITS
-    profile: str = ""
+    profile: str = ""  # the release's FaultProfile.ref, as the plan's JSON names it
     trace: tuple[CallRecord, ...] = ()
+    fault_profile: FaultProfile | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
+    @takes_release
     def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None) -> FaultPlan:
         """The calls MPS makes under `profile`, each re-decided by that release's rules."""
-        prof = resolve_profile(profile)
         kept = []
-        for call in runs_on_mps(trace, prof):
-            fault = classify_record(call, index_bits, prof)
+        for call in runs_on_mps(trace, profile):
+            fault = classify_record(call, index_bits, profile)
             kept.append(call.evolve(index=len(kept), fault=fault))
-        return cls(tuple(kept), index_bits, prof.ref, tuple(trace))
+        return cls(tuple(kept), index_bits, profile.ref, tuple(trace), profile)
 
     def under(self, profile: Profile) -> FaultPlan:
         """The same trace, decided for another torch release."""
         return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, profile)
-
-    @property
-    def fault_profile(self) -> FaultProfile:
-        return resolve_profile(self.profile or None)
 
     @property
     def faults(self) -> list[CallRecord]:

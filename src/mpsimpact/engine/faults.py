@@ -12,7 +12,7 @@ import math
 from typing import Any, Literal
 
 from mpsimpact.engine.release import (
-    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, resolve_profile,
+    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, takes_release,
     view_equal_limit_message,
 )
 
@@ -258,6 +258,7 @@ def wrap_start_batch(per: int, wrap_elements: int) -> int:
 Profile = str | FaultProfile | None
 
 
+@takes_release
 def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides what MPS's bmm does with `a @ b`.
 
@@ -270,8 +271,7 @@ def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: P
     Returns:
         The `Fault`. See Note [MPS 32-bit index faults].
     """
-    prof = resolve_profile(profile)
-    sa, sb = spec_of(a), spec_of(b)
+    prof, sa, sb = profile, spec_of(a), spec_of(b)
     if prof.judges_conservatively("bmm"):
         return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
     if prof.alternatives:
@@ -365,6 +365,7 @@ def undecided(classify: Any, prof: FaultProfile) -> Fault:
                                release=f"{prof.release}, unmeasured: its sweep left this call open")
 
 
+@takes_release
 def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> tuple[Fault, Fault]:
     """Decides the two gradient products of `a @ b`: (grad_a = G @ b^T, grad_b = a^T @ G).
 
@@ -377,15 +378,16 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, p
         classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
         classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile),
     )
-    release = resolve_profile(profile).release
+    release = profile.release
     marked = (f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)
     return tuple(marked)  # type: ignore[return-value]
 
 
+@takes_release
 def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides a 2-D `mm`/`addmm` on every operand and the output; for a Linear, `a` is its input rows,
     `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
-    prof = resolve_profile(profile)
+    prof = profile
     if prof.judges_conservatively("mm"):
         return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p), prof)
     limit = limits(index_bits)[0]
@@ -418,21 +420,22 @@ def unmeasured(family: str, prof: FaultProfile, what: str) -> Fault:
     return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=True)
 
 
+@takes_release
 def sdpa_path(needs_grad: bool, profile: Profile = None) -> str:
     """"fused" (MPS's own SDPA op) or "math" (matmul/softmax/matmul: the bmm rules decide).
 
     2.4.1 has no MPS SDPA op; with gradients SDPA takes the math path (inferred from upstream code).
     """
-    prof = resolve_profile(profile)
-    fused = prof.sdpa_fused and not needs_grad and not prof.judges_conservatively("sdpa")
+    fused = profile.sdpa_fused and not needs_grad and not profile.judges_conservatively("sdpa")
     return "fused" if fused else "math"
 
 
+@takes_release
 def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides MPS's fused SDPA op: wrong above 2**index_bits score elements (B*H*Lq*Lk) on 2.5.1 ..
     2.12.1, values not characterised (pytorch PR #179592); correct from 2.13.0. Only meaningful where
     `sdpa_path` is "fused"; on the math path the bmm rules decide."""
-    prof = resolve_profile(profile)
+    prof = profile
     if prof.judges_conservatively("sdpa"):
         return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p), prof)
     limit, _ = limits(index_bits)

@@ -413,15 +413,14 @@ def judge_release(asked: str | None, apple_gpu: bool | None = None) -> JudgedRel
         ValueError, ProfileFileError: as `resolve_profile` for a bad --torch-profile.
     """
     installed = installed_profile()
-    if asked is not None:
-        return JudgedRelease(resolve_profile(asked), ASKED, installed)
-    if apple_gpu is None:
+    if asked is None and apple_gpu is None:
         import torch
 
         apple_gpu = torch.backends.mps.is_available()
-    if apple_gpu:
+    if asked is None and apple_gpu:
         return JudgedRelease(installed, ON_THIS_MAC, installed)
-    return JudgedRelease(resolve_profile(PUBLISHED_DEMO_RELEASE), NO_APPLE_GPU, installed)
+    reason = ASKED if asked is not None else NO_APPLE_GPU
+    return JudgedRelease(resolve_profile(PUBLISHED_DEMO_RELEASE if asked is None else asked), reason, installed)
 
 
 def load_profile(path: str | Path) -> FaultProfile:
@@ -473,6 +472,29 @@ def resolve_profile(profile: str | FaultProfile | None) -> FaultProfile:
     if isinstance(profile, FaultProfile):
         return profile
     return load_profile(profile) if is_profile_path(profile) else profile_for(profile)
+
+
+def takes_release(function: Any) -> Any:
+    """Lets a public function or mode take its `profile` (by keyword or position) as a release ("2.12.1"),
+    "conservative", a profile.json's path, a FaultProfile or None (the installed torch's): resolved here,
+    once, where the call comes in; inside, a release travels as its FaultProfile.
+
+    Raises:
+        ValueError, ProfileFileError: as `resolve_profile`, for a release that cannot be resolved.
+    """
+    import inspect
+
+    where = list(inspect.signature(function).parameters).index("profile")
+
+    @functools.wraps(function)
+    def resolved(*args: Any, **kwargs: Any) -> Any:
+        positional = len(args) > where
+        profile = resolve_profile(args[where] if positional else kwargs.get("profile"))
+        if positional:
+            return function(*args[:where], profile, *args[where + 1:], **kwargs)
+        return function(*args, **kwargs | {"profile": profile})
+
+    return resolved
 
 
 def measured_profiles() -> tuple[FaultProfile, ...]:

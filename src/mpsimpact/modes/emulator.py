@@ -27,7 +27,7 @@ from mpsimpact.engine.faults import (
     wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import takes_release
 
 if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
@@ -90,12 +90,13 @@ class EmulateMode(MatmulMode):
     instead of classifying its own, smaller shapes. See `emulate()`.
     """
 
+    @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> None:
         super().__init__()
         check_index_bits(index_bits)
         self.index_bits = index_bits
         self.plan = plan
-        self.profile = resolve_profile(plan.profile if plan is not None else profile)
+        self.profile = plan.fault_profile if plan is not None else profile
         self.calls = 0
         self.records: list[CallRecord] = []
         self._grouped = False

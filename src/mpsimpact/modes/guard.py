@@ -43,7 +43,7 @@ from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.release import FaultProfile, resolve_profile
+from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
@@ -152,7 +152,7 @@ class GuardMode(MatmulMode):
     def profile(self) -> FaultProfile:
         """The installed torch's profile, read when a call first needs it (most guarded calls do not): entering
         a guard around each small batch does not pay for the file system and the environment."""
-        return resolve_profile(None)
+        return installed_profile()
 
     @property
     def sees_births(self) -> bool:

@@ -14,7 +14,7 @@ import torch
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, TensorSpec
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import takes_release
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import (
@@ -172,11 +172,12 @@ class TraceMode(MatmulMode):
     is left UNDECIDED: `trace_faults` returns FaultPlan.from_trace of them, which decides the calls the
     release runs (its `trace` keeps them all, to be decided again for another release)."""
 
+    @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
                  profile: Profile = None, every_op: bool = False) -> None:
         super().__init__()
         self.index_bits = index_bits
-        self.profile = resolve_profile(profile)
+        self.profile = profile
         self.calls: list[CallRecord] = []
         self._names: list[str] = []
         self._module = module

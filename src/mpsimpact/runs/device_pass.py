@@ -45,6 +45,7 @@ class Geometry:
     dtype: str = "float32"  # the device passes' dtype
     attentions: tuple[str, ...] = ("eager",)  # the implementations the run compares, one pass set each
     substituted: str = ""  # why `attentions` are not those asked (blocked_eager where eager would not fit)
+    release: Any = dataclasses.field(default=None, compare=False, repr=False)  # `profile`'s FaultProfile
 
     @property
     def replayed(self) -> bool:
@@ -52,10 +53,10 @@ class Geometry:
 
     @property
     def mode(self) -> str:
-        from mpsimpact.engine.release import installed_profile, resolve_profile
+        from mpsimpact.engine.release import installed_profile
         from mpsimpact.output.page import EMULATED_LABEL
 
-        release = resolve_profile(self.profile or None)
+        release = self.release if self.release is not None else installed_profile()
         if not self.emulated:
             if self.device != "mps":
                 return f"{self.device} control (no emulation)"
@@ -68,7 +69,8 @@ class Geometry:
         return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"replayed": self.replayed, "mode": self.mode}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "release"}
+        return fields | {"replayed": self.replayed, "mode": self.mode}
 
 
 def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
@@ -168,7 +170,7 @@ def build_batch(texts: tuple[str, ...], labels: tuple[int, ...],
 @contextlib.contextmanager
 def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
     """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
-    bits, profile = geometry.index_bits, geometry.profile or None
+    bits, profile = geometry.index_bits, geometry.release
     emulation = (contextlib.nullcontext(None) if not geometry.emulated
                  else emulate(plan=plan) if geometry.replayed else emulate(index_bits=bits, profile=profile))
     guarding = (guard(guard_mode, index_bits=bits, profile=profile) if guard_mode != "off"

@@ -15,7 +15,7 @@ from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import on_a_mac, predict
 from mpsimpact.prediction.safe_size import trace_classifier
-from mpsimpact.engine.release import STUDY, judge_release, resolve_profile
+from mpsimpact.engine.release import STUDY, judge_release
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, decide_geometry
 
@@ -41,12 +41,12 @@ def run_scenario(config: RunConfig,
     scenario.load()
     model = scenario.model
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
-                                   profile=release.profile.ref, dtype=config.dtype)
+                                   profile=release.profile.ref, release=release.profile, dtype=config.dtype)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it.
     dtype = getattr(torch, config.dtype)
     plans = {a: trace_classifier(scenario.meta_module(attention=a).to(dtype), batch, max_length,
                                  index_bits=config.index_bits, backward=kind.backward,
-                                 profile=geometry.profile) for a in geometry.attentions}
+                                 profile=geometry.release) for a in geometry.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
     installed = predict(plans[geometry.attentions[0]].under(release.installed), batch, model.heads)
@@ -111,7 +111,7 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by "
                      f"2^{32 - geometry.index_bits}.")
     if geometry.emulated:
-        release = resolve_profile(geometry.profile or None)
+        release = geometry.release
         origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
         notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
                      f"{release.label}.")
