@@ -231,7 +231,7 @@ class SweepConfig(Validated):
 
     device: str = option("auto", DEVICE)
     emulate: bool | None = None
-    index_bits: int = option(32, INDEX_BITS)
+    index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     quick: bool = True
     dtypes: tuple[str, ...] = option(SWEEP_DTYPES, Check("--dtypes", choices=SWEEP_DTYPES))
     layouts: tuple[str, ...] = option(SWEEP_LAYOUTS, Check("--layouts", choices=SWEEP_LAYOUTS))

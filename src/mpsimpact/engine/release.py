@@ -323,7 +323,8 @@ def _family_column(version: tuple[int, int, int]) -> tuple[tuple[str, str, str],
 
 def cache_root() -> Path:
     """The mpsimpact cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact, else
-    ~/.cache/mpsimpact. Profiles sit in its `profiles/`, references in its `reference/`."""
+    ~/.cache/mpsimpact. Everything kept between runs lives under it: profiles in its `profiles/`, references
+    in its `reference/`, transformers environments in its `envs/`, datasets in its `datasets/`."""
     environ = os.environ
     return _cache_root(environ.get("MPSIMPACT_CACHE"), environ.get("XDG_CACHE_HOME"), environ.get("HOME"))
 

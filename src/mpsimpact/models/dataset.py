@@ -114,7 +114,7 @@ def load_tweet_eval(label_names: tuple[str, ...] | None = None) -> LabelledTexts
     `datasets` keeps its files under mpsimpact's cache folder (<cache>/datasets), nowhere else."""
     from datasets import disable_progress_bars, load_dataset
 
-    from mpsimpact.output.files import cache_root
+    from mpsimpact.engine.release import cache_root
 
     disable_progress_bars()
     try:

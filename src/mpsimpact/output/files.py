@@ -32,15 +32,6 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def cache_root() -> Path:
-    """mpsimpact's cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact, else ~/.cache/mpsimpact.
-    Everything mpsimpact keeps between runs (references, transformers environments) lives under it."""
-    root = os.environ.get("MPSIMPACT_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpsimpact"
-
-
 def is_process_alive(pid: int) -> bool:
     """Whether a process with this id runs (one of another user counts as running)."""
     try:

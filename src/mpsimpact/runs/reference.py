@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from mpsimpact.bounds import parse_json
-from mpsimpact.output.files import atomic_write_bytes, cache_root, remove_dead_partials, warn
+from mpsimpact.engine.release import cache_root
+from mpsimpact.output.files import atomic_write_bytes, remove_dead_partials, warn
 
 CHUNK = 64
 # A cache entry: MAGIC, a JSON header line, the float32 array's bytes; see encode_entry.

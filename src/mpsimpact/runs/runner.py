@@ -15,6 +15,7 @@ from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import on_a_mac, predict
 from mpsimpact.prediction.safe_size import trace_classifier
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
 from mpsimpact.runs.device_pass import Geometry, decide_geometry
@@ -107,9 +108,9 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"{geometry.substituted[0].upper()}{geometry.substituted[1:]}.")
     elif BLOCKED in geometry.attentions:
         notes.append(f"{BLOCKED} attention: {REASON}.")
-    if geometry.index_bits != 32:
-        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's 32: every threshold scaled by "
-                     f"2^{32 - geometry.index_bits}.")
+    if geometry.index_bits != MPS_INDEX_BITS:
+        notes.append(f"Index width {geometry.index_bits} bits instead of MPS's {MPS_INDEX_BITS}: every threshold "
+                     f"scaled by 2^{MPS_INDEX_BITS - geometry.index_bits}.")
     if geometry.emulated:
         release = geometry.release
         origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"

@@ -14,6 +14,7 @@ from typing import Any
 
 from mpsimpact.bounds import parse_json
 from mpsimpact.config import CORRUPTION_THRESHOLD
+from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.kind import SCHEMA_VERSION
@@ -331,7 +332,7 @@ class SweepFolder:
             predicted = str(_get(self.summary, ("profile", "release")) or first.get("torch"))
             derived = derive_profile(self.rows, device=first.get("device"), emulated=self.emulated,
                                      emulated_release=predicted, torch_version=str(first.get("torch")),
-                                     machine="", index_bits=int(first.get("index_bits", 32)))
+                                     machine="", index_bits=int(first.get("index_bits", MPS_INDEX_BITS)))
         except ProfileFileError as error:
             raise UsageError(error.message) from None
         except (KeyError, TypeError, ValueError):
@@ -410,7 +411,8 @@ def _grid_of(summary: dict[str, Any]) -> set[tuple] | None:
 
     config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
     bits, dtypes, layouts, quick = (config.get(k) for k in ("index_bits", "dtypes", "layouts", "quick"))
-    if not (_is_count(bits) and 8 <= bits <= 32 and isinstance(quick, bool) and isinstance(dtypes, list)
+    low, high = INDEX_BITS_RANGE
+    if not (_is_count(bits) and low <= bits <= high and isinstance(quick, bool) and isinstance(dtypes, list)
             and isinstance(layouts, list) and set(dtypes) <= set(DTYPES) and set(layouts) <= set(LAYOUTS)):
         return None
     return {(c.m, c.k, c.n, c.batch, c.layout, c.dtype) for c in grid(bits, tuple(dtypes), tuple(layouts), quick)}

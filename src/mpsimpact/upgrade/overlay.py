@@ -22,7 +22,8 @@ from typing import Any
 
 from mpsimpact.bounds import parse_json
 from mpsimpact.errors import OverlayError, UsageError
-from mpsimpact.output.files import cache_root, is_process_alive, warn
+from mpsimpact.engine.release import cache_root
+from mpsimpact.output.files import is_process_alive, warn
 from mpsimpact.output.signals import end_with_parent
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
