@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mpsimpact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,3 +222,7 @@ def test_the_cli_imports_no_engine_module_and_the_engine_errors_are_mpsimpact_er
     assert isinstance(error, MpsImpactError) and isinstance(error, ValueError)
     assert error.to_json() == {"type": "ProfileFileError", "message": "Profile 'p.json': bad",
                                "path": "p.json", "field": "release"}
+    with pytest.raises(MpsImpactError, match="'newest' is not a torch release") as raised:
+        with mpsimpact.guard("raise", profile="newest"):
+            pass
+    assert isinstance(raised.value, ValueError)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
+from mpsimpact.errors import UsageError
 
 # What every console line, report and figure says when no Apple GPU was used.
 MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0",
@@ -295,13 +296,13 @@ def profile_for(version: str) -> FaultProfile:
     """The fault profile of a torch release string such as "2.13.0+cpu" or "2.5.1".
 
     Raises:
-        ValueError: the string is not a version.
+        UnknownReleaseError (a ValueError): the string is not a version.
     """
     if version == CONSERVATIVE:
         return FaultProfile(CONSERVATIVE, "unmeasured", False, conservative=True)
     parsed = parse_version(version)
     if parsed is None:
-        raise ValueError(f"'{version}' is not a torch release (expected e.g. 2.12.1)")
+        raise UnknownReleaseError(f"'{version}' is not a torch release (expected e.g. 2.12.1)", release=version)
     release = ".".join(map(str, parsed))
     found = _group(parsed)
     if found is None:
@@ -473,6 +474,10 @@ def resolve_profile(profile: str | FaultProfile | None) -> FaultProfile:
     if isinstance(profile, FaultProfile):
         return profile
     return load_profile(profile) if is_profile_path(profile) else profile_for(profile)
+
+
+class UnknownReleaseError(UsageError, ValueError):
+    """A release asked for (--torch-profile, `profile=`) that is not a torch version; a ValueError too."""
 
 
 def takes_release(function: Any) -> Any:
