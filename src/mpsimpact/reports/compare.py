@@ -1,5 +1,6 @@
 """`mpsimpact compare`'s outputs: the console tables and verdicts, compare.md, a self-contained
-compare.html and compare.json, written atomically into a fresh folder."""
+compare.html and compare.json, written atomically into a fresh folder, from the `comparison` it is
+given (an upgrade.compare.Comparison: computed there, only shown here)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.runs.sweep import cell_name
-from mpsimpact.upgrade.compare import Comparison, Verdict
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, fitted_table
 from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
@@ -20,7 +20,7 @@ def _old_new(old: Any, new: Any) -> str:
     return _show(new) if old == new else f"{_show(old)} -> {_show(new)}"
 
 
-def tables(comparison: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
+def tables(comparison: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     """Every table of a comparison as (title, header, rows), shared by the console, Markdown and HTML."""
     environment = [[r["field"], _show(r["old"]), _show(r["new"])] for r in comparison.environment]
     result = [("Environment", ["", "old", "new"], environment)]
@@ -34,7 +34,7 @@ def tables(comparison: Comparison) -> list[tuple[str, list[str], list[list[str]]
     return result + [("Agreement with the fault model", ["", *keys], counts)]
 
 
-def _condition_table(comparison: Comparison) -> tuple[str, list[str], list[list[str]]]:
+def _condition_table(comparison: Any) -> tuple[str, list[str], list[list[str]]]:
     """One row per condition, each value 'old -> new' (or one value when unchanged)."""
     with_attention = any(c["attention"] != DEFAULT_ATTENTION for c in comparison.conditions)
     header = ["guard", *(["attention"] if with_attention else []), *comparison.columns]
@@ -45,11 +45,11 @@ def _condition_table(comparison: Comparison) -> tuple[str, list[str], list[list[
     return "Conditions (old -> new)", header, rows
 
 
-def _tag(verdict: Verdict) -> str:
+def _tag(verdict: Any) -> str:
     return "changed" if verdict.changed else "cannot-tell" if verdict.undecided else "info"
 
 
-def result_line(comparison: Comparison) -> str:
+def result_line(comparison: Any) -> str:
     """The one-line summary that ends every output."""
     count = sum(v.changed for v in comparison.verdicts)
     if count:
@@ -59,14 +59,14 @@ def result_line(comparison: Comparison) -> str:
     return f"Nothing that matters changed: exit code {comparison.exit_code}."
 
 
-def _side(comparison: Comparison, index: int) -> str:
+def _side(comparison: Any, index: int) -> str:
     """'old: /path: EMULATED MPS (torch 2.13.0) on cpu ...' (the mode says emulated or real)."""
     name = ("old", "new")[index]
     path = (comparison.old, comparison.new)[index]
     return f"{name}: {path}: {comparison.modes[index]}"
 
 
-def render_markdown(comparison: Comparison) -> str:
+def render_markdown(comparison: Any) -> str:
     """compare.md: both sides, the verdicts, then every table."""
     lines = [f"# mpsimpact compare: {comparison.kind}s", "", *(f"- **{_side(comparison, i)}**" for i in (0, 1)), ""]
     lines += ["## Verdicts", "", *(f"- **{_tag(v)}**: {v.text}" for v in comparison.verdicts)]
@@ -78,7 +78,7 @@ def render_markdown(comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
-def render_html(comparison: Comparison) -> str:
+def render_html(comparison: Any) -> str:
     """compare.html: self-contained (inline CSS), with an emulated/real banner for each side."""
     esc = html.escape
     banners = "".join(
@@ -106,7 +106,7 @@ def render_html(comparison: Comparison) -> str:
 """
 
 
-def write_comparison_folder(out: Path, comparison: Comparison) -> Path:
+def write_comparison_folder(out: Path, comparison: Any) -> Path:
     """Writes compare.md, compare.html and compare.json into a hidden partial folder, then renames
     it to `out`: an interrupted write leaves no complete-looking folder."""
     with folder_written_atomically(out) as partial:
@@ -117,7 +117,7 @@ def write_comparison_folder(out: Path, comparison: Comparison) -> Path:
     return Path(out)
 
 
-def print_comparison(comparison: Comparison, folder: Path | None = None) -> None:
+def print_comparison(comparison: Any, folder: Path | None = None) -> None:
     """The console view: both sides, the environment and condition (or cell) tables, the verdicts."""
     from rich.console import Console
     from rich.text import Text
