@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.output.page import Footnotes, fitted_table, format_cell
+from mpsimpact.output.page import Footnotes, format_cell
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
@@ -41,6 +41,7 @@ class ClassifyKind(RunKind):
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "figures")
     counts = (*RunKind.counts, "flips")
     console_formats = RunKind.console_formats | {"accuracy": "{:.3f}"}
+    console_header = ("guard", "status", "wrong", "first wrong (pred.)", "flips", "accuracy (ref.)", "wall")
 
     @full_precision_reductions()
     def run(self, config, scenario, model, geometry: Geometry, plans: dict,
@@ -78,12 +79,10 @@ class ClassifyKind(RunKind):
         return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
                 "logits.npz": logits_npz(arrays)}
 
-    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
-        g = report["geometry"]
-        title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        header = ("guard", "status", "wrong", "first wrong (pred.)", "flips", "accuracy (ref.)", "wall")
-        return fitted_table(title, header, [_console_row(c, footnotes, verbose) for c in report["conditions"]],
-                            justify="right")
+    def console_row(self, condition: dict, footnotes: Footnotes, verbose: bool) -> list[str]:
+        c, done = condition, condition["status"] == "completed"
+        return [*pass_cells(c, footnotes, verbose), str(c["flips"]) if done else "-",
+                f"{c['accuracy']:.3f} ({c['reference_accuracy']:.3f})" if done else "-", f"{c['wall_s']:.1f}s"]
 
     def damage(self, report: dict, off: dict) -> tuple[str, str]:
         # Outputs (the logits) go wrong; a prediction (the label) changes only where the wrong logits cross.
@@ -110,16 +109,6 @@ class ClassifyKind(RunKind):
                              f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} "
                              "in the reference")
         return lines
-
-
-def _console_row(c: dict[str, Any], footnotes: Footnotes, verbose: bool) -> list[str]:
-    done = c["status"] == "completed"
-    return [
-        *pass_cells(c, footnotes, verbose),
-        str(c["flips"]) if done else "-",
-        f"{c['accuracy']:.3f} ({c['reference_accuracy']:.3f})" if done else "-",
-        f"{c['wall_s']:.1f}s",
-    ]
 
 
 def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):

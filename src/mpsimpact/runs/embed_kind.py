@@ -14,7 +14,7 @@ from mpsimpact.runs.classify_kind import select_reference
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
-from mpsimpact.output.page import EMULATED_LABEL, Footnotes, fitted_table
+from mpsimpact.output.page import EMULATED_LABEL, Footnotes
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
 
@@ -28,6 +28,8 @@ class EmbedKind(RunKind):
                ("recall_at_10", "recall@10"), ("top1_changed", "top-1 changed"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")
     console_formats = RunKind.console_formats | {"recall_at_10": "{:.3f}"}
+    console_header = ("guard", "status", "wrong", "first wrong (pred.)", "lost own match", "recall@10",
+                      "top-1 changed", "wall")
 
     @full_precision_reductions()
     def run(self, config, scenario, model, geometry: Geometry, plans: dict,
@@ -79,16 +81,14 @@ class EmbedKind(RunKind):
         return (f"{off['corrupted_count']} of {report['geometry']['batch_size']} embeddings came back wrong",
                 f"{s['failures']} documents no longer find themselves as their own nearest neighbour")
 
-    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
-        g = report["geometry"]
-        title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        title = f"{EMULATED_LABEL}, {title}" if g["emulated"] else title
-        header = ("guard", "status", "wrong", "first wrong (pred.)", "lost own match", "recall@10",
-                  "top-1 changed", "wall")
-        rows = [[*pass_cells(c, footnotes, verbose), *(
+    def console_title(self, report: dict, title: str) -> str:
+        return f"{EMULATED_LABEL}, {title}" if report["geometry"]["emulated"] else title
+
+    def console_row(self, condition: dict, footnotes: Footnotes, verbose: bool) -> list[str]:
+        c = condition
+        return [*pass_cells(c, footnotes, verbose), *(
             [str(c["self_retrieval_failures"]), f"{c['recall_at_10']:.3f}", str(c["top1_changed"])]
-            if c["status"] == "completed" else ["-"] * 3), f"{c['wall_s']:.1f}s"] for c in report["conditions"]]
-        return fitted_table(title, header, rows, justify="right")
+            if c["status"] == "completed" else ["-"] * 3), f"{c['wall_s']:.1f}s"]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""

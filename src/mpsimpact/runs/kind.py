@@ -35,6 +35,7 @@ class RunKind(abc.ABC):
     counts: ClassVar[tuple[str, ...]] = ("corrupted_count",)  # a condition's counts of at most the batch
     # How the console writes a condition's numbers (report.md keeps format_cell's).
     console_formats: ClassVar[dict[str, str]] = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}"}
+    console_header: ClassVar[tuple[str, ...]]  # the console table's column titles
 
     def check(self, config: Any) -> None:
         """Refuses, before anything is loaded, the options this kind does not support."""
@@ -142,13 +143,20 @@ class RunKind(abc.ABC):
         return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong", ""
 
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
-        """The console's conditions table (output.page.FittedTable): by default the report's columns, a
-        condition's message as a footnote of its status."""
-        g, header = report["geometry"], [title for _, title in self.table_columns(report)]
+        """The console's conditions table (output.page.FittedTable): the kind's header, one `console_row`
+        per condition, a condition's message as a footnote of its status."""
+        g = report["geometry"]
         title = f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}"
-        rows = [[status_cell(c, footnotes, verbose) if key == "status" else self.console_cell(c, key)
-                 for key, _ in self.table_columns(report)] for c in report["conditions"]]
-        return fitted_table(title, header, rows, justify="right")
+        rows = [self.console_row(c, footnotes, verbose) for c in report["conditions"]]
+        return fitted_table(self.console_title(report, title), self.console_header, rows, justify="right")
+
+    def console_title(self, report: dict, title: str) -> str:
+        """The console table's title, from the common one (scenario, batch, length)."""
+        return title
+
+    @abc.abstractmethod
+    def console_row(self, condition: dict, footnotes: Footnotes, verbose: bool) -> list[str]:
+        """One condition's cells under `console_header`."""
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         """Lines printed under the table and its footnotes (before the notes)."""

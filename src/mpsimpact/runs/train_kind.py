@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.output.page import FAULT_WORDS, Footnotes, fitted_table, op_cell
+from mpsimpact.output.page import FAULT_WORDS, Footnotes, op_cell
 from mpsimpact.runs.kind import RunKind, status_cell
 
 
@@ -25,6 +25,8 @@ class TrainKind(RunKind):
         ("eval_flips_after_training", "eval flips after"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "gradients.json", "figures")
     counts = (*RunKind.counts, "corrupted_gradient_tensors")
+    console_header = ("guard", "status", "wrong logits", "wrong gradients", "max gradient error", "update error",
+                      "eval flips after", "wall")
     console_formats = RunKind.console_formats | {"max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}"}
 
     def run(self, config, scenario, model, geometry, plans: dict,
@@ -56,17 +58,14 @@ class TrainKind(RunKind):
         return (f"{off.get('corrupted_count') or 0} of {report['geometry']['batch_size']} logits and "
                 f"{off.get('corrupted_gradient_tensors') or 0} gradient tensors came back wrong", "")
 
-    def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
-        g = report["geometry"]
-        title = (f"{report['config']['scenario']}: batch {g['batch_size']}, max length {g['max_length']}, "
-                 f"{report['config']['steps']} step(s)")
-        header = ("guard", "status", "wrong logits", "wrong gradients", "max gradient error", "update error",
-                  "eval flips after", "wall")
+    def console_title(self, report: dict, title: str) -> str:
+        return f"{title}, {report['config']['steps']} step(s)"
+
+    def console_row(self, condition: dict, footnotes: Footnotes, verbose: bool) -> list[str]:
         keys = ("corrupted_count", "corrupted_gradient_tensors", "max_gradient_rel_error", "update_rel_error",
                 "eval_flips_after_training", "wall_s")
-        rows = [[c["guard"], status_cell(c, footnotes, verbose), *(self.console_cell(c, key) for key in keys)]
-                for c in report["conditions"]]
-        return fitted_table(title, header, rows, justify="right")
+        return [condition["guard"], status_cell(condition, footnotes, verbose),
+                *(self.console_cell(condition, key) for key in keys)]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         return [f"guard {c['guard']}: {op_cell(op['op'], op['a'], op['b'])}: "
