@@ -410,3 +410,20 @@ def test_train_head_refuses_too_small_a_limit_and_an_unwritable_out_before_any_w
     assert result.exit_code == 2 and "'" + str(tmp_path / "file") + "' is a file, not a folder" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
+
+
+def test_an_embedders_reference_is_read_back_from_the_cache_without_a_warning(monkeypatch, capsys):
+    # An embedder has no labels: its entry's width is the embedding's, which the labels cannot tell.
+    import torch
+
+    from mpsimpact.models.classifier import LoadedModel
+
+    vectors = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+    computed = []
+    monkeypatch.setattr(reference, "run_chunked", lambda *args, **kwargs: computed.append(1) or vectors)
+    model = LoadedModel(torch.nn.Linear(6, 6), None, None, (), "tiny", 64)
+    texts = ["a", "b", "c", "d"]
+    assert reference.reference_logits(model, texts, 16)[1] is False
+    logits, cached = reference.reference_logits(model, texts, 16)
+    assert cached and computed == [1] and "warning" not in capsys.readouterr().err
+    np.testing.assert_array_equal(logits, vectors)

@@ -191,9 +191,10 @@ def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequenc
 
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
     """CPU fp32 reference at the run length, from the on-disk cache when present (an entry of another shape
-    than these texts by this model's labels is damage: removed and recomputed)."""
-    key = cache_key(model_fingerprint(model.module), texts, run_length)
-    cached = cached_reference(key, shape=(len(texts), len(model.label_names)))
+    than these texts by this model's labels, or of other rows for a model without labels, an embedder, is
+    damage: removed and recomputed)."""
+    key, labels = cache_key(model_fingerprint(model.module), texts, run_length), len(model.label_names)
+    cached = cached_reference(key, shape=(len(texts), labels)) if labels else cached_reference(key, len(texts))
     if cached is not None:
         return cached, True
     logits = run_chunked(model.module, model.tokenizer, texts, run_length, advance=advance)
