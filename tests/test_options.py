@@ -204,7 +204,7 @@ HANDED_TO = {
     "run": (["run", "sentiment"], "mpsimpact.runs.runner.run_scenario", {"scenario": "sentiment"}),
     "plan": (["plan", "sentiment"], "mpsimpact.prediction.plan.build_plan_report", {"scenario": "sentiment"}),
     "check": (["check", "x/y"], "mpsimpact.prediction.check.build_check_report", {"model": "x/y"}),
-    "sweep": (["sweep"], "mpsimpact.reports.sweep.run_sweep", {}),
+    "sweep": (["sweep"], "mpsimpact.runs.sweep_run.run_sweep", {}),
     "matrix": (["matrix", "sentiment"], "mpsimpact.upgrade.matrix.build_matrix", {"scenario": "sentiment"}),
 }
 

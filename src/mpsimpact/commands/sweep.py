@@ -35,13 +35,15 @@ def main(
                                       "else the free memory"),
 ) -> None:
     """Re-measure the bmm fault map and the op families on a device; check them against the fault model."""
-    from mpsimpact.reports.sweep import run_sweep
+    from mpsimpact.reports.sweep import SweepConsole
+    from mpsimpact.runs.sweep_run import run_sweep
 
-    summary = run_sweep(options.config_from(
+    sweep_config = options.config_from(
         config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile, max_memory=max_memory,
-    ))
+    )
+    summary = run_sweep(sweep_config, SweepConsole(), profile=sweep_config.torch_profile)
     bad = summary["not_ok"] if expect_fixed else summary["disagree"] + summary["families"]["disagree"]
     if bad:
         typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.",

@@ -1,0 +1,139 @@
+"""The sweep run: the grid of bmm and op-family cells run cell by cell into a resumable folder (a killed
+sweep picks up where it stopped), then the summary and the derived profile computed; what it shows and
+writes on the way it hands to a `show` object (reports.sweep.SweepConsole)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from typing import Any
+
+from mpsimpact.config import SweepConfig, memory_bytes
+from mpsimpact.engine.release import takes_release
+from mpsimpact.errors import UsageError
+from mpsimpact.runs.sweep import NOT_RUN, is_measured
+
+
+def _cell_key(cell: dict[str, Any]) -> tuple:
+    if "test" in cell:  # a family cell
+        return (cell["test"],)
+    return tuple(cell[key] for key in ("m", "k", "n", "batch", "layout", "dtype"))
+
+
+@takes_release
+def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, Any]:
+    """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
+    (with "disagree" and "not_ok" counts). `profile`: the release predicted (config.torch_profile)."""
+    from mpsimpact.output.files import fresh_out_dir
+    from mpsimpact.output.page import EMULATED_LABEL
+    from mpsimpact.output.resumable import ResumableFolder, resumable_folder
+    from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
+    from mpsimpact.runs.family_cells import family_grid
+    from mpsimpact.runs.row_check import resumed_rows
+    from mpsimpact.runs.sweep import CellClock, grid
+
+    config.validate()
+    device = resolve_device(config.device)
+    emulated = resolve_emulation(config.emulate, device)
+    out = fresh_out_dir(config.out, "sweep")  # claimed, and resumed, by resumable_folder below
+    cells, family_cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick), \
+        family_grid(config.index_bits)
+    if not cells:
+        raise UsageError(
+            f"At --index-bits {config.index_bits} no batch size of the sweep's shape families sits at a "
+            "threshold (their matrices have 8192 elements or more); use a larger --index-bits, e.g. 20."
+        )
+    budget = memory_bytes(config.max_memory) if config.max_memory else device_memory(device)
+    mode = (f"{EMULATED_LABEL} (torch {profile.label}) on {device}" if emulated
+            else f"real {device} (predicted as torch {profile.label})")
+    identity = {"device": device, "emulated": emulated, "index_bits": config.index_bits,
+                "quick": config.quick, "dtypes": list(config.dtypes), "layouts": list(config.layouts),
+                "profile": profile.ref, "profile_digest": _digest(profile.to_json()), "cells": len(cells),
+                "family_cells": len(family_cells)}
+    started = time.perf_counter()
+    with resumable_folder(out, identity, "sweep.jsonl") as folder:
+        families = ResumableFolder(folder.path, "families.jsonl")  # the same claimed folder, a second log
+        kept = resumed_rows((folder, families), (cells, family_cells), device, emulated, config.index_bits,
+                            profile.ref)
+        done = {_cell_key(row["cell"]): row for row in kept if is_measured(row)}
+        todo = [cell for cell in cells + family_cells if _cell_key(dataclasses.asdict(cell)) not in done]
+        fits = [cell for cell in todo if cell.bytes_needed() <= budget]
+        show.plan(mode, config, (len(cells + family_cells), todo, fits), budget,
+                  CellClock(fits, device).total_estimate, folder.path)
+        rows = dict(done)
+        try:
+            for row in sweep_cells(show, todo, device, emulated, config, profile.ref, budget):
+                (families if "test" in row["cell"] else folder).append(row)
+                rows[_cell_key(row["cell"])] = row
+        except KeyboardInterrupt:
+            if rows:
+                show.interrupted(len(rows), len(cells) + len(family_cells), folder.path, config, out)
+            raise
+        ordered = [rows[_cell_key(dataclasses.asdict(cell))] for cell in cells]
+        family_rows = [rows[_cell_key(dataclasses.asdict(cell))] for cell in family_cells]
+        summary, derived, figure = results((ordered, family_rows), config, mode, profile, (device, emulated),
+                                           budget)
+        summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
+        show.write(folder.path, (ordered, family_rows), derived, figure, summary)
+    show.summary(summary, out)
+    return summary
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfig, profile: str, budget: int):
+    """Yields each cell's row as it finishes, with the time spent and an estimate of the time left for
+    `show.cell`."""
+    import itertools
+
+    from mpsimpact.runs.family_cells import FamilyCell, run_family_cells
+    from mpsimpact.runs.sweep import CellClock, cell_name, run_cells
+
+    clock = CellClock(todo, device)
+    started = tick = time.perf_counter()
+    products = [cell for cell in todo if not isinstance(cell, FamilyCell)]
+    others = [cell for cell in todo if isinstance(cell, FamilyCell)]
+    rows = itertools.chain(
+        run_cells(products, device, emulated, config.index_bits, config.in_process, profile, budget),
+        run_family_cells(others, device, emulated, config.in_process, profile, budget))
+    for number, row in enumerate(rows, 1):
+        now = time.perf_counter()
+        clock.finished(now - tick if is_measured(row) else 0.0)
+        tick = now
+        name = row.get("name") or cell_name(row["cell"])
+        show.cell((number, len(todo)), name, row, now - started, clock.seconds_left())
+        yield row
+
+
+def results(rows_and_families, config: SweepConfig, mode: str, profile, where: tuple[str, bool],
+            budget: int) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+    """(the summary: the bmm cells' counts as before, the family cells' under "families"; the derived
+    profile; the outcome map as PNG)."""
+    import torch
+
+    from importlib.metadata import version
+    from mpsimpact.runs.device import machine_name
+    from mpsimpact.runs.figures import outcome_map
+    from mpsimpact.runs.profile_fit import derive_profile, family_table
+    from mpsimpact.runs.sweep import summarize
+
+    (rows, family_rows), (device, emulated) = rows_and_families, where
+    derived = derive_profile(rows, device=device, emulated=emulated, emulated_release=profile.release,
+                             torch_version=torch.__version__, machine=machine_name(),
+                             index_bits=config.index_bits, max_memory=budget,
+                             mpsimpact_version=version("mpsimpact"), family_rows=family_rows)
+    figure = outcome_map(rows, f"{mode}, index bits {config.index_bits}")
+    families = {"cells": len(family_rows), "disagree": sum(r["agree"] is False for r in family_rows),
+                "not_run": sum(not is_measured(r) for r in family_rows), "table": family_table(family_rows),
+                "agree": [r["agree"] for r in family_rows]}
+    return summarize(rows) | {
+        "mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config),
+        "not_ok": sum(r["observed"] not in ("ok", NOT_RUN) for r in rows),
+        "not_run": sum(not is_measured(r) for r in rows), "max_memory_bytes": budget,
+        "families": families,
+        "derived_profile": {key: derived[key] for key in ("release", "measured_on", "unmeasured", "cells")},
+    }, derived, figure
