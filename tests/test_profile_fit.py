@@ -14,7 +14,7 @@ from mpsimpact.engine.profile_file import ProfileFileError
 from mpsimpact.engine.release import (
     MEASURED_RELEASES, installed_profile, load_profile, parse_version, profile_from_json, resolve_profile,
 )
-from mpsimpact.runs.family_cells import family_grid, predicted_family_rows
+from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.profile_fit import derive_profile
 from mpsimpact.runs.sweep import LAYOUTS, NOT_RUN, grid, predicted_rows
 from mpsimpact.upgrade.profile_change import describe_change
@@ -31,7 +31,7 @@ def derived(release, bits=32, quick=True, not_run=lambda cell: False, device="cp
     cells = grid(bits, ("fp32", "fp16", "bf16"), LAYOUTS, quick)
     rows = predicted_rows(cells, bits, release)
     family_cells = family_grid(bits) if families else []
-    family_rows = predicted_family_rows(family_cells, release)
+    family_rows = predicted_rows(family_cells, bits, release)
     for row, cell in zip(rows + family_rows, cells + family_cells):
         if not_run(cell):
             row.update(observed=NOT_RUN, first_bad_batch=None, message="not run", agree=None)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.runs.family_cells import family_grid, predicted_family_rows
+from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.profile_fit import derive_profile
 from mpsimpact.runs.sweep import LAYOUTS, grid, predicted_rows
 
@@ -57,10 +57,10 @@ def test_the_rules_round_trip_through_a_profile_file_on_the_whole_quick_grid(tmp
     families = family_grid(20)
     content = derive_profile(predicted_rows(cells, 20, release), device="cpu", emulated=True,
                              emulated_release=release, torch_version="2.13.0", machine="m", index_bits=20,
-                             family_rows=predicted_family_rows(families, release))
+                             family_rows=predicted_rows(families, 20, release))
     path.write_text(json.dumps(content))
     assert content["unmeasured"] == []
-    by_file, by_name = predicted_family_rows(families, str(path)), predicted_family_rows(families, release)
+    by_file, by_name = predicted_rows(families, 20, str(path)), predicted_rows(families, 20, release)
     assert all(row["agree"] for row in by_file)
     assert [(r["observed"], r["prediction"]["kind"], r["prediction"]["message"]) for r in by_file] == [
         (r["observed"], r["prediction"]["kind"], r["prediction"]["message"]) for r in by_name]
@@ -93,7 +93,7 @@ def test_a_run_corrupts_the_same_texts_with_the_file_as_with_the_release_name(tm
     # 2.13.0's scale of those scores aborts (inferred: int32-kernel), so both runs stop the same way.
     content = derive_profile(predicted_rows(grid(20, ("fp32",), LAYOUTS, True), 20, release), device="cpu",
                              emulated=True, emulated_release=release, torch_version="2.13.0", machine="m",
-                             index_bits=20, family_rows=predicted_family_rows(family_grid(20), release))
+                             index_bits=20, family_rows=predicted_rows(family_grid(20), 20, release))
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(content))
     outcomes = {}

@@ -54,7 +54,7 @@ def resume(tmp_path, monkeypatch):
     """Runs the sweep again; returns (result, the cells it ran)."""
     real, ran = sweep_module.observe, []
     monkeypatch.setattr(sweep_module, "observe", lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
-    return runner.invoke(app, [*SMALL, "--out", str(tmp_path / "s")]), ran
+    return runner.invoke(app, [*SMALL, "--out", str(tmp_path / "s")]), [c for c in ran if isinstance(c, Cell)]
 
 
 def damage_text(rows):

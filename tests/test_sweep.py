@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import mpsimpact.modes.emulator
 from mpsimpact.cli import app
-from mpsimpact.runs.family_cells import family_grid, run_family_cells
+from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.sweep import Cell, grid, observe, run_cells, summarize, thresholds
 
 runner = CliRunner()
@@ -72,12 +72,12 @@ def test_real_cpu_family_cells_run_in_a_worker_and_a_crash_is_recorded(monkeypat
     # kept beside them: its scale aborts). Then a worker that dies on its second cell: that cell is a crash
     # with the last line the process printed, and the next cells run in a new worker.
     cells = family_grid(16)
-    rows = list(run_family_cells(cells, "cpu", False, False, "2.13.0"))
+    rows = list(run_cells(cells, "cpu", False, 16, False, "2.13.0"))
     assert [r["observed"] for r in rows] == ["ok"] * 16 and all(r["agree"] for r in rows)
     assert next(r for r in rows if r["cell"]["test"] == "scale")["prediction"]["kind"] == "abort"
     dying = str(Path(__file__).parent / "_dying_family_worker")
     monkeypatch.setenv("PYTHONPATH", dying + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    rows = list(run_family_cells(cells[:3], "cpu", False, False, "2.13.0"))
+    rows = list(run_cells(cells[:3], "cpu", False, 16, False, "2.13.0"))
     assert [r["observed"] for r in rows] == ["ok", "crash", "ok"]
     assert rows[1]["message"] == "exit code -6: planted abort in elementwise-1d" and rows[1]["agree"] is False
 

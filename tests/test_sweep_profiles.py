@@ -6,7 +6,7 @@ import collections
 import pytest
 
 from mpsimpact.engine.release import group_representatives
-from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid, predict, run_family_cells
+from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid, predict
 from mpsimpact.runs.sweep import agrees, grid, run_cells
 
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
@@ -52,7 +52,7 @@ def test_a_planted_off_by_one_is_caught(monkeypatch):
 @pytest.mark.parametrize("release", [p.release for p in group_representatives()] + ["2.15.0"])
 def test_every_release_groups_family_cells_agree_when_emulated(release):
     # The 16 first-pass cells at 16 bits, run under the emulator; each agrees with its trace's prediction.
-    rows = list(run_family_cells(family_grid(16), "cpu", True, False, release))
+    rows = list(run_cells(family_grid(16), "cpu", True, 16, False, release))
     assert len(rows) == 16 and [r["cell"]["test"] for r in rows if r["agree"] is not True] == []
 
 
@@ -62,7 +62,7 @@ def test_an_emulator_with_another_releases_family_rows_is_caught():
     # scores (2.14.0 is right), has no measured multi-dimensional sum (2.14.0 raises) and its multi-dimensional
     # cat takes int32 offsets (2.14.0 is right): six cells; the Linear, masked_fill and the others agree.
     cells = family_grid(16)
-    rows = list(run_family_cells(cells, "cpu", True, False, "2.14.0"))
+    rows = list(run_cells(cells, "cpu", True, 16, False, "2.14.0"))
     judged = [row | {"expected": predict(cell, "2.13.0").to_json()} for row, cell in zip(rows, cells)]
     assert [row["cell"]["test"] for row in judged if not family_agrees(row)] == [
         "reduction-1d", "indexing-1d", "scale", "softmax", "reduction", "cat"]

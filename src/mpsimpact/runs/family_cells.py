@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
 from mpsimpact.engine.faults import OK, SILENT_KINDS, STOP_KINDS, Fault, limits
 from mpsimpact.runs.sweep import (
-    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, not_run, random_tensor, rows_within_budget,
-    worker_rows,
+    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, random_tensor, worker_main,
 )
 
 WRONG_ABOVE = 1e-2  # the first-pass suite's criterion: relative error above 1e-2 against the CPU is WRONG
@@ -153,10 +150,37 @@ TESTS_BY_NAME = {test.name: test for test in TESTS}
 
 @dataclasses.dataclass(frozen=True)
 class FamilyCell:
-    """One first-pass test at the sweep's index width."""
+    """One first-pass test at the sweep's index width (a runs.sweep.SweepCell; its own width decides, not the
+    sweep's `index_bits` the protocol passes)."""
 
     test: str
     index_bits: int
+    no_values: ClassVar[dict[str, Any]] = NO_VALUES
+    worker: ClassVar[str] = "mpsimpact.runs.family_cells"
+
+    def predict(self, index_bits: int = 0, profile: Any = None) -> Fault:
+        return predict(self, profile)
+
+    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        return _observe(self, device, emulated, profile)
+
+    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
+        fault = predict(self, profile)
+        computed = SILENT_KINDS - {"wrong_other"}  # wrong values the emulator computes (a bmm wrap)
+        observed = "wrap" if fault.rule == "reduction-wrap" else "wrong" if fault.kind in computed else fault.kind
+        return {"observed": observed, "message": fault.message or None, "rule": fault.rule, **NO_VALUES}
+
+    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        prediction = predict(self, profile).to_json()
+        control = not emulated and device != "mps"
+        expected = {"kind": "ok", "rule": "none", "message": ""} if control else prediction
+        row = {"cell": self.to_json(), "name": cell_name(self.to_json()), "slot": self.spec.slot, "device": device,
+               "index_bits": self.index_bits, "torch": torch.__version__, "prediction": prediction,
+               "expected": expected, "rule": None, **seen}
+        if self.spec.aspect == "sdpa":
+            row["sdpa_path"] = sdpa_route(emulated, profile)
+        row["agree"] = agrees(row) if row["observed"] != NOT_RUN else None
+        return row
 
     @property
     def spec(self) -> FamilyTest:
@@ -249,28 +273,6 @@ def sdpa_route(emulated: bool, profile: Any) -> str:
     if emulated:
         return sdpa_path(False, profile)
     return "fused" if hasattr(torch.ops.aten, "_scaled_dot_product_attention_math_for_mps") else "math"
-
-
-def observe(cell: FamilyCell, device: str, emulated: bool, profile: Any = None,
-            budget: int | None = None) -> dict[str, Any]:
-    """Runs one cell and judges it: ok, wrong (relative error above 1e-2 against the CPU), wrap (wrong, and
-    equal to the reduction of the first numel mod LIMIT elements), error (its text), abort (emulated), or
-    wrong_other (emulated values nobody characterised, with the rule); a cell over `budget` is not run."""
-    from mpsimpact.runs.device import device_memory
-
-    skipped = not_run(cell, device_memory(device) if budget is None else budget)
-    if skipped is not None:
-        return skipped
-    try:
-        return _observe(cell, device, emulated, profile)
-    except torch.OutOfMemoryError as error:
-        return {"observed": NOT_RUN, "max_rel_error": None,
-                "message": f"out of memory: {str(error).splitlines()[0]}; not run, unmeasured"}
-    finally:
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        elif device == "mps":
-            torch.mps.empty_cache()
 
 
 def _observe(cell: FamilyCell, device: str, emulated: bool, profile: Any) -> dict[str, Any]:
@@ -404,60 +406,5 @@ def agrees(row: dict[str, Any]) -> bool:
     return seen == "ok"
 
 
-def family_row(cell: FamilyCell, seen: dict[str, Any], device: str, emulated: bool, profile: Any) -> dict[str, Any]:
-    """A family cell's row: the cell, its prediction and expectation, what was observed, and whether they
-    agree (None for a cell not run)."""
-    prediction = predict(cell, profile).to_json()
-    control = not emulated and device != "mps"
-    expected = {"kind": "ok", "rule": "none", "message": ""} if control else prediction
-    row = {"cell": cell.to_json(), "name": cell_name(cell.to_json()), "slot": cell.spec.slot, "device": device,
-           "index_bits": cell.index_bits, "torch": torch.__version__, "prediction": prediction,
-           "expected": expected, "rule": None, **seen}
-    if cell.spec.aspect == "sdpa":
-        row["sdpa_path"] = sdpa_route(emulated, profile)
-    row["agree"] = agrees(row) if row["observed"] != NOT_RUN else None
-    return row
-
-
-def run_family_cells(cells: list[FamilyCell], device: str, emulated: bool, in_process: bool,
-                     profile: str | None = None, budget: int | None = None) -> Iterator[dict[str, Any]]:
-    """Yields one row per family cell, in order; on a real device each run of cells goes through a worker
-    process, so that an abort is recorded as a crash (runs.sweep.worker_rows)."""
-    from mpsimpact.runs.device import device_memory
-
-    budget = device_memory(device) if budget is None else budget
-
-    def make_row(cell: FamilyCell, seen: dict[str, Any]) -> dict[str, Any]:
-        return family_row(cell, seen, device, emulated, profile)
-
-    if in_process or emulated:
-        for cell in cells:
-            yield make_row(cell, observe(cell, device, emulated, profile, budget))
-        return
-    job = {"device": device, "budget": budget}
-    yield from rows_within_budget(cells, budget, lambda fitting: worker_rows(
-        fitting, job, "mpsimpact.runs.family_cells", make_row), make_row)
-
-
-def predicted_family_rows(cells: list[FamilyCell], profile: Any) -> list[dict[str, Any]]:
-    """The rows an emulated sweep of `cells` writes when every cell comes out as `profile`'s rules say,
-    without running a tensor (for deriving profiles in tests)."""
-    rows = []
-    for cell in cells:
-        fault = predict(cell, profile)
-        computed = SILENT_KINDS - {"wrong_other"}  # wrong values the emulator computes (a bmm wrap)
-        observed = "wrap" if fault.rule == "reduction-wrap" else "wrong" if fault.kind in computed else fault.kind
-        seen = {"observed": observed, "message": fault.message or None, "rule": fault.rule, **NO_VALUES}
-        rows.append(family_row(cell, seen, "cpu", True, profile))
-    return rows
-
-
-def _worker_main() -> None:
-    job = json.loads(sys.stdin.read())
-    for spec in job["cells"]:
-        seen = observe(FamilyCell(**spec), job["device"], False, budget=job.get("budget"))
-        print(json.dumps(seen), flush=True)
-
-
 if __name__ == "__main__":
-    _worker_main()
+    worker_main(FamilyCell)

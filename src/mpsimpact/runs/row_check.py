@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
-from mpsimpact.runs.family_cells import FAMILY_SEEN_FIELDS, FamilyCell, family_observation_problem, family_row
-from mpsimpact.runs.sweep import NOT_RUN, TOLERANCE, Cell, cell_row, is_error_value
+from mpsimpact.runs.family_cells import FAMILY_SEEN_FIELDS, FamilyCell, family_observation_problem
+from mpsimpact.runs.sweep import NOT_RUN, TOLERANCE, Cell, is_error_value
 
 # What a bmm cell can be observed as, and the fields of a row that say what was observed (the rest of a row,
 # `agree` included, is made from its cell: see `reread_problem`).
@@ -60,26 +60,20 @@ def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
     return sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
 
 
-def reread_problem(row: dict[str, Any], cell: Cell, device: str, index_bits: int, control: bool,
+# Per kind of cell: the fields of a row that say what was observed, and what makes an observation impossible.
+OBSERVATIONS = {Cell: (SEEN_FIELDS, observation_problem), FamilyCell: (FAMILY_SEEN_FIELDS, family_observation_problem)}
+
+
+def reread_problem(row: dict[str, Any], cell: Any, device: str, emulated: bool, index_bits: int,
                    profile: str | None) -> str | None:
     """Why a row read back from an unfinished sweep cannot be kept, or None: its observation is impossible
     (`observation_problem`), or the row this sweep makes of its cell and observation differs from it (another
     sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never read)."""
-    seen = {key: row[key] for key in SEEN_FIELDS if key in row}
-    problem = observation_problem(cell, seen)
+    fields, problem_of = OBSERVATIONS[type(cell)]
+    seen = {key: row[key] for key in fields if key in row}
+    problem = problem_of(cell, seen)
     if problem is None:
-        differ = differing_fields(row, cell_row(cell, seen, device, index_bits, control, profile))
-        problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
-    return problem
-
-
-def reread_family_problem(row: dict[str, Any], cell: FamilyCell, device: str, emulated: bool,
-                          profile: str | None) -> str | None:
-    """`reread_problem` for a family cell's row."""
-    seen = {key: row[key] for key in FAMILY_SEEN_FIELDS if key in row}
-    problem = family_observation_problem(cell, seen)
-    if problem is None:
-        differ = differing_fields(row, family_row(cell, seen, device, emulated, profile))
+        differ = differing_fields(row, cell.row(seen, device, emulated, index_bits, profile))
         problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
     return problem
 
@@ -128,12 +122,10 @@ def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Cell], list[FamilyCell
     sweep keeps; the others are dropped from the logs (their cells run again), said in one warning line."""
     from mpsimpact.output.files import warn
 
-    control = not emulated and device != "mps"
-    checks = (lambda row, cell: reread_problem(row, cell, device, index_bits, control, profile),
-              lambda row, cell: reread_family_problem(row, cell, device, emulated, profile))
     kept, said = [], []
-    for log, cells, check in zip(logs, grids, checks):
-        rows, dropped = reread_rows(log.items, cells, check)
+    for log, cells in zip(logs, grids):
+        rows, dropped = reread_rows(log.items, cells,
+                                    lambda row, cell: reread_problem(row, cell, device, emulated, index_bits, profile))
         if dropped:
             log.keep(rows)
             said.append(f"{len(dropped)} of {log.log.name} ({dropped[0]}{'; ...' if len(dropped) > 1 else ''})")

@@ -14,13 +14,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from mpsimpact.config import SWEEP_LAYOUTS
 from mpsimpact.output.signals import end_with_parent
-from mpsimpact.engine.faults import SILENT_KINDS, TensorSpec, classify_bmm
+from mpsimpact.engine.faults import SILENT_KINDS, Fault, TensorSpec, classify_bmm
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = SWEEP_LAYOUTS  # config.SWEEP_DTYPES names DTYPES' keys
@@ -37,9 +37,38 @@ NO_VALUES = {"first_bad_batch": None, "max_rel_error": None}  # a cell that was 
 SPEEDS = {"cpu": (2e10, 2e8), "cuda": (2e13, 2e10), "mps": (3e12, 3e9)}
 
 
+class SweepCell(Protocol):
+    """What the sweep asks of a cell, a bmm (`Cell`) or an op family's test (family_cells.FamilyCell): the one
+    pipeline below (observe, run_cells, predicted_rows, worker processes) runs either."""
+
+    no_values: ClassVar[dict[str, Any]]  # the fields of an observation that judged no values
+    worker: ClassVar[str]  # the module whose worker process (`python -m`) runs such cells
+
+    def predict(self, index_bits: int, profile: Any = None) -> Fault:
+        """The fault model's verdict on the cell."""
+
+    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        """Runs the cell and judges what came back: the observation."""
+
+    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
+        """The observation of a cell that comes out as `profile`'s rules say (nothing run)."""
+
+    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        """The cell's row: the cell, its prediction and expectation, `seen`, and whether they agree."""
+
+    def bytes_needed(self) -> int:
+        """Bytes the cell holds at once."""
+
+    def estimated_seconds(self, device: str) -> float:
+        """A rough time before anything ran."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The cell's fields, as its row's "cell"."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One bmm: shapes, layout, dtype and batch size."""
+    """One bmm: shapes, layout, dtype and batch size (a SweepCell)."""
 
     m: int
     k: int
@@ -47,6 +76,30 @@ class Cell:
     batch: int
     layout: str
     dtype: str
+    no_values: ClassVar[dict[str, Any]] = NO_VALUES
+    worker: ClassVar[str] = "mpsimpact.runs.sweep"
+
+    def predict(self, index_bits: int, profile: Any = None) -> Fault:
+        return classify_bmm(*self.specs(), index_bits=index_bits, profile=profile)
+
+    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        return _observe(self, device, emulated, index_bits, profile)
+
+    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
+        fault = self.predict(index_bits, profile)
+        return {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch, "message": fault.message or None,
+                "max_rel_error": None}
+
+    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        a, b = self.specs()
+        prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
+        control = not emulated and device != "mps"
+        expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
+        row = {"cell": self.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device,
+               "index_bits": index_bits, "torch": torch.__version__, "prediction": prediction, "expected": expected,
+               **seen}
+        row["agree"] = agrees(row) if is_measured(row) else None
+        return row
 
     def specs(self) -> tuple[TensorSpec, TensorSpec]:
         """The operand specs this cell builds (see `make_operands`)."""
@@ -162,20 +215,20 @@ def not_run(cell: Any, budget: int) -> dict[str, Any] | None:
     return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None, "message": message}
 
 
-def observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None = None,
+def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profile: Any = None,
             budget: int | None = None) -> dict[str, Any]:
-    """Runs one cell and classifies what came back: ok, error, abort (emulated), wrong_all, wrong_tail,
-    truncated (bad values mostly zero), or wrong_other (wrong otherwise, or not emulated); a cell over
-    `budget` bytes (default: what the device offers) is not run."""
+    """Runs one cell of either kind (`cell.look`) and returns what it saw: for a bmm ok, error, abort (emulated),
+    wrong_all, wrong_tail, truncated (bad values mostly zero) or wrong_other (wrong otherwise, or not emulated);
+    a cell over `budget` bytes (default: what the device offers), or out of memory, is not run."""
     from mpsimpact.runs.device import device_memory
 
     skipped = not_run(cell, device_memory(device) if budget is None else budget)
     if skipped is not None:
         return skipped
     try:
-        return _observe(cell, device, emulated, index_bits, profile)
+        return cell.look(device, emulated, index_bits, profile)
     except torch.OutOfMemoryError as error:
-        return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None,
+        return {"observed": NOT_RUN, **cell.no_values,
                 "message": f"out of memory: {str(error).splitlines()[0]}; not run, unmeasured"}
     finally:
         if device == "cuda":
@@ -188,7 +241,7 @@ def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: 
     from mpsimpact.modes.emulator import emulate
     from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
 
-    predicted = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
+    predicted = cell.predict(index_bits, profile)
     a, b = make_operands(cell, device, torch.Generator(device=device).manual_seed(0))
     try:
         with emulate(index_bits=index_bits, profile=profile) if emulated else contextlib.nullcontext():
@@ -268,23 +321,24 @@ def agrees(row: dict[str, Any]) -> bool:
     return True
 
 
-def run_cells(cells: list[Cell], device: str, emulated: bool, index_bits: int, in_process: bool,
+def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: int, in_process: bool,
               profile: str | None = None, budget: int | None = None) -> Iterator[dict[str, Any]]:
-    """Yields one result row per cell, in order; real devices go through a crash-tolerant worker.
-    `profile`: the profile (a FaultProfile.ref) whose rules predict (and, emulated, produce) each cell;
+    """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
+    worker. `profile`: the profile (a FaultProfile.ref) whose rules predict (and, emulated, produce) each cell;
     `budget`: the bytes a cell may hold (default: what the device offers); a cell over it is not run."""
     from mpsimpact.runs.device import device_memory
 
-    control = not emulated and device != "mps"
     budget = device_memory(device) if budget is None else budget
+
+    def make_row(cell: SweepCell, seen: dict[str, Any]) -> dict[str, Any]:
+        return cell.row(seen, device, emulated, index_bits, profile)
+
     if in_process or emulated:
         for cell in cells:
-            seen = observe(cell, device, emulated, index_bits, profile, budget)
-            yield cell_row(cell, seen, device, index_bits, control, profile)
+            yield make_row(cell, observe(cell, device, emulated, index_bits, profile, budget))
         return
-    yield from rows_within_budget(
-        cells, budget, lambda fitting: _worker_rows(fitting, device, index_bits, control, profile, budget),
-        lambda cell, seen: cell_row(cell, seen, device, index_bits, control, profile))
+    job = {"device": device, "index_bits": index_bits, "budget": budget}
+    yield from rows_within_budget(cells, budget, lambda fitting: worker_rows(fitting, job, make_row), make_row)
 
 
 def rows_within_budget(cells: list[Any], budget: int, run_fitting: Callable[[list[Any]], Iterator[dict[str, Any]]],
@@ -301,47 +355,22 @@ def rows_within_budget(cells: list[Any], budget: int, run_fitting: Callable[[lis
             start += 1
 
 
-def predicted_rows(cells: list[Cell], index_bits: int, profile: str | None = None) -> list[dict[str, Any]]:
+def predicted_rows(cells: list[SweepCell], index_bits: int, profile: Any = None) -> list[dict[str, Any]]:
     """The rows an emulated sweep of `cells` writes when every cell comes out as `profile`'s rules say,
     without running a tensor (for sizing a sweep, and for deriving profiles in tests)."""
-    rows = []
-    for cell in cells:
-        fault = classify_bmm(*cell.specs(), index_bits=index_bits, profile=profile)
-        seen = {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch,
-                "message": fault.message or None, "max_rel_error": None}
-        rows.append(cell_row(cell, seen, "cpu", index_bits, False, profile))
-    return rows
+    return [cell.row(cell.predicted_seen(index_bits, profile), "cpu", True, index_bits, profile) for cell in cells]
 
 
-def cell_row(cell: Cell, seen: dict[str, Any], device: str, index_bits: int, control: bool,
-         profile: str | None = None) -> dict[str, Any]:
-    a, b = cell.specs()
-    prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
-    expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
-    row = {"cell": cell.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device, "index_bits": index_bits,
-           "torch": torch.__version__, "prediction": prediction, "expected": expected, **seen}
-    row["agree"] = agrees(row) if is_measured(row) else None
-    return row
-
-
-def _worker_rows(cells: list[Cell], device: str, index_bits: int, control: bool, profile: str | None,
-                 budget: int) -> Iterator[dict[str, Any]]:
-    """Runs bmm cells in a subprocess (see `worker_rows`)."""
-    job = {"device": device, "index_bits": index_bits, "budget": budget}
-    yield from worker_rows(cells, job, "mpsimpact.runs.sweep",
-                           lambda cell, seen: cell_row(cell, seen, device, index_bits, control, profile))
-
-
-def worker_rows(cells: list[Any], job: dict[str, Any], module: str,
+def worker_rows(cells: list[SweepCell], job: dict[str, Any],
                 make_row: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Runs cells in a subprocess (`python -m module`, reading `job` and the cells' JSON on stdin and
+    """Runs cells in a subprocess (`python -m` their kind's `worker`, reading `job` and the cells' JSON on stdin and
     printing one observation per line); a cell whose process dies is recorded as a crash, with the last
     line the process printed (an abort's assertion text), and the next cells go to a new process."""
     start = 0
     while start < len(cells):
         payload = json.dumps(job | {"cells": [c.to_json() for c in cells[start:]]})
         with tempfile.TemporaryFile("w+") as errors:
-            proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", type(cells[0]).worker], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy(),
                                     preexec_fn=end_with_parent)  # a SIGKILL-ed sweep leaves no cell running
             proc.stdin.write(payload)
@@ -361,10 +390,12 @@ def worker_rows(cells: list[Any], job: dict[str, Any], module: str,
             start += 1
 
 
-def _worker_main() -> None:
+def worker_main(kind: type) -> None:
+    """A worker process (see `worker_rows`): observes each cell of `kind` its job on stdin names, unemulated,
+    and prints one JSON observation per line."""
     job = json.loads(sys.stdin.read())
     for spec in job["cells"]:
-        seen = observe(Cell(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"))
+        seen = observe(kind(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"))
         print(json.dumps(seen), flush=True)
 
 
@@ -402,4 +433,4 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _worker_main()
+    worker_main(Cell)

@@ -90,7 +90,7 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
     `show.cell`."""
     import itertools
 
-    from mpsimpact.runs.family_cells import FamilyCell, run_family_cells
+    from mpsimpact.runs.family_cells import FamilyCell
     from mpsimpact.runs.sweep import CellClock, cell_name, run_cells
 
     clock = CellClock(todo, device)
@@ -99,7 +99,7 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
     others = [cell for cell in todo if isinstance(cell, FamilyCell)]
     rows = itertools.chain(
         run_cells(products, device, emulated, config.index_bits, config.in_process, profile, budget),
-        run_family_cells(others, device, emulated, config.in_process, profile, budget))
+        run_cells(others, device, emulated, config.index_bits, config.in_process, profile, budget))
     for number, row in enumerate(rows, 1):
         now = time.perf_counter()
         clock.finished(now - tick if is_measured(row) else 0.0)
