@@ -198,7 +198,8 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
             expected = plan_at_length(calls, length, index_bits, profile)
         except _Unscalable:
             return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
-        if plan_signature(trace_at(length)) != plan_signature(expected) or is_clean(expected) != (length == answer):
+        traced = trace_at(length)
+        if plan_signature(traced) != plan_signature(expected) or is_clean(expected) != (length == answer):
             return bisect_clean(trace_at, high, f"a trace at length {length} differs from the fit")
     basis = (f"arithmetic on calls traced at lengths {', '.join(map(str, lengths))} (each shape, stride and "
              f"offset a quadratic in the length), checked by tracing at {' and '.join(map(str, checks))}")
