@@ -15,7 +15,7 @@ from mpsimpact import blocked_attention as blocked
 from mpsimpact.cli import app
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.prediction.memory import blocked_peak_bytes, estimate_peak_bytes, parameter_count
-from mpsimpact.prediction.safe_size import trace_classifier
+from mpsimpact.prediction.meta_model import trace_meta
 from tiny import tiny_bert, token_batch
 
 runner = CliRunner()
@@ -100,11 +100,11 @@ def test_under_emulation_it_alters_exactly_the_calls_eager_alters():
 
 
 def test_its_one_oversized_call_is_eagers_p_v_and_every_other_call_is_a_block():
-    eager_plan = trace_classifier(tiny_bert("meta", max_position_embeddings=64), 48, 64, every_op=True)
+    eager_plan = trace_meta(tiny_bert("meta", max_position_embeddings=64), 48, 64, every_op=True)
     meta = tiny_bert("meta", max_position_embeddings=64)
     meta.set_attn_implementation(NAME)
     blocked.use_blocks(meta, 5)
-    plan = trace_classifier(meta, 48, 64, every_op=True)
+    plan = trace_meta(meta, 48, 64, every_op=True)
     p_v = [c for c in plan.products if c.a.shape == (48 * 4, 64, 64)]
     eager_p_v = [c for c in eager_plan.products if c.a.shape == (48 * 4, 64, 64)]
     assert [(c.a, c.b, c.fault) for c in p_v] == [(c.a, c.b, c.fault) for c in eager_p_v]  # shapes, layouts

@@ -13,7 +13,8 @@ from mpsimpact.cli import app
 from mpsimpact.errors import UsageError
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at, trace_classifier
+from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 from tiny import tiny_bert, token_batch
 
 runner = CliRunner()
@@ -81,7 +82,7 @@ def test_scaled_plan_equals_a_direct_trace():
     from transformers import AutoConfig
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
-    direct = trace_classifier(meta, 1400, 512, every_op=True)  # the scaled calls hold every op too
+    direct = trace_meta(meta, 1400, 512, every_op=True)  # the scaled calls hold every op too
     scaled = plan_at(per_text_calls(meta, 512), 1400)
     assert [(c.op, c.a, c.b, c.fault) for c in direct.calls] == [(c.op, c.a, c.b, c.fault) for c in scaled.calls]
 
@@ -169,7 +170,7 @@ def test_scaled_calls_equal_direct_traces_forward_and_backward(backward):
     # Backward: the weight gradients' x^T (16, B*64) grows in its last dim, with its stride.
     assert any(p.a_scales and p.call.a.shape[-1] != p.a4.shape[-1] for p in calls) == backward
     for batch in (3, 40, 100_000):
-        direct = trace_classifier(tiny_bert("meta"), batch, 64, backward=backward, every_op=True, index_bits=16)
+        direct = trace_meta(tiny_bert("meta"), batch, 64, backward=backward, every_op=True, index_bits=16)
         scaled = plan_at(calls, batch, index_bits=16)
         assert [(c.op, c.a, c.b, c.fault) for c in scaled.calls] == [(c.op, c.a, c.b, c.fault) for c in direct.calls]
 
@@ -180,7 +181,7 @@ def test_backward_largest_safe_batch_at_128_is_where_a_direct_trace_first_faults
     assert safe == 10922  # P^T (B*12, 128, 128) as a view reaches 2**31 elements from 10923 texts on
     meta = meta_classifier_of_the_scenario()
     for batch, clean in ((safe, True), (safe + 1, False)):
-        plan = trace_classifier(meta, batch, 128, backward=True, every_op=True, profile=PROFILE)
+        plan = trace_meta(meta, batch, 128, backward=True, every_op=True, profile=PROFILE)
         assert all(c.fault.is_ok for c in plan.calls) == clean
 
 

@@ -7,18 +7,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
-    MetaModel, build_meta_model, heads_of, length_limit, load_model_config, resolve_task,
+    MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.safe_size import (
-    TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, scalable,
+    TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, plan_signature, scalable,
 )
 from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
@@ -51,7 +49,10 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     config, where = load_model_config(cfg.model)
     model_class, task, task_basis = resolve_task(config, cfg.task)
     padding = pad_for_the_head(config, model_class)
-    module = build_meta_model(model_class, config, cfg.attention)
+    try:
+        module = build_meta_model(model_class, config, cfg.attention)
+    except Exception as error:  # a config transformers accepted, but no model can be built from (any error type)
+        raise explain_build_error(error, model_class, config, cfg.attention) from None
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     release = judge_release(cfg.torch_profile)
@@ -96,7 +97,8 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
-        if _signature(plan_at(calls, batch, model.index_bits, model.profile)) != _signature(trace_at(batch)):
+        scaled = plan_at(calls, batch, model.index_bits, model.profile)
+        if plan_signature(scaled) != plan_signature(trace_at(batch)):
             return bisect_clean(trace_at, BATCH_CEILING, f"the scaled calls differ from the trace at batch {batch}")
         basis += f"; the scaling agrees with the trace at batch {batch}"
     found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, BATCH_CEILING, model.profile)
@@ -127,10 +129,6 @@ def affordable_length(model: MetaModel, batch: int, high: int) -> tuple[int, str
         return high, ""
     return cap, (f"searched up to {cap} tokens only: a trace grows by {per_token:.3g} ops per token (the model "
                  f"runs ops token by token), and a longer one would hold more than {MAX_TRACE_OPS:,}")
-
-
-def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
-    return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
 
 
 def build_check_report(cfg: CheckConfig) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 
 # --task (config.CHECK_TASKS, in this order) -> the transformers auto class, and the name of its MODEL_..._MAPPING_NAMES table.
 TASKS = {
@@ -206,24 +207,42 @@ def _class_names(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def build_meta_model(model_class: Any, config: Any, attention: str) -> torch.nn.Module:
-    """The model on `meta` (no weights, nothing allocated), in eval mode; `default` leaves the attention
-    implementation to transformers (read it back from `model.config._attn_implementation`)."""
+def build_meta_model(model_class: Any, config: Any, attention: str | None = None) -> torch.nn.Module:
+    """The model on `meta` (no weights, nothing allocated), in eval mode; `attention` None (or "default")
+    leaves the implementation to transformers (read it back from `model.config._attn_implementation`).
+    Raises what transformers raises (`explain_build_error` words it for the CLI)."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    kwargs = {} if attention == "default" else {"attn_implementation": attention}
+    kwargs = {} if attention in (None, "default") else {"attn_implementation": attention}
     build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
-    try:
-        with torch.device("meta"):
-            model = build(config, **kwargs)
-    except Exception as error:  # a config transformers accepted, but no model can be built from (any error type)
-        if attention != "default" and "attn_implementation" in str(error):
-            raise UsageError(f"--attention {attention}: {model_class.__name__} does not support it for model type "
-                             f"'{config.model_type}' ({_first_line(error)[:160]}).") from None
-        raise ModelLoadError(f"Cannot build {model_class.__name__} (model type '{config.model_type}') from the config, "
-                             f"in {failing_call(error)}: {type(error).__name__}: {_one_line(error)}") from None
-    return model.eval()
+    with torch.device("meta"):
+        return build(config, **kwargs).eval()
+
+
+def explain_build_error(error: Exception, model_class: Any, config: Any, attention: str) -> Exception:
+    """A failed `build_meta_model` in one line: the --attention the model lacks, or where it failed."""
+    name, model_type = model_class.__name__, config.model_type
+    if attention != "default" and "attn_implementation" in str(error):
+        return UsageError(f"--attention {attention}: {name} does not support it for model type "
+                          f"'{model_type}' ({_first_line(error)[:160]}).")
+    return ModelLoadError(f"Cannot build {name} (model type '{model_type}') from the config, "
+                          f"in {failing_call(error)}: {type(error).__name__}: {_one_line(error)}")
+
+
+def trace_meta(module: torch.nn.Module, batch: int, length: int, *, mask: str = "none", backward: bool = False,
+               index_bits: int = MPS_INDEX_BITS, profile: FaultProfile | None = None, every_op: bool = False,
+               **forward: Any) -> FaultPlan:
+    """Traces `module` (built on meta) on `batch` samples of `length` zero token ids, with the attention
+    mask variant `mask` (one of MASKS) and any other `forward` arguments; `profile` None: the installed
+    torch's rules."""
+    inputs: dict[str, Any] = {"input_ids": torch.zeros(batch, length, dtype=torch.long, device="meta")}
+    if mask == "4-D ones":
+        inputs["attention_mask"] = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta")
+    elif mask == "2-D ones":
+        inputs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device="meta")
+    return trace_module(module, inputs | forward, backward=backward, index_bits=index_bits, profile=profile,
+                        every_op=every_op)
 
 
 @dataclasses.dataclass
@@ -242,22 +261,16 @@ class MetaModel:
     traces: int = 0  # traces made (a geometry traced once is answered from `plans`)
     plans: dict[tuple[int, int], FaultPlan] = dataclasses.field(default_factory=dict)
 
-    def inputs(self, batch: int, length: int, mask: str) -> dict[str, Any]:
-        """Zero token ids (and decoder ids for encoder-decoders) on meta; use_cache as `cache` says (the
-        default forward passes K and V through the cache, which changes the layouts bmm sees)."""
-        def ids(n: int) -> torch.Tensor:
-            return torch.zeros(batch, n, dtype=torch.long, device="meta")
-
-        inputs: dict[str, Any] = {"input_ids": ids(length)}
+    def forward_args(self, batch: int, length: int) -> dict[str, Any]:
+        """Decoder ids for encoder-decoders (zeros on meta, `target_len` long) and use_cache as `cache` says
+        (the default forward passes K and V through the cache, which changes the layouts bmm sees)."""
+        args: dict[str, Any] = {}
         if getattr(self.config, "is_encoder_decoder", False):
-            inputs["decoder_input_ids"] = ids(self.target_len or length)
-        if mask == "4-D ones":
-            inputs["attention_mask"] = torch.ones(batch, 1, length, length, dtype=torch.bool, device="meta")
-        elif mask == "2-D ones":
-            inputs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device="meta")
+            args["decoder_input_ids"] = torch.zeros(batch, self.target_len or length, dtype=torch.long,
+                                                    device="meta")
         if "use_cache" in inspect.signature(self.module.forward).parameters:
-            inputs["use_cache"] = self.cache
-        return inputs
+            args["use_cache"] = self.cache
+        return args
 
     def trace(self, batch: int, length: int) -> FaultPlan:
         """Traces one forward pass (or training step) at this geometry, once: every op but views (so that
@@ -273,8 +286,9 @@ class MetaModel:
         for variant in (self.mask,) if self.mask else MASKS:
             self.traces += 1
             try:
-                plan = trace_module(self.module, self.inputs(batch, length, variant), backward=self.backward,
-                                    index_bits=self.index_bits, profile=self.profile, every_op=True)
+                plan = trace_meta(self.module, batch, length, mask=variant, backward=self.backward,
+                                  index_bits=self.index_bits, profile=self.profile, every_op=True,
+                                  **self.forward_args(batch, length))
             except Exception as error:  # the model's own code on meta tensors can fail in any way: try the next
                 failures.append((variant, error))
                 continue

@@ -10,7 +10,8 @@ from mpsimpact.errors import UsageError
 from mpsimpact.config import PlanConfig
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
-from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at, trace_classifier
+from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -83,17 +84,17 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
     at the longest length), whether it fits, the command."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
-    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, resolve_profile
+    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release
     from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
                                                 recommend, usable_bytes)
 
     def trace_blocked(batch: int, length: int) -> Any:
         meta = scenario.meta_module(model_config, BLOCKED)
-        return trace_classifier(meta, batch, length, index_bits=config.index_bits, profile=profile)
+        return trace_meta(meta, batch, length, index_bits=config.index_bits, profile=profile)
 
     unmeasured = profile if profile.conservative else None
     if unmeasured is not None:  # nobody can tell what it does: the demo is sized on the published release's rules
-        profile = resolve_profile(PUBLISHED_DEMO_RELEASE)
+        profile = judge_release(None, apple_gpu=False).profile
         safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
     budget, basis = usable_bytes(config.memory)
     dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes

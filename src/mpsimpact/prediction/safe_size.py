@@ -9,14 +9,14 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
 from mpsimpact.engine.call import CallRecord, classify_record, out_elements
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
-from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan, runs_on_mps
-from mpsimpact.engine.release import resolve_profile
+from mpsimpact.engine.release import FaultProfile, takes_release
 from mpsimpact.errors import UsageError
+from mpsimpact.prediction.meta_model import trace_meta
+
+trace_classifier = trace_meta  # runs.runner imports it from here
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
 Fit = tuple[int, int, int, int]
@@ -87,30 +87,29 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
     return fitted
 
 
-def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int = MPS_INDEX_BITS,
-                   profile: Profile = None) -> FaultPlan:
+def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int,
+                   profile: FaultProfile) -> FaultPlan:
     """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
     return _decided((fitted.at(length) for fitted in calls), index_bits, profile)
 
 
-def _decided(calls: Iterable[CallRecord], index_bits: int, profile: Profile) -> FaultPlan:
+def _decided(calls: Iterable[CallRecord], index_bits: int, profile: FaultProfile) -> FaultPlan:
     """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
     # from_trace decides each call MPS runs (its `trace` keeps the rebuilt records, read for their operands)
-    return FaultPlan.from_trace(tuple(calls), index_bits, resolve_profile(profile))
+    return FaultPlan.from_trace(tuple(calls), index_bits, profile)
 
 
-def _distinct_runs(calls: list[LengthFittedCall], profile: Profile) -> list[LengthFittedCall]:
+def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list[LengthFittedCall]:
     """The fitted calls MPS runs under `profile` (FaultPlan.from_trace keeps the same), one per distinct
     op and operand fits: a model's layers repeat their calls, and equal fits give equal calls at any length."""
     distinct = {}
-    for fitted in runs_on_mps(calls, resolve_profile(profile)):
+    for fitted in runs_on_mps(calls, profile):
         distinct.setdefault((fitted.call.op, fitted.call.family, fitted.a, fitted.b), fitted)
     return list(distinct.values())
 
 
-def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: Profile) -> bool:
+def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: FaultProfile) -> bool:
     """is_clean(plan_at_length(...)) for the calls of _distinct_runs, by arithmetic on them alone."""
-    profile = resolve_profile(profile)
     return all(classify_record(fitted.at(length), index_bits, profile).is_ok for fitted in kept)
 
 
@@ -174,6 +173,7 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
     return n, 2 * n, known if known is not None and 2 * n < known <= high else 3 * n
 
 
+@takes_release
 def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = MPS_INDEX_BITS,
                         profile: Profile = None, known: int | None = None) -> BoundarySearch:
     """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase);
@@ -198,14 +198,16 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
             expected = plan_at_length(calls, length, index_bits, profile)
         except _Unscalable:
             return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
-        if _signature(trace_at(length)) != _signature(expected) or is_clean(expected) != (length == answer):
+        traced = trace_at(length)
+        if plan_signature(traced) != plan_signature(expected) or is_clean(expected) != (length == answer):
             return bisect_clean(trace_at, high, f"a trace at length {length} differs from the fit")
     basis = (f"arithmetic on calls traced at lengths {', '.join(map(str, lengths))} (each shape, stride and "
              f"offset a quadratic in the length), checked by tracing at {' and '.join(map(str, checks))}")
     return BoundarySearch(answer, high, basis)
 
 
-def _signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
+def plan_signature(plan: FaultPlan) -> list[tuple[Any, ...]]:
+    """What two plans must share to be the same: each call's op, operands and fault."""
     return [(c.op, c.a, c.b, c.fault) for c in plan.calls]
 
 
@@ -221,14 +223,6 @@ def bisect_clean(trace_at: Callable[[int], FaultPlan], high: int, why: str) -> B
         good, bad = (mid, bad) if is_clean(trace_at(mid)) else (good, mid)
     return BoundarySearch(good, high,
                           f"bisection over {traces} traces, assuming smaller is never worse ({why})")
-
-
-def trace_classifier(meta_module: torch.nn.Module, batch: int, length: int, *, backward: bool = False,
-                     index_bits: int = MPS_INDEX_BITS, profile: Profile = None, every_op: bool = False) -> FaultPlan:
-    """Traces a classifier (built on meta) on a batch of `batch` texts of `length` tokens."""
-    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    return trace_module(meta_module, {"input_ids": ids}, backward=backward, index_bits=index_bits,
-                        profile=profile, every_op=every_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,12 +262,12 @@ def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
 TRACE_TEXTS = 2
 
 
-def per_text_calls(meta_module: torch.nn.Module, length: int, *, backward: bool = False) -> list[PerTextCall]:
+def per_text_calls(meta_module: Any, length: int, *, backward: bool = False) -> list[PerTextCall]:
     """Traces at 2 and 4 texts, whose calls give each operand entry's growth per text. Every call of the
     trace is kept (SDPA and its math path, and every op but views, whatever its size: the same calls at
     every batch): `plan_at` picks those a release makes."""
-    two = trace_classifier(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True)
-    four = trace_classifier(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True)
+    two = trace_meta(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True)
+    four = trace_meta(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True)
     return per_text(two, four)
 
 
@@ -302,12 +296,12 @@ def scalable(two: FaultPlan, four: FaultPlan) -> bool:
         for c2, c4 in zip(two.trace, four.trace))
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
-            profile: Profile = None) -> bool:
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile) -> bool:
     """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
     return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
 
 
+@takes_release
 def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS,
                        ceiling: int = 1 << 24, profile: Profile = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
@@ -331,6 +325,7 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = M
     return ceiling
 
 
+@takes_release
 def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
             profile: Profile = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""

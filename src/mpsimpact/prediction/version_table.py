@@ -10,7 +10,7 @@ import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
-from mpsimpact.prediction.safe_size import trace_classifier
+from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
 
 ATTENTIONS = ("eager", "sdpa")
@@ -34,8 +34,8 @@ def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length
     Args:
         meta_for: builds the model on meta with an attention implementation ("eager", "sdpa").
     """
-    traces = {(attention, phase): trace_classifier(meta_for(attention), batch, length,
-                                                   backward=phase == "training", index_bits=index_bits)
+    traces = {(attention, phase): trace_meta(meta_for(attention), batch, length, backward=phase == "training",
+                                             index_bits=index_bits)
               for attention in ATTENTIONS for phase in PHASES}
     per_release = {}
     for release in (*MEASURED_RELEASES, CONSERVATIVE):

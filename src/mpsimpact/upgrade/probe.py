@@ -36,43 +36,6 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def build_meta(config: Any, task: str, attention: str | None) -> Any:
-    """The model on meta from its config; `attention` None leaves the choice to transformers."""
-    import torch
-    from transformers import AutoModel, AutoModelForSequenceClassification
-
-    auto = AutoModelForSequenceClassification if task == "sequence-classification" else AutoModel
-    kwargs = {} if attention is None else {"attn_implementation": attention}
-    with torch.device("meta"):
-        return auto.from_config(config, **kwargs).eval()
-
-
-def trace_at(model: Any, batch: int, length: int, output_attentions: bool = False) -> tuple[Any, bool]:
-    """The model's FaultPlan at (batch, length) on meta, and whether the mask workaround was needed.
-
-    transformers' mask helpers skip the mask when all of it is ones, which reads values that meta
-    tensors lack (4.x for SDPA; 5.x with a mask given). Under torch.jit tracing they build the mask
-    without that check, as for a padded batch; no matmul changes.
-    """
-    from unittest import mock
-
-    import torch
-
-    from mpsimpact.modes.tracer import trace_module
-
-    ids = torch.zeros(batch, length, dtype=torch.long, device="meta")
-    inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long, device="meta")}
-    if output_attentions:
-        inputs["output_attentions"] = True
-    try:
-        return trace_module(model, inputs), False
-    except RuntimeError as error:
-        if "meta tensors" not in str(error):
-            raise
-    with mock.patch("torch.jit.is_tracing", return_value=True):
-        return trace_module(model, inputs), True
-
-
 def op_path(plan: Any) -> list[dict[str, Any]]:
     """The calls of a trace as distinct signatures in first-seen order (layers folded into `*`)."""
     seen: dict[tuple, dict[str, Any]] = {}
@@ -112,15 +75,31 @@ def outcomes(plan: Any, batch: int, heads: int, profiles: list[str]) -> dict[str
     return result
 
 
-def probe_implementation(config: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
-    """One attention implementation: what the model gets, its op path and outcomes per profile."""
+def probe_implementation(config: Any, model_class: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
+    """One attention implementation: what the model gets, its op path and outcomes per profile.
+
+    transformers' mask helpers skip the mask when all of it is ones, which reads values that meta
+    tensors lack (4.x for SDPA; 5.x with a mask given). Under torch.jit tracing they build the mask
+    without that check, as for a padded batch; no matmul changes.
+    """
+    from unittest import mock
+
+    from mpsimpact.prediction.meta_model import build_meta_model, trace_meta
+
     requested = IMPLEMENTATIONS[name]
     try:
-        model = build_meta(config, job["task"], requested)
+        model = build_meta_model(model_class, config, requested)
     except (ValueError, ImportError) as error:  # e.g. an architecture without SDPA in this version
         return {"requested": requested or "default", "error": _first_line(error)}
-    plan, workaround = trace_at(model, job["batch_size"], job["max_length"],
-                                output_attentions=requested is None)
+    size = job["batch_size"], job["max_length"]
+    forward = {"output_attentions": True} if requested is None else {}
+    try:
+        plan, workaround = trace_meta(model, *size, mask="2-D ones", **forward), False
+    except RuntimeError as error:
+        if "meta tensors" not in str(error):
+            raise
+        with mock.patch("torch.jit.is_tracing", return_value=True):
+            plan, workaround = trace_meta(model, *size, mask="2-D ones", **forward), True
     return {
         "requested": requested or "default", "gets": model.config._attn_implementation,
         "runs": runs_attention(plan), "calls": len(plan.calls), "meta_mask_workaround": workaround,
@@ -207,9 +186,11 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
     import transformers
 
     imported = time.perf_counter()
-    from mpsimpact.prediction.meta_model import load_model_config
+    from mpsimpact.prediction.meta_model import build_meta_model, load_model_config
 
     config, _ = load_model_config(job["model"])
+    auto = (transformers.AutoModelForSequenceClassification if job["task"] == "sequence-classification"
+            else transformers.AutoModel)
     result: dict[str, Any] = {
         "schema": PROBE_SCHEMA,
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
@@ -218,8 +199,8 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
                   "mpsimpact": str(Path(__file__).resolve().parents[1] / "__init__.py")},
         "model_type": config.model_type, "heads": config.num_attention_heads,
         "layers": config.num_hidden_layers,
-        "default_attention": build_meta(config, job["task"], None).config._attn_implementation,
-        "implementations": {name: probe_implementation(config, job, name) for name in IMPLEMENTATIONS}}
+        "default_attention": build_meta_model(auto, config).config._attn_implementation,
+        "implementations": {name: probe_implementation(config, auto, job, name) for name in IMPLEMENTATIONS}}
     traced = time.perf_counter()
     result["emulated"] = emulated_runs(job["emulated_profile"])
     result["timing"] = {"import_s": round(imported - started, 2), "trace_s": round(traced - imported, 2),
