@@ -226,3 +226,47 @@ def test_the_cli_imports_no_engine_module_and_the_engine_errors_are_mpsimpact_er
         with mpsimpact.guard("raise", profile="newest"):
             pass
     assert isinstance(raised.value, ValueError)
+
+
+def _calls_named(name: str) -> list[tuple[str, int]]:
+    return [(module, node.lineno) for module, path in module_files().items()
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == name]
+
+
+def test_a_release_is_resolved_in_at_most_three_places():
+    # Where a call comes in (engine.release.takes_release), the commands' judge_release, the guard.
+    calls = _calls_named("resolve_profile")
+    assert calls and len(calls) <= 3, calls
+
+
+def test_the_runner_calls_the_kinds_never_the_other_way():
+    graph = project_graph()
+    kinds = [m for m in graph if m.startswith("mpsimpact.runs.") and m.endswith("kind")]
+    assert len(kinds) >= 4 and "mpsimpact.runs.kinds" not in kinds
+    assert {k for k in kinds if "mpsimpact.runs.runner" in graph[k]} == set()
+    assert "mpsimpact.runs.device_pass" in graph["mpsimpact.runs.classify_kind"]  # the walker sees them
+
+
+# A kind's own fields: only its kind module and the module that computes them may name them.
+KIND_FIELDS = {
+    ("classify_kind", "metrics"): ("collapse", "flips", "chi2_collapse_p", "flips_vs_fp32"),
+    ("train_kind", "training"): ("faulted_ops", "corrupted_gradient_tensors", "max_gradient_rel_error",
+                                 "update_rel_error", "eval_flips_after_training"),
+    ("embed_kind", "ranking"): ("recall_at_10", "self_retrieval", "top1_changed", "hubs"),
+}
+
+
+def named_fields(path: Path) -> set[str]:
+    """Every string constant in a module (a field read or written as condition["name"])."""
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_no_kind_specific_field_is_named_outside_its_kind():
+    files = {name: path for name, path in module_files().items() if name.startswith("mpsimpact.")
+             and not name.startswith("mpsimpact.scenarios")}
+    strays = {(module, field) for owners, fields in KIND_FIELDS.items() for module, path in files.items()
+              if module.rpartition(".")[2] not in owners for field in set(fields) & named_fields(path)}
+    assert named_fields(files["mpsimpact.runs.train_kind"]) >= {"corrupted_gradient_tensors"}  # it sees them
+    assert strays == set()

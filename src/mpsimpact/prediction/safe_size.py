@@ -16,7 +16,6 @@ from mpsimpact.engine.release import FaultProfile, takes_release
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.meta_model import trace_meta
 
-trace_classifier = trace_meta  # runs.runner imports it from here
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
 Fit = tuple[int, int, int, int]

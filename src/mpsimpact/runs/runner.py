@@ -14,7 +14,7 @@ from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig
 from mpsimpact.prediction.outcome import on_a_mac, predict
-from mpsimpact.prediction.safe_size import trace_classifier
+from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
 from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
@@ -45,9 +45,9 @@ def run_scenario(config: RunConfig,
                                    profile=release.profile.ref, release=release.profile, dtype=config.dtype)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it.
     dtype = getattr(torch, config.dtype)
-    plans = {a: trace_classifier(scenario.meta_module(attention=a).to(dtype), batch, max_length,
-                                 index_bits=config.index_bits, backward=kind.backward,
-                                 profile=geometry.release) for a in geometry.attentions}
+    plans = {a: trace_meta(scenario.meta_module(attention=a).to(dtype), batch, max_length,
+                           index_bits=config.index_bits, backward=kind.backward, profile=geometry.release)
+             for a in geometry.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
     installed = predict(plans[geometry.attentions[0]].under(release.installed), batch, model.heads)
