@@ -270,3 +270,14 @@ def test_no_kind_specific_field_is_named_outside_its_kind():
               if module.rpartition(".")[2] not in owners for field in set(fields) & named_fields(path)}
     assert named_fields(files["mpsimpact.runs.train_kind"]) >= {"corrupted_gradient_tensors"}  # it sees them
     assert strays == set()
+
+
+def test_the_reports_import_no_module_that_runs_work():
+    # Reports print and write what they are handed: they may read the output helpers, the config's
+    # constants, the errors and the engine's pure rules and names, nothing that runs, traces or compares.
+    graph = project_graph()
+    reports = [m for m in graph if room(m) == "reports"]
+    assert len(reports) >= 7
+    assert {(m, t) for m in reports for t in graph[m]
+            if room(t) not in ("reports", "output", "config", "errors", "engine")} == set()
+    assert "mpsimpact.output.page" in graph["mpsimpact.reports.run"]  # the walker sees them

@@ -187,8 +187,14 @@ class PlanConfig(Validated):
 
 # `check --task`: the keys of prediction.meta_model.TASKS (the transformers auto class of each).
 CHECK_TASKS = ("base", "sequence-classification", "token-classification", "causal-lm", "seq2seq")
-ATTENTIONS = ("eager", "sdpa", "default")
+# The attention implementations the version table and the matrix compare, the one a condition without the
+# field ran, and `check --attention` ("default": what transformers picks).
+ATTENTIONS = ("eager", "sdpa")
+DEFAULT_ATTENTION = "eager"
+CHECK_ATTENTIONS = (*ATTENTIONS, "default")
 PHASES = ("inference", "training")
+NEWER = "unmeasured newer"  # the releases after the newest measured one, as tables name them
+EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"  # the embedded default model, as reports name it
 # Searched up to here when the config states no position limit (relative positions, e.g. T5).
 LENGTH_CEILING = 1 << 20
 BATCH_CEILING = 1 << 24
@@ -203,7 +209,7 @@ class CheckConfig(Validated):
     seq_len: int | None = option(None, Check("--seq-len", low=1))
     target_len: int | None = option(None, Check("--target-len", low=1))
     task: str = option("auto", Check("--task", choices=("auto", *CHECK_TASKS)))
-    attention: str = option("default", Check("--attention", choices=ATTENTIONS))
+    attention: str = option("default", Check("--attention", choices=CHECK_ATTENTIONS))
     phase: str = option("inference", Check("--phase", choices=PHASES))
     torch_profile: str | None = option(None, TORCH_PROFILE)
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)

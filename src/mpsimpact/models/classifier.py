@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
 from mpsimpact.models.dataset import LABELS
@@ -21,7 +22,7 @@ from mpsimpact.errors import ModelLoadError
 
 HEAD_WEIGHTS = "sentiment_head.npz"
 HEAD_METADATA = "sentiment_head.json"
-EMBEDDED = "embedded:all-MiniLM-L6-v2"
+EMBEDDED = EMBEDDED_MODEL
 
 
 class SentenceClassifier(nn.Module):

@@ -64,6 +64,11 @@ def op_cell(op: str, a: list[int], b: list[int]) -> str:
     return f"{op} on {shape(a)}" + (f" -> {shape(b)}" if list(b) != list(a) else "")
 
 
+def cell_name(cell: dict[str, Any]) -> str:
+    """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
+    return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"
+
+
 def format_cell(value: Any) -> str:
     """A table cell: '-' for missing, short floats, scientific below 1e-3."""
     if value is None:

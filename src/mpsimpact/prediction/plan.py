@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.errors import UsageError
-from mpsimpact.config import PlanConfig
+from mpsimpact.config import EMBEDDED_MODEL, PlanConfig
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.meta_model import trace_meta
@@ -57,7 +57,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
         "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
             plan_at(traced[length], batch, config.index_bits, release.installed), batch, heads))},
-        "profile": profile.to_json(), "model": config.model or "embedded:all-MiniLM-L6-v2", "heads": heads,
+        "profile": profile.to_json(), "model": config.model or EMBEDDED_MODEL, "heads": heads,
         "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
         "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],

@@ -8,14 +8,12 @@ from typing import Any
 
 import torch
 
+from mpsimpact.config import ATTENTIONS, NEWER, PHASES
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
 
-ATTENTIONS = ("eager", "sdpa")
-PHASES = ("inference", "training")
-NEWER = "unmeasured newer"
 
 
 def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:

@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.runs.sweep import cell_name
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, fitted_table
-from mpsimpact.upgrade.folders import DEFAULT_ATTENTION
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, cell_name, fitted_table
+from mpsimpact.config import DEFAULT_ATTENTION
 from mpsimpact.output.page import format_cell as _show
 
 def _old_new(old: Any, new: Any) -> str:

@@ -8,11 +8,11 @@ import contextlib
 import html
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.upgrade.matrix import ATTENTIONS, Progress
+from mpsimpact.config import ATTENTIONS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, fitted_table,
                                    html_table, markdown_table, release_lines)
@@ -268,8 +268,9 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def progress_bars() -> Iterator[Progress]:
-    """A rich progress bar per environment (building, probing), on stderr when it is a terminal."""
+def progress_bars() -> Iterator[Callable[[str, str], None]]:
+    """A rich progress bar per environment (building, probing), on stderr when it is a terminal: yields the
+    matrix's progress callback, (transformers version, stage)."""
     from rich.console import Console
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bars

@@ -10,7 +10,7 @@ from mpsimpact.reports.check import console_calls, stop_line
 
 
 def write_sweep_figure(table: dict, path: str, model: str, release: str = "") -> None:
-    from mpsimpact.runs.figures import sweep_figure
+    from mpsimpact.output.plot import sweep_figure
     from mpsimpact.output.files import atomic_write_bytes
 
     on = f"MPS, torch {release}" if release else "MPS"

@@ -6,7 +6,7 @@ from typing import Any
 
 from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.output.page import Footnotes, fitted_table, markdown_table, without_rule_names
-from mpsimpact.prediction.version_table import ATTENTIONS, PHASES
+from mpsimpact.config import ATTENTIONS, PHASES
 
 COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "unmeasured": "#999999",
           "error": "#984ea3", "abort": "#222222"}

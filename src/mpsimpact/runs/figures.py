@@ -95,22 +95,6 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
     return figures
 
 
-def sweep_figure(table: dict[str, list[dict[str, Any]]], title: str) -> bytes:
-    """Predicted corrupted fraction vs batch size, one line per max length; stops marked."""
-    fig, ax = pyplot().subplots(figsize=(8, 4))
-    for length, rows in table.items():
-        ax.plot([r["batch"] for r in rows], [r["corrupted_fraction"] for r in rows], marker="o", markersize=3,
-                label=f"max length {length}")
-        for r in rows:
-            if r["stops"]:
-                ax.annotate(r["stops"], (r["batch"], 0), fontsize=6, rotation=90, va="bottom")
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="batch size (texts)", ylabel="fraction of texts silently wrong")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    return png(fig)
-
-
 OUTCOME_COLORS = {"ok": "#4daf4a", "wrong_tail": "#ff7f00", "wrong_all": "#e41a1c", "wrong_other": "#984ea3",
                   "error": "#377eb8", "crash": "#000000", "skipped_memory": "#dddddd"}
 

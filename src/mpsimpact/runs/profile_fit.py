@@ -17,7 +17,8 @@ from mpsimpact.engine.release import (
     SUM_64_BIT_MESSAGE, FaultProfile, bmm_failure_texts, parse_version,
 )
 from mpsimpact.runs.family_cells import TESTS_BY_NAME
-from mpsimpact.runs.sweep import Cell, agrees, cell_name, is_measured
+from mpsimpact.output.page import cell_name
+from mpsimpact.runs.sweep import Cell, agrees, is_measured
 
 NOT_MEASURED_NOTE = (
     "The sweep measures bmm around every threshold, and each op family once above 2**index_bits elements "

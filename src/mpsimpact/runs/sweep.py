@@ -157,11 +157,6 @@ def grid(index_bits: int, dtypes: tuple[str, ...], layouts: tuple[str, ...], qui
     return cells
 
 
-def cell_name(cell: dict[str, Any]) -> str:
-    """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
-    return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"
-
-
 def is_measured(row: dict[str, Any]) -> bool:
     """Whether a row's cell ran (a cell over the memory budget did not, and decides nothing)."""
     return row["observed"] != NOT_RUN

@@ -91,7 +91,8 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
     import itertools
 
     from mpsimpact.runs.family_cells import FamilyCell
-    from mpsimpact.runs.sweep import CellClock, cell_name, run_cells
+    from mpsimpact.output.page import cell_name
+    from mpsimpact.runs.sweep import CellClock, run_cells
 
     clock = CellClock(todo, device)
     started = tick = time.perf_counter()

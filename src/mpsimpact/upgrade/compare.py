@@ -13,8 +13,10 @@ from mpsimpact.errors import UsageError
 from mpsimpact.output.page import without_rule_names
 from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind
 from mpsimpact.runs.kinds import kind_of
-from mpsimpact.runs.sweep import NOT_RUN, cell_name
-from mpsimpact.upgrade.folders import DEFAULT_ATTENTION, RunFolder, SweepFolder, load_folder
+from mpsimpact.output.page import cell_name
+from mpsimpact.runs.sweep import NOT_RUN
+from mpsimpact.config import DEFAULT_ATTENTION
+from mpsimpact.upgrade.folders import RunFolder, SweepFolder, load_folder
 from mpsimpact.upgrade.profile_change import describe_change
 
 VERSIONS = ("torch", "transformers")

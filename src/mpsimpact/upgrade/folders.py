@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.bounds import parse_json
-from mpsimpact.config import CORRUPTION_THRESHOLD
+from mpsimpact.config import CORRUPTION_THRESHOLD, DEFAULT_ATTENTION
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
@@ -33,7 +33,6 @@ RUN_ENVIRONMENT = (
     ("mode", ("geometry", "mode")), ("installed torch's rules", ("environment", "fault_profile")),
     ("rules used", ("geometry", "profile")), ("--torch-profile", ("config", "torch_profile")),
     ("machine", ("environment", "machine")))
-DEFAULT_ATTENTION = "eager"
 WHAT_TO_PASS = "pass a folder written by `mpsimpact run` or `mpsimpact sweep`"
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.config import ATTENTIONS, EMBEDDED_MODEL, NEWER
 from mpsimpact.engine.release import judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
@@ -25,11 +26,9 @@ from mpsimpact.upgrade.overlay import (
 
 SCHEMA_VERSION = 1
 DEFAULT_VERSIONS = ("4.44.2", "4.57.6", "5.24.0")
-ATTENTIONS = ("eager", "sdpa")  # the heatmap's column groups; the default is one of them
 # The tiny emulated run's release: the last where both eager's P V wraps and fused SDPA is wrong, so
 # the guard has something to stop and split on either attention path.
 EMULATED_PROFILE = "2.12.1"
-NEWER = "unmeasured newer"
 _RELEASE = re.compile(r"^\d+\.\d+(\.\d+)?((a|b|rc|\.post|\.dev)\d+)*$")
 
 Progress = Callable[[str, str], None]  # (transformers version, stage: building, probing, done, failed)
@@ -112,7 +111,6 @@ def probe_job(config: MatrixConfig) -> dict[str, Any]:
 def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, prober: Prober = probe_environment,
                  progress: Progress | None = None) -> dict[str, Any]:
     """Builds (or finds) each release's environment, probes it, and assembles matrix.json's content."""
-    from mpsimpact.models.classifier import EMBEDDED
     from mpsimpact.runs.environment import collect_environment
 
     config.validate()
@@ -132,7 +130,7 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
             f"{release.installed.release} judges it.")},
         "schema": SCHEMA_VERSION, "kind": "matrix",
         "config": dataclasses.asdict(config) | {"batch_size": job["batch_size"], "max_length": job["max_length"]},
-        "model": config.model or EMBEDDED, "job": job, "offline": offline, "cache": str(cache.root),
+        "model": config.model or EMBEDDED_MODEL, "job": job, "offline": offline, "cache": str(cache.root),
         "emulated": {"profile": EMULATED_PROFILE, **TINY_RUN},
         "environment": collect_environment(), "columns": profile_columns(*released(config)), "rows": rows,
         "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
