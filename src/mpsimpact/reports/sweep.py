@@ -60,7 +60,18 @@ class SweepConsole:
         _write_json(folder / "summary.json", summary)
 
     def summary(self, summary: dict[str, Any], out: Path) -> None:
-        print_summary(self.console, summary, out)
+        """The tables by observed class and by layout, the family cells, the files and the profile."""
+        for key, by in (("by_class", "observed class"), ("by_layout", "layout")):
+            rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
+            self.console.print(rich_table(f"agreement with the fault model, by {by}", (by, "agree", "disagree",
+                                                                                     "skipped"), rows))
+        disagree = summary["disagree"]
+        verdict = "[green]every cell agrees[/]" if not disagree else f"[red]{disagree} cells disagree[/]"
+        not_run = f", {summary['not_run']} not run (over --max-memory: unmeasured)" if summary["not_run"] else ""
+        self.console.print(f"{summary['mode']}: {summary['cells']} bmm cells, {verdict}{not_run}.")
+        print_families(self.console, summary["families"])
+        self.console.print(f"Written to {out}/ ({', '.join(FILES)})")
+        print_profile(self.console, summary["derived_profile"], out)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -79,20 +90,6 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60} min {seconds % 60:02d} s"
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-
-
-def print_summary(console, summary: dict[str, Any], out: Path) -> None:
-    for key, by in (("by_class", "observed class"), ("by_layout", "layout")):
-        rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
-        columns = (by, "agree", "disagree", "skipped")
-        console.print(rich_table(f"agreement with the fault model, by {by}", columns, rows))
-    disagree = summary["disagree"]
-    verdict = "[green]every cell agrees[/]" if not disagree else f"[red]{disagree} cells disagree[/]"
-    not_run = f", {summary['not_run']} not run (over --max-memory: unmeasured)" if summary["not_run"] else ""
-    console.print(f"{summary['mode']}: {summary['cells']} bmm cells, {verdict}{not_run}.")
-    print_families(console, summary["families"])
-    console.print(f"Written to {out}/ ({', '.join(FILES)})")
-    print_profile(console, summary["derived_profile"], out)
 
 
 def print_families(console, families: dict[str, Any]) -> None:

@@ -170,10 +170,12 @@ class RunKind(abc.ABC):
 
     def table_columns(self, run: dict) -> tuple[tuple[str, str], ...]:
         """The conditions table's (key, title) pairs, as report.json records them (schema 2); for a
-        schema-1 report, the kind's, led by the attention when it varies."""
+        schema-1 report and a report being made, the kind's, led by the attention when it varies."""
         if "columns" in run:
             return tuple((key, title) for key, title in run["columns"])
-        return columns_of(self, run["conditions"])
+        if any("attention" in c for c in run["conditions"]):  # --attention sdpa or both
+            return (("attention", "attention"), *self.columns)
+        return self.columns
 
     def condition_rows(self, run: dict) -> list[list[str]]:
         """The conditions table: one row per condition (attention implementation and guard)."""
@@ -225,9 +227,3 @@ def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) ->
     text = f"{condition['status']}: {message}" if verbose else without_rule_names(message)
     return f"{words} {footnotes.mark(f'guard {who}: {text}')}"
 
-
-def columns_of(kind: RunKind, conditions: list[dict]) -> tuple[tuple[str, str], ...]:
-    """A kind's conditions table for these conditions: led by the attention when it varies."""
-    if any("attention" in c for c in conditions):  # --attention sdpa or both
-        return (("attention", "attention"), *kind.columns)
-    return kind.columns

@@ -17,7 +17,7 @@ from mpsimpact.prediction.outcome import on_a_mac, predict
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
-from mpsimpact.runs.kind import SCHEMA_VERSION, columns_of
+from mpsimpact.runs.kind import SCHEMA_VERSION
 from mpsimpact.runs.device_pass import Geometry, decide_geometry
 
 def run_scenario(config: RunConfig,
@@ -52,7 +52,7 @@ def run_scenario(config: RunConfig,
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
     installed = predict(plans[geometry.attentions[0]].under(release.installed), batch, model.heads)
     report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
-    report["columns"] = [list(pair) for pair in columns_of(kind, report["conditions"])]
+    report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
     return report, arrays
 

@@ -25,7 +25,7 @@ from mpsimpact.engine.faults import SILENT_KINDS, Fault, TensorSpec, classify_bm
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = SWEEP_LAYOUTS  # config.SWEEP_DTYPES names DTYPES' keys
 # (M, K, N): crossing through the output, through input a, through input b / views, all three.
-FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
+SHAPE_FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1}
 SAMPLE = 24  # batches judged per cell beyond the boundaries, when not all are affordable
 CHUNK_ELEMENTS = 1 << 24  # operands are drawn this many fp32 elements at a time, then cast in place
@@ -38,32 +38,22 @@ SPEEDS = {"cpu": (2e10, 2e8), "cuda": (2e13, 2e10), "mps": (3e12, 3e9)}
 
 
 class SweepCell(Protocol):
-    """What the sweep asks of a cell, a bmm (`Cell`) or an op family's test (family_cells.FamilyCell): the one
-    pipeline below (observe, run_cells, predicted_rows, worker processes) runs either."""
+    """What the sweep asks of a cell, a bmm (`Cell`) or an op family's test (family_cells.FamilyCell), so that
+    the one pipeline below (observe, run_cells, predicted_rows, worker processes) runs either: the fault
+    model's verdict (`predict`), the cell run and judged (`look`: the observation), the observation of a cell
+    that comes out as the rules say (`predicted_seen`), its row (the cell, prediction, expectation, the
+    observation, agreement), its size and time, and its JSON (the row's "cell")."""
 
     no_values: ClassVar[dict[str, Any]]  # the fields of an observation that judged no values
     worker: ClassVar[str]  # the module whose worker process (`python -m`) runs such cells
 
-    def predict(self, index_bits: int, profile: Any = None) -> Fault:
-        """The fault model's verdict on the cell."""
-
-    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        """Runs the cell and judges what came back: the observation."""
-
-    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
-        """The observation of a cell that comes out as `profile`'s rules say (nothing run)."""
-
-    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        """The cell's row: the cell, its prediction and expectation, `seen`, and whether they agree."""
-
-    def bytes_needed(self) -> int:
-        """Bytes the cell holds at once."""
-
-    def estimated_seconds(self, device: str) -> float:
-        """A rough time before anything ran."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The cell's fields, as its row's "cell"."""
+    def predict(self, index_bits: int, profile: Any = None) -> Fault: ...
+    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]: ...
+    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]: ...
+    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict: ...
+    def bytes_needed(self) -> int: ...
+    def estimated_seconds(self, device: str) -> float: ...
+    def to_json(self) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +138,7 @@ def thresholds(m: int, k: int, n: int, index_bits: int) -> set[int]:
 def grid(index_bits: int, dtypes: tuple[str, ...], layouts: tuple[str, ...], quick: bool) -> list[Cell]:
     """Every cell of the sweep; `quick` keeps fp32 for all families and the other dtypes for one."""
     cells = []
-    for m, k, n in FAMILIES:
+    for m, k, n in SHAPE_FAMILIES:
         batches = sorted(thresholds(m, k, n, index_bits))
         for dtype in dtypes:
             if quick and dtype != "fp32" and (m, k, n) != (256, 64, 256):

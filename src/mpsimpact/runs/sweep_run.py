@@ -16,12 +16,6 @@ from mpsimpact.errors import UsageError
 from mpsimpact.runs.sweep import NOT_RUN, is_measured
 
 
-def _cell_key(cell: dict[str, Any]) -> tuple:
-    if "test" in cell:  # a family cell
-        return (cell["test"],)
-    return tuple(cell[key] for key in ("m", "k", "n", "batch", "layout", "dtype"))
-
-
 @takes_release
 def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, Any]:
     """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
@@ -31,7 +25,7 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
     from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
     from mpsimpact.runs.family_cells import family_grid
-    from mpsimpact.runs.row_check import resumed_rows
+    from mpsimpact.runs.row_check import cell_key, resumed_rows
     from mpsimpact.runs.sweep import CellClock, grid
 
     config.validate()
@@ -57,8 +51,8 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
         families = ResumableFolder(folder.path, "families.jsonl")  # the same claimed folder, a second log
         kept = resumed_rows((folder, families), (cells, family_cells), device, emulated, config.index_bits,
                             profile.ref)
-        done = {_cell_key(row["cell"]): row for row in kept if is_measured(row)}
-        todo = [cell for cell in cells + family_cells if _cell_key(dataclasses.asdict(cell)) not in done]
+        done = {cell_key(row["cell"]): row for row in kept if is_measured(row)}
+        todo = [cell for cell in cells + family_cells if cell_key(dataclasses.asdict(cell)) not in done]
         fits = [cell for cell in todo if cell.bytes_needed() <= budget]
         show.plan(mode, config, (len(cells + family_cells), todo, fits), budget,
                   CellClock(fits, device).total_estimate, folder.path)
@@ -66,13 +60,13 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
         try:
             for row in sweep_cells(show, todo, device, emulated, config, profile.ref, budget):
                 (families if "test" in row["cell"] else folder).append(row)
-                rows[_cell_key(row["cell"])] = row
+                rows[cell_key(row["cell"])] = row
         except KeyboardInterrupt:
             if rows:
                 show.interrupted(len(rows), len(cells) + len(family_cells), folder.path, config, out)
             raise
-        ordered = [rows[_cell_key(dataclasses.asdict(cell))] for cell in cells]
-        family_rows = [rows[_cell_key(dataclasses.asdict(cell))] for cell in family_cells]
+        ordered = [rows[cell_key(dataclasses.asdict(cell))] for cell in cells]
+        family_rows = [rows[cell_key(dataclasses.asdict(cell))] for cell in family_cells]
         summary, derived, figure = results((ordered, family_rows), config, mode, profile, (device, emulated),
                                            budget)
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
