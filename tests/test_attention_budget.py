@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsimpact
 from mpsimpact import budget, lazy_mask
-from mpsimpact.attention import Blocks, _blocks_of, attention_blocks, mps_safe_eager_attention
+from mpsimpact.attention import _blocks_of, mps_safe_eager_attention
+from mpsimpact.modes.chunking import Blocks, attention_blocks
 from mpsimpact.modes import guard as guard_module
 from mpsimpact.modes.chunking import SdpaSplit, split_sdpa
 

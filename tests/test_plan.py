@@ -136,7 +136,7 @@ def test_run_on_real_mps_skips_a_predicted_process_abort():
 
 @pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "camembert"])
 def test_plan_and_run_agree_on_the_usable_length(tmp_path, model_type):
-    from mpsimpact.models.classifier import usable_positions
+    from mpsimpact.prediction.meta_model import usable_positions
 
     config = json.loads((ROBERTA / "config.json").read_text()) | {"model_type": model_type}
     (tmp_path / "config.json").write_text(json.dumps(config))

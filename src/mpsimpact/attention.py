@@ -5,75 +5,17 @@ AttentionInterface, so any model that uses it opts in without a dispatch mode.""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import torch
 
 from mpsimpact.budget import budget_scores
-from mpsimpact.engine.faults import MPS_INDEX_BITS, limits
+from mpsimpact.engine.faults import limits
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.lazy_mask import LazyEagerMask, lazy_eager_mask
-from mpsimpact.modes.base import active_emulator
-from mpsimpact.modes.chunking import pieces
+from mpsimpact.modes.chunking import Blocks, attention_blocks, emulated_index_bits, pieces
 
 NAME = "mps_safe_eager"
-
-
-def _index_bits() -> int:
-    active = active_emulator()
-    return active.index_bits if active is not None and active.plan is None else MPS_INDEX_BITS
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """Pieces of one attention call: `rows` of batch * key/value heads a piece (each with its group of
-    query heads), over `block` query rows; with `key_block`, over blocks of that many keys with an
-    online softmax (None: every key at once, a whole-row softmax as eager's)."""
-
-    rows: int
-    block: int
-    key_block: int | None = None
-
-
-def attention_blocks(batch: int, kv_heads: int, groups: int, length: int, keys: int, dim: int,
-                     value_dim: int, index_bits: int | None = None, scores: int | None = None) -> Blocks | None:
-    """The largest pieces whose two products, Q K^T (n, G*r, D) @ (n, D, Lk) and P V (n, G*r, Lk) @
-    (n, Lk, Dv), keep every operand (a slice, so a view) below VIEW_LIMIT and the output at most LIMIT
-    on every release: whole query rows where a sample-and-head fits, else blocks of r query rows.
-    None when one query row of a group already crosses a limit (keys past VIEW_LIMIT / G).
-
-    With `scores` (the most score elements one piece may hold, from the memory budget), the pieces are
-    made smaller still where they hold more: fewer rows, then fewer query rows, then key blocks.
-    """
-    limit, view_limit = limits(_index_bits() if index_bits is None else index_bits)
-    cap = min(limit, view_limit - 1)
-    widest = max(keys, dim, value_dim)  # per query row of the folded group: scores, Q and output
-    per_row = groups * length * widest
-    if max(keys * dim, keys * value_dim) <= cap and per_row <= cap:
-        blocks = Blocks(min(batch * kv_heads, cap // per_row), length)
-    else:
-        block = cap // (groups * widest)
-        blocks = Blocks(1, block) if block >= 1 and max(keys * dim, keys * value_dim) <= cap else None
-    return blocks if blocks is None or scores is None else _within(blocks, groups, length, keys, scores)
-
-
-def _within(blocks: Blocks, groups: int, length: int, keys: int, scores: int) -> Blocks:
-    """`blocks` made small enough that one piece holds at most `scores` score elements (at least one query
-    row and one key). See Note [Attention memory budget]."""
-    if blocks.block == length and blocks.rows * groups * length * keys <= scores:
-        return blocks
-    if blocks.block == length and groups * length * keys <= scores:
-        return Blocks(scores // (groups * length * keys), length)
-    block = min(blocks.block, scores // (groups * keys))
-    if block >= 1:  # whole rows of keys: the whole-row softmax, as eager's
-        return Blocks(1, block)
-    # Not one query row of the group over all keys fits: key blocks. The number of (query block, key
-    # block) steps is about G * L * Lk / scores whatever their shape, so make them square-ish (products
-    # of r x D and D x kb, not one query row against many keys).
-    block = max(1, min(blocks.block, length, math.isqrt(scores // groups)))
-    return Blocks(1, block, max(1, min(keys - 1, scores // (groups * block))))
 
 
 def safe_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -220,7 +162,7 @@ def _online_piece(module, query, key, value, mask, scaling, dropout, texts, kv, 
 def _mask(**arguments) -> torch.Tensor | LazyEagerMask | None:
     """transformers' eager mask, lazy from LAZY_FROM elements or from the index width's view limit, where
     the whole mask's own creation would cross it (an emulated narrow width)."""
-    return lazy_eager_mask(limits(_index_bits())[1], **arguments)
+    return lazy_eager_mask(limits(emulated_index_bits())[1], **arguments)
 
 
 def register() -> str:

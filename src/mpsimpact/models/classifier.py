@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpsimpact.prediction.meta_model import usable_positions
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
@@ -155,14 +156,6 @@ def load_hub_classifier(name: str) -> LoadedModel:
     labels = tuple(model.config.id2label[i] for i in range(model.config.num_labels))
     return LoadedModel(SequenceClassifier(model).eval(), tokenizer, model.config, labels, name,
                        usable_positions(model.config))
-
-
-def usable_positions(config: Any) -> int:
-    """Max sequence length: RoBERTa reserves padding_idx + 1 positions."""
-    positions = config.max_position_embeddings
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
-        positions -= config.pad_token_id + 1
-    return positions
 
 
 def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn.Module:

@@ -319,11 +319,17 @@ def heads_of(config: Any) -> int:
     return int(getattr(config, "num_attention_heads", None) or 1)
 
 
+def usable_positions(config: Any) -> int:
+    """Max sequence length: RoBERTa reserves padding_idx + 1 positions."""
+    positions = config.max_position_embeddings
+    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= config.pad_token_id + 1
+    return positions
+
+
 def length_limit(config: Any) -> tuple[int | None, int | None]:
     """(hard limit, nominal length): the learned positions (RoBERTa's reserved ones excluded) bound
     the length; a relative-position model may only state a nominal one (T5's n_positions)."""
-    from mpsimpact.models.classifier import usable_positions
-
     if getattr(config, "max_position_embeddings", None):
         positions = usable_positions(config)
         return positions, positions

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.attention import Blocks, attention_blocks
+from mpsimpact.modes.chunking import Blocks, attention_blocks
 from mpsimpact.budget import bytes_per_score_of, target_budget
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.engine.call import CallRecord

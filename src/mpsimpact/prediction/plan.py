@@ -33,7 +33,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         scenario: the scenario instance (runs.scenario.Scenario) whose model and defaults are planned.
     """
     from mpsimpact.engine.release import judge_release
-    from mpsimpact.models.classifier import usable_positions
+    from mpsimpact.prediction.meta_model import usable_positions
 
     config.validate()
     batch = config.batch_size or scenario.default_batch_size

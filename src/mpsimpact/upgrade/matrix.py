@@ -90,7 +90,8 @@ def profile_columns(*profiles: str) -> list[dict[str, str]]:
 
 def probe_job(config: MatrixConfig) -> dict[str, Any]:
     """What every environment's probe is asked: the model's config source, task and geometry."""
-    from mpsimpact.models.classifier import embedded_model_path, usable_positions
+    from mpsimpact.models.classifier import embedded_model_path
+    from mpsimpact.prediction.meta_model import usable_positions
     from mpsimpact.runs.scenario import get_scenario
 
     scenario_cls = get_scenario(config.scenario)
