@@ -281,3 +281,13 @@ def test_the_reports_import_no_module_that_runs_work():
     assert {(m, t) for m in reports for t in graph[m]
             if room(t) not in ("reports", "output", "config", "errors", "engine")} == set()
     assert "mpsimpact.output.page" in graph["mpsimpact.reports.run"]  # the walker sees them
+
+
+def test_the_leaves_are_leaves():
+    # output and errors import nothing of the rooms; prediction (below models) neither models nor the
+    # attention face; the cli no engine module (see above).
+    graph = project_graph()
+    for leaf, allowed in (("output", {"output", "errors", "bounds"}), ("errors", {"errors"})):
+        assert {(m, t) for m in graph if room(m) == leaf for t in graph[m] if room(t) not in allowed} == set()
+    prediction = [m for m in graph if room(m) == "prediction"]
+    assert {(m, t) for m in prediction for t in graph[m] if room(t) in ("models", "attention")} == set()

@@ -124,6 +124,18 @@ class CallRecord:
         }
 
 
+def op_cell(op: str, a: list[int], b: list[int]) -> str:
+    """A call's op and shapes: "bmm: 192x256x256 @ 192x256x32" for a product, "sdpa: q ..., k ...",
+    "mul on 16x12x256x256" (and "-> out" when it differs) for any other op (a = its largest input,
+    b = its largest output)."""
+    family, shape = family_of(op), lambda dims: "x".join(map(str, dims)) or "scalar"
+    if family == "sdpa":
+        return f"{op}: q {shape(a)}, k {shape(b)}"
+    if family in PRODUCTS:
+        return f"{op}: {shape(a)} @ {shape(b)}"
+    return f"{op} on {shape(a)}" + (f" -> {shape(b)}" if list(b) != list(a) else "")
+
+
 @takes_release
 def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
     """The fault of one matrix-product call, by family ("bmm", "mm", or "sdpa" with a = query, b = key;

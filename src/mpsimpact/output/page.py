@@ -49,21 +49,6 @@ def without_rule_names(text: str) -> str:
     return text
 
 
-def op_cell(op: str, a: list[int], b: list[int]) -> str:
-    """A call's op and shapes: "bmm: 192x256x256 @ 192x256x32" for a product, "sdpa: q ..., k ...",
-    "mul on 16x12x256x256" (and "-> out" when it differs) for any other op (a = its largest input,
-    b = its largest output)."""
-    from mpsimpact.engine.call import PRODUCTS
-    from mpsimpact.engine.release import family_of
-
-    family, shape = family_of(op), lambda dims: "x".join(map(str, dims)) or "scalar"
-    if family == "sdpa":
-        return f"{op}: q {shape(a)}, k {shape(b)}"
-    if family in PRODUCTS:
-        return f"{op}: {shape(a)} @ {shape(b)}"
-    return f"{op} on {shape(a)}" + (f" -> {shape(b)}" if list(b) != list(a) else "")
-
-
 def cell_name(cell: dict[str, Any]) -> str:
     """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
     return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"

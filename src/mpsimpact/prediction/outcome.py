@@ -336,7 +336,7 @@ _ON_SCORES = {"mul": "scale", "div": "scale", "_softmax": "softmax", "_safe_soft
 def site(call: CallRecord) -> str:
     """Where a call is, in words: 'the scale of the attention scores (mul on 16x12x256x256)', 'eager
     attention's P V product (bmm: 192x256x256 @ 192x256x32)', 'gelu in encoder.layer.0 (...)'."""
-    from mpsimpact.output.page import op_cell
+    from mpsimpact.engine.call import op_cell
 
     shape = op_cell(call.op, list(call.a.shape), list(call.b.shape))
     a = call.a.shape

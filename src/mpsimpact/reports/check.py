@@ -9,8 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.engine.call import op_cell
 from mpsimpact.output.page import (
-    FAULT_WORDS, fitted_table, format_cell, markdown_table, op_cell, without_rule_names, release_lines,
+    FAULT_WORDS, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.output.page import FAULT_WORDS, Footnotes, op_cell
+from mpsimpact.engine.call import op_cell
+from mpsimpact.output.page import FAULT_WORDS, Footnotes
 from mpsimpact.runs.kind import RunKind, status_cell
 
 
