@@ -6,7 +6,7 @@ import collections
 import pytest
 
 from mpsimpact.engine.release import group_representatives
-from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid, predict
+from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid
 from mpsimpact.runs.sweep import agrees, grid, run_cells
 
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
@@ -63,6 +63,6 @@ def test_an_emulator_with_another_releases_family_rows_is_caught():
     # cat takes int32 offsets (2.14.0 is right): six cells; the Linear, masked_fill and the others agree.
     cells = family_grid(16)
     rows = list(run_cells(cells, "cpu", True, 16, False, "2.14.0"))
-    judged = [row | {"expected": predict(cell, "2.13.0").to_json()} for row, cell in zip(rows, cells)]
+    judged = [row | {"expected": cell.predict(profile="2.13.0").to_json()} for row, cell in zip(rows, cells)]
     assert [row["cell"]["test"] for row in judged if not family_agrees(row)] == [
         "reduction-1d", "indexing-1d", "scale", "softmax", "reduction", "cat"]

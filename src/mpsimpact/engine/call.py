@@ -151,17 +151,14 @@ def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) 
     The answer is kept per (call's family or op, a, b, width, release): the rules are pure, and a model's layers make the same calls (plan and check decide the same
     traced calls at many lengths and batches, and FaultPlan.from_trace decides them again)."""
     if call.is_product:
-        return _product_fault(call.family, call.a, call.b, index_bits, profile)
+        return _decided(True, call.family, call.a, call.b, index_bits, profile)
     if max(call.a.numel, call.b.numel) <= dim_max(index_bits):
         return OK  # no family rule meets a call whose every tensor has at most DIM_MAX elements
-    return _op_fault(call.op, call.a, call.b, index_bits, profile)
+    return _decided(False, call.op, call.a, call.b, index_bits, profile)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _product_fault(family: str, a: TensorSpec, b: TensorSpec, index_bits: int, profile: FaultProfile) -> Fault:
-    return classify_call(family, a, b, index_bits, profile)
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _op_fault(op: str, a: TensorSpec, b: TensorSpec, index_bits: int, profile: FaultProfile) -> Fault:
-    return classify_op(op, [a], b, index_bits=index_bits, profile=profile)
+def _decided(product: bool, name: str, a: TensorSpec, b: TensorSpec, index_bits: int, profile: FaultProfile) -> Fault:
+    if product:  # `name` is the family
+        return classify_call(name, a, b, index_bits, profile)
+    return classify_op(name, [a], b, index_bits=index_bits, profile=profile)

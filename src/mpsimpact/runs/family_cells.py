@@ -159,19 +159,27 @@ class FamilyCell:
     worker: ClassVar[str] = "mpsimpact.runs.family_cells"
 
     def predict(self, index_bits: int = 0, profile: Any = None) -> Fault:
-        return predict(self, profile)
+        """What the fault model says of the cell's computation, traced on meta tensors: its first call that
+        ends it (a stop, or values nobody characterised), else its first silently wrong call, else ok."""
+        from mpsimpact.modes.tracer import trace_faults
+
+        made = make_inputs(self, "meta")
+        plan = trace_faults(lambda: self.spec.run(made, "meta", self.index_bits), index_bits=self.index_bits,
+                            profile=profile)
+        faults = [call.fault for call in plan.calls if not call.fault.is_ok]
+        return next((f for f in faults if f.is_stop or f.kind == "wrong_other"), faults[0] if faults else OK)
 
     def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
         return _observe(self, device, emulated, profile)
 
     def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
-        fault = predict(self, profile)
+        fault = self.predict(profile=profile)
         computed = SILENT_KINDS - {"wrong_other"}  # wrong values the emulator computes (a bmm wrap)
         observed = "wrap" if fault.rule == "reduction-wrap" else "wrong" if fault.kind in computed else fault.kind
         return {"observed": observed, "message": fault.message or None, "rule": fault.rule, **NO_VALUES}
 
     def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        prediction = predict(self, profile).to_json()
+        prediction = self.predict(profile=profile).to_json()
         control = not emulated and device != "mps"
         expected = {"kind": "ok", "rule": "none", "message": ""} if control else prediction
         row = {"cell": self.to_json(), "name": cell_name(self.to_json()), "slot": self.spec.slot, "device": device,
@@ -251,18 +259,6 @@ def make_inputs(cell: FamilyCell, device: str, generator: torch.Generator | None
             value = {"ones": 1, "zeros": 0, "twos": 2, "true": True}[fill]
             made[name] = torch.full(shape, value, dtype=dt, device=device)
     return made
-
-
-def predict(cell: FamilyCell, profile: Any) -> Fault:
-    """What the fault model says of the cell's computation, traced on meta tensors: its first call that
-    ends it (a stop, or values nobody characterised), else its first silently wrong call, else ok."""
-    from mpsimpact.modes.tracer import trace_faults
-
-    made = make_inputs(cell, "meta")
-    plan = trace_faults(lambda: cell.spec.run(made, "meta", cell.index_bits), index_bits=cell.index_bits,
-                        profile=profile)
-    faults = [call.fault for call in plan.calls if not call.fault.is_ok]
-    return next((f for f in faults if f.is_stop or f.kind == "wrong_other"), faults[0] if faults else OK)
 
 
 def sdpa_route(emulated: bool, profile: Any) -> str:
