@@ -107,8 +107,9 @@ def _options(prediction: Any, config: Any, batch: int, length: int, attention: s
             for dtype in dtypes]
 
 
-def largest_fitting_batch(config: Any, length: int, dtype: str, budget: int, attention: str = "eager") -> int:
-    """The largest batch at `length` whose estimated peak, with headroom, fits in `budget` bytes (0: none)."""
+def largest_pass_batch(config: Any, length: int, dtype: str, budget: int, attention: str = "eager") -> int:
+    """The largest batch at `length` whose device pass (its estimated peak, with headroom) fits in `budget`
+    bytes (0: none); memory.largest_fitting_batch searches it."""
     def estimate(batch: int) -> float:
         return estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype], attention) * HEADROOM
 
@@ -151,7 +152,7 @@ def mac_table(config: Any, first_corrupted: int, length: int = 512, blocked_firs
     """Per Mac memory size: the largest batch at `length` that fits and the texts it corrupts, per dtype, and
     under "blocked_eager" the same with that attention (whose first corrupted text is `blocked_first`)."""
     def cells(attention: str, first: int, budget: int) -> dict[str, dict[str, int]]:
-        batches = {dtype: largest_fitting_batch(config, length, dtype, budget, attention) for dtype in dtypes}
+        batches = {dtype: largest_pass_batch(config, length, dtype, budget, attention) for dtype in dtypes}
         return {dtype: {"largest_batch": batch, "corrupted_texts": max(0, batch - first)}
                 for dtype, batch in batches.items()}
 
