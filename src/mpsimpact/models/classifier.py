@@ -23,7 +23,6 @@ from mpsimpact.errors import ModelLoadError
 
 HEAD_WEIGHTS = "sentiment_head.npz"
 HEAD_METADATA = "sentiment_head.json"
-EMBEDDED = EMBEDDED_MODEL
 
 
 class SentenceClassifier(nn.Module):
@@ -130,11 +129,11 @@ def load_embedded_classifier(with_head: bool = True) -> LoadedModel:
     quiet_transformers()
     path = embedded_model_path()
     encoder = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    check_eager(encoder, EMBEDDED)
+    check_eager(encoder, EMBEDDED_MODEL)
     module = SentenceClassifier(encoder).eval()
     if with_head:
         load_head(module.head)
-    return LoadedModel(module, AutoTokenizer.from_pretrained(path), encoder.config, LABELS, EMBEDDED,
+    return LoadedModel(module, AutoTokenizer.from_pretrained(path), encoder.config, LABELS, EMBEDDED_MODEL,
                        encoder.config.max_position_embeddings)
 
 

@@ -11,9 +11,10 @@ from torch import nn
 
 from mpsimpact.models.classifier import (LoadedModel, check_eager, embedded_model_path, implementation,
                                         quiet_transformers, with_blocks)
+from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.errors import ModelLoadError
 
-EMBEDDED_SENTENCE_TRANSFORMER = "embedded:all-MiniLM-L6-v2 (sentence-transformers)"
+EMBEDDED_SENTENCE_TRANSFORMER = f"{EMBEDDED_MODEL} (sentence-transformers)"
 
 
 class SentenceEmbedder(nn.Module):
