@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from mpsimpact.config import SweepConfig, memory_bytes
-from mpsimpact.engine.release import takes_release
+from mpsimpact.engine.release import cached_profile_path, takes_release
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.sweep import NOT_RUN, is_measured
 
@@ -54,7 +54,8 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
         done = {cell_key(row["cell"]): row for row in kept if is_measured(row)}
         todo = [cell for cell in cells + family_cells if cell_key(dataclasses.asdict(cell)) not in done]
         fits = [cell for cell in todo if cell.bytes_needed() <= budget]
-        show.plan(mode, config, (len(cells + family_cells), todo, fits), budget,
+        largest = max((cell.bytes_needed() for cell in fits), default=0)
+        show.plan(mode, config, (len(cells + family_cells), len(todo), len(fits), largest), budget,
                   CellClock(fits, device).total_estimate, folder.path)
         rows = dict(done)
         try:
@@ -71,7 +72,7 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
                                            budget)
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
         show.write(folder.path, (ordered, family_rows), derived, figure, summary)
-    show.summary(summary, out)
+    show.summary(summary, out, cached_profile_path(derived["release"]))
     return summary
 
 
