@@ -16,7 +16,8 @@ from mpsimpact.engine.release import (
 )
 from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.profile_fit import derive_profile
-from mpsimpact.runs.sweep import LAYOUTS, NOT_RUN, grid, predicted_rows
+from mpsimpact.runs.cell import NOT_RUN, predicted_rows
+from mpsimpact.runs.sweep import LAYOUTS, grid
 from mpsimpact.upgrade.profile_change import describe_change
 from test_release import BATCHES, CELLS, expected_kind, operands, transitions
 

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from mpsimpact.cli import app
 from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.profile_fit import derive_profile
-from mpsimpact.runs.sweep import LAYOUTS, grid, predicted_rows
+from mpsimpact.runs.cell import predicted_rows
+from mpsimpact.runs.sweep import LAYOUTS, grid
 
 runner = CliRunner()
 

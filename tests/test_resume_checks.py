@@ -9,10 +9,10 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-import mpsimpact.runs.sweep as sweep_module
+import mpsimpact.runs.cell as cell_module
 from mpsimpact.cli import app
-from mpsimpact.runs.row_check import observation_problem
-from mpsimpact.runs.sweep import Cell, grid, predicted_rows
+from mpsimpact.runs.cell import predicted_rows
+from mpsimpact.runs.sweep import Cell, grid
 
 runner = CliRunner()
 SMALL = ["sweep", "--device", "cpu", "--emulate", "--torch-profile", "2.13.0", "--index-bits", "16",
@@ -25,7 +25,7 @@ WRAPS = 9  # CELLS[9]: 256x256x64 batch 2
 
 def interrupted_sweep(tmp_path, monkeypatch, after=12):
     """Runs the SMALL sweep into tmp_path/s and interrupts it after `after` cells: returns the partial folder."""
-    real, calls = sweep_module.observe, []
+    real, calls = cell_module.observe, []
 
     def stop(cell, *args, **kwargs):
         calls.append(cell)
@@ -33,10 +33,10 @@ def interrupted_sweep(tmp_path, monkeypatch, after=12):
             raise KeyboardInterrupt
         return real(cell, *args, **kwargs)
 
-    monkeypatch.setattr(sweep_module, "observe", stop)
+    monkeypatch.setattr(cell_module, "observe", stop)
     result = runner.invoke(app, [*SMALL, "--out", str(tmp_path / "s")])
     assert result.exit_code == 130, result.output
-    monkeypatch.setattr(sweep_module, "observe", real)
+    monkeypatch.setattr(cell_module, "observe", real)
     partial = tmp_path / ".s.partial"
     assert len(read_rows(partial)) == after
     return partial
@@ -52,8 +52,8 @@ def write_rows(folder, rows):
 
 def resume(tmp_path, monkeypatch):
     """Runs the sweep again; returns (result, the cells it ran)."""
-    real, ran = sweep_module.observe, []
-    monkeypatch.setattr(sweep_module, "observe", lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
+    real, ran = cell_module.observe, []
+    monkeypatch.setattr(cell_module, "observe", lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
     return runner.invoke(app, [*SMALL, "--out", str(tmp_path / "s")]), [c for c in ran if isinstance(c, Cell)]
 
 
@@ -184,7 +184,7 @@ def test_observation_checks_by_hand():
     cell = Cell(256, 256, 64, 4, "contiguous", "fp32")
     row = predicted_rows([cell], 16, "2.13.0")[0]  # wrong_tail from batch 1
     seen = {"observed": "wrong_tail", "first_bad_batch": 1, "max_rel_error": 1.4, "message": None}
-    assert row["expected"]["first_bad_batch"] == 1 and observation_problem(cell, seen) is None
+    assert row["expected"]["first_bad_batch"] == 1 and cell.observation_problem(seen) is None
     cases = [({"first_bad_batch": 4}, "not a batch of this cell (0..3)"),
              ({"max_rel_error": float("inf")}, "not a finite number"),
              ({"max_rel_error": 1e-4}, "within the tolerance"),
@@ -192,4 +192,4 @@ def test_observation_checks_by_hand():
              ({"observed": "error"}, "holds values judged"),
              ({"message": 7}, "not text")]
     for change, words in cases:
-        assert words in observation_problem(cell, seen | change), change
+        assert words in cell.observation_problem(seen | change), change

@@ -245,7 +245,7 @@ HEAVY = {  # command -> (args, the work that must not start)
     "run": (["run", "sentiment"], "mpsimpact.runs.runner.run_scenario"),
     "plan": (["plan", "sentiment"], "mpsimpact.prediction.plan.build_plan_report"),
     "check": (["check", "bert-base-uncased"], "mpsimpact.prediction.check.build_check_report"),
-    "sweep": (["sweep", "--device", "cpu"], "mpsimpact.runs.sweep.run_cells"),
+    "sweep": (["sweep", "--device", "cpu"], "mpsimpact.runs.cell.run_cells"),
     "compare": (["compare", "a", "b"], "mpsimpact.upgrade.compare.compare_folders"),
     "matrix": (["matrix", "sentiment"], "mpsimpact.upgrade.matrix.build_matrix"),
 }

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import mpsimpact.modes.emulator
 from mpsimpact.cli import app
 from mpsimpact.runs.family_cells import family_grid
-from mpsimpact.runs.sweep import Cell, grid, observe, run_cells, summarize, thresholds
+from mpsimpact.runs.cell import observe, run_cells
+from mpsimpact.runs.sweep import Cell, grid, summarize, thresholds
 
 runner = CliRunner()
 

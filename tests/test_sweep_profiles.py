@@ -6,8 +6,9 @@ import collections
 import pytest
 
 from mpsimpact.engine.release import group_representatives
-from mpsimpact.runs.family_cells import agrees as family_agrees, family_grid
-from mpsimpact.runs.sweep import agrees, grid, run_cells
+from mpsimpact.runs.cell import run_cells
+from mpsimpact.runs.family_cells import FamilyCell, family_grid
+from mpsimpact.runs.sweep import Cell, grid
 
 LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
 
@@ -46,7 +47,7 @@ def test_a_planted_off_by_one_is_caught(monkeypatch):
     rows = list(run_cells(cells, "cpu", True, 17, False, "2.5.1"))
     monkeypatch.undo()
     judged = [row | {"expected": faults.classify_bmm(*cell.specs(), index_bits=17, profile="2.5.1").to_json()} for row, cell in zip(rows, cells)]
-    assert [row["cell"]["batch"] for row in judged if not agrees(row)] == [1]  # 65536 elements: abort, not ok
+    assert [row["cell"]["batch"] for row in judged if not Cell.judge(row)] == [1]  # 65536 elements: abort, not ok
 
 
 @pytest.mark.parametrize("release", [p.release for p in group_representatives()] + ["2.15.0"])
@@ -64,5 +65,5 @@ def test_an_emulator_with_another_releases_family_rows_is_caught():
     cells = family_grid(16)
     rows = list(run_cells(cells, "cpu", True, 16, False, "2.14.0"))
     judged = [row | {"expected": cell.predict(profile="2.13.0").to_json()} for row, cell in zip(rows, cells)]
-    assert [row["cell"]["test"] for row in judged if not family_agrees(row)] == [
+    assert [row["cell"]["test"] for row in judged if not FamilyCell.judge(row)] == [
         "reduction-1d", "indexing-1d", "scale", "softmax", "reduction", "cat"]

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import mpsimpact.runs.sweep as sweep_module
+import mpsimpact.runs.cell as cell_module
 from mpsimpact.cli import app
 from mpsimpact.runs.profile_fit import derive_profile
 from mpsimpact.runs.family_cells import FamilyCell, family_grid
-from mpsimpact.runs.sweep import Cell, grid, is_measured
+from mpsimpact.runs.cell import is_measured
+from mpsimpact.runs.sweep import Cell, grid
 
 runner = CliRunner()
 # 30 small cells: the 16-bit quick grid, fp32, contiguous operands (a few seconds on 2 cores).
@@ -89,14 +90,14 @@ def test_the_memory_and_time_of_each_cell_are_known_before_it_runs():
     cell = Cell(256, 256, 64, 65537, "contiguous", "fp16")
     assert cell.bytes_needed() == (65537 * 65536 + 2 * 65537 * 16384) * 2 + (1 << 24) * 4
     assert cell.estimated_seconds("mps") < cell.estimated_seconds("cpu")
-    clock = sweep_module.CellClock([cell, cell], "cpu")
+    clock = cell_module.CellClock([cell, cell], "cpu")
     clock.finished(2 * clock.estimates[0])  # the first cell took twice its estimate
     assert clock.seconds_left() == pytest.approx(2 * clock.estimates[1])
 
 
 SLOWED_SWEEP = """
 import sys, time
-import mpsimpact.runs.sweep as module
+import mpsimpact.runs.cell as module
 real = module.observe
 def slow(cell, *args, **kwargs):
     if type(cell).__name__ == sys.argv[1]:
@@ -130,8 +131,8 @@ def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeyp
     finished = rows_of(partial)
     assert 3 <= len(finished) < len(CELLS) and not out.exists()
     ran = []
-    real = sweep_module.observe
-    monkeypatch.setattr(sweep_module, "observe",
+    real = cell_module.observe
+    monkeypatch.setattr(cell_module, "observe",
                         lambda cell, *a, **k: ran.append(cell) or real(cell, *a, **k))
     result = runner.invoke(app, [*SMALL, "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -153,8 +154,8 @@ def test_a_sweep_killed_among_its_family_cells_resumes_without_redoing_any_finis
     partial = kill_a_slowed_sweep("FamilyCell", 0.5, "families.jsonl", out)
     finished = [json.loads(line) for line in (partial / "families.jsonl").read_text().splitlines()]
     assert 3 <= len(finished) < 16 and len(rows_of(partial)) == len(CELLS) and not out.exists()
-    seen, real = [], sweep_module.observe
-    monkeypatch.setattr(sweep_module, "observe", lambda cell, *a, **k: seen.append(cell) or real(cell, *a, **k))
+    seen, real = [], cell_module.observe
+    monkeypatch.setattr(cell_module, "observe", lambda cell, *a, **k: seen.append(cell) or real(cell, *a, **k))
     result = runner.invoke(app, [*SMALL, "--out", str(out)])
     ran, ran_bmm = [c for c in seen if isinstance(c, FamilyCell)], [c for c in seen if isinstance(c, Cell)]
     assert result.exit_code == 0, result.output

@@ -1,6 +1,6 @@
 """`mpsimpact sweep`'s console and files: the plan before it starts, a progress line with the time left,
 the summary table and the derived profile; sweep.jsonl, families.jsonl, summary.json, profile.json and the
-outcome map, written into the sweep's folder (the sweep itself runs in runs.sweep_run)."""
+outcome map, written into the sweep's folder; it receives what runs.sweep_run computed."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ class SweepConsole:
         self.console, self._last_line = Console(highlight=False), 0.0
 
     def plan(self, mode: str, config: SweepConfig, counts, budget: int, estimate: float, partial: Path) -> None:
-        """What the sweep will cost, before it starts: cells, memory, the time estimate, and how to resume."""
-        cells, todo, fits = counts
-        largest = max((cell.bytes_needed() for cell in fits), default=0)
-        resumed = f", {cells - len(todo)} done by an earlier run (resumed)" if len(todo) < cells else ""
+        """What the sweep will cost, before it starts: cells (`counts`: all, to do, fitting the budget, and the
+        bytes the largest of those holds), memory, the time estimate, and how to resume."""
+        cells, todo, fits, largest = counts
+        resumed = f", {cells - todo} done by an earlier run (resumed)" if todo < cells else ""
         self.console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {cells} cells{resumed}")
-        self.console.print(f"To run: {len(fits)} cells, the largest holding {largest / GIB:.3g} GiB, about "
+        self.console.print(f"To run: {fits} cells, the largest holding {largest / GIB:.3g} GiB, about "
                            f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
-                           f"{len(todo) - len(fits)} cells need more than the {budget / GIB:.3g} GiB budget "
+                           f"{todo - fits} cells need more than the {budget / GIB:.3g} GiB budget "
                            "(--max-memory) and are not run (unmeasured).")
         self.console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
                            f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
@@ -59,7 +59,7 @@ class SweepConsole:
         atomic_write_bytes(folder / "outcome_map.png", figure)
         _write_json(folder / "summary.json", summary)
 
-    def summary(self, summary: dict[str, Any], out: Path) -> None:
+    def summary(self, summary: dict[str, Any], out: Path, cached: Path) -> None:
         """The tables by observed class and by layout, the family cells, the files and the profile."""
         for key, by in (("by_class", "observed class"), ("by_layout", "layout")):
             rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
@@ -71,7 +71,7 @@ class SweepConsole:
         self.console.print(f"{summary['mode']}: {summary['cells']} bmm cells, {verdict}{not_run}.")
         print_families(self.console, summary["families"])
         self.console.print(f"Written to {out}/ ({', '.join(FILES)})")
-        print_profile(self.console, summary["derived_profile"], out)
+        print_profile(self.console, summary["derived_profile"], out, cached)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -105,10 +105,8 @@ def print_families(console, families: dict[str, Any]) -> None:
                   + (f", {not_run} not run (over --max-memory: unmeasured)" if not_run else "") + ".")
 
 
-def print_profile(console, derived: dict[str, Any], out: Path) -> None:
-    """What profile.json says, and how to use and share it."""
-    from mpsimpact.engine.release import cached_profile_path
-
+def print_profile(console, derived: dict[str, Any], out: Path, cached: Path) -> None:
+    """What profile.json says, and how to use and share it (`cached`: where every command finds it)."""
     cells, release = derived["cells"], derived["release"]
     settings = cells["settings_agreeing"]
     decided = ("the bmm rules decided" if settings == 1 else
@@ -123,4 +121,4 @@ def print_profile(console, derived: dict[str, Any], out: Path) -> None:
                       "emulated; it measured no Mac).")
         return
     console.print(f"Use it with --torch-profile {out}/profile.json; for every command under torch {release} "
-                  f"on this machine, copy it to {cached_profile_path(release)}; to share it, send the file.")
+                  f"on this machine, copy it to {cached}; to share it, send the file.")

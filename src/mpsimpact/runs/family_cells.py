@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from mpsimpact.engine.faults import OK, SILENT_KINDS, STOP_KINDS, Fault, limits
-from mpsimpact.runs.sweep import (
+from mpsimpact.runs.cell import (
     CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, random_tensor, worker_main,
 )
 
@@ -150,13 +150,15 @@ TESTS_BY_NAME = {test.name: test for test in TESTS}
 
 @dataclasses.dataclass(frozen=True)
 class FamilyCell:
-    """One first-pass test at the sweep's index width (a runs.sweep.SweepCell; its own width decides, not the
+    """One first-pass test at the sweep's index width (a runs.cell.SweepCell; its own width decides, not the
     sweep's `index_bits` the protocol passes)."""
 
     test: str
     index_bits: int
     no_values: ClassVar[dict[str, Any]] = NO_VALUES
-    worker: ClassVar[str] = "mpsimpact.runs.family_cells"
+    seen_fields: ClassVar[tuple[str, ...]] = FAMILY_SEEN_FIELDS
+    control: ClassVar[dict[str, Any]] = {"kind": "ok", "rule": "none", "message": ""}
+    row_defaults: ClassVar[dict[str, Any]] = {"rule": None}
 
     def predict(self, index_bits: int = 0, profile: Any = None) -> Fault:
         """What the fault model says of the cell's computation, traced on meta tensors: its first call that
@@ -169,8 +171,46 @@ class FamilyCell:
         faults = [call.fault for call in plan.calls if not call.fault.is_ok]
         return next((f for f in faults if f.is_stop or f.kind == "wrong_other"), faults[0] if faults else OK)
 
-    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        return _observe(self, device, emulated, profile)
+    def run(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        """Runs the test once at the cell's own width and judges it against the CPU (see runs.cell.observe)."""
+        from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
+        from mpsimpact.modes.emulator import emulate
+
+        torch.manual_seed(0)
+        inputs = make_inputs(self, device, torch.Generator(device=device).manual_seed(0))
+        try:
+            with emulate(index_bits=self.index_bits, profile=profile) if emulated else contextlib.nullcontext():
+                out = self.spec.run(inputs, device, self.index_bits)
+            if device == "mps":
+                torch.mps.synchronize()
+        except torch.OutOfMemoryError:
+            raise
+        except (EmulatedMpsError, NotEmulatedError) as error:
+            fault = error.fields["fault"]
+            kind = fault.kind if isinstance(error, EmulatedMpsError) else "wrong_other"
+            return {"observed": kind, "message": error.message, "rule": fault.rule, **NO_VALUES}
+        except Exception as error:  # an exception on the device is the cell's outcome: error, with its text
+            text = str(error).strip().splitlines()
+            return {"observed": "error", "message": f"{type(error).__name__}: {text[0] if text else ''}", **NO_VALUES}
+        observed, rel = _judge(self, inputs, out)
+        return {"observed": observed, "max_rel_error": finite_or_none(rel), "message": None}
+
+    @staticmethod
+    def judge(row: dict[str, Any]) -> bool:
+        """Whether an observed family cell matches what is expected of it (the fault model's prediction on
+        MPS or under emulation; ok on a control device), by the bmm cells' criteria (runs.sweep.Cell.judge)."""
+        pred, seen = row["expected"], row["observed"]
+        if pred["kind"] == "abort":
+            return seen in ("abort", "crash")
+        if pred["kind"] == "error":
+            return seen == "error" and pred["message"].split(" (")[0][:40] in (row.get("message") or "")
+        if pred["rule"] == "reduction-wrap":
+            return seen == "wrap"
+        if pred["kind"] == "wrong_other":  # values nobody characterised: emulated, refused; on MPS, any wrong
+            return seen in ("wrong", "wrap") if row.get("device") == "mps" else seen == "wrong_other"
+        if pred["kind"] in SILENT_KINDS:  # a bmm of SDPA's math path, emulated with its wrong values
+            return seen in ("wrong", "wrap")
+        return seen == "ok"
 
     def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
         fault = self.predict(profile=profile)
@@ -178,17 +218,34 @@ class FamilyCell:
         observed = "wrap" if fault.rule == "reduction-wrap" else "wrong" if fault.kind in computed else fault.kind
         return {"observed": observed, "message": fault.message or None, "rule": fault.rule, **NO_VALUES}
 
-    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        prediction = self.predict(profile=profile).to_json()
-        control = not emulated and device != "mps"
-        expected = {"kind": "ok", "rule": "none", "message": ""} if control else prediction
-        row = {"cell": self.to_json(), "name": cell_name(self.to_json()), "slot": self.spec.slot, "device": device,
-               "index_bits": self.index_bits, "torch": torch.__version__, "prediction": prediction,
-               "expected": expected, "rule": None, **seen}
-        if self.spec.aspect == "sdpa":
-            row["sdpa_path"] = sdpa_route(emulated, profile)
-        row["agree"] = agrees(row) if row["observed"] != NOT_RUN else None
-        return row
+    def row_fields(self, index_bits: int, emulated: bool, profile: Any) -> tuple[dict, dict]:
+        """(its name and slot; after the observation, the path SDPA took)."""
+        tail = {"sdpa_path": sdpa_route(emulated, profile)} if self.spec.aspect == "sdpa" else {}
+        return {"name": self.name, "slot": self.spec.slot}, tail
+
+    @property
+    def name(self) -> str:
+        """'softmax (softmax, multi-dim)': the cell as people say it."""
+        return f"{self.test} ({self.spec.slot})"
+
+    def observation_problem(self, seen: dict[str, Any]) -> str | None:
+        """What makes a read-back observation of this cell impossible, in words, or None (as
+        runs.sweep.Cell.observation_problem)."""
+        observed, rel = seen.get("observed"), seen.get("max_rel_error")
+        if observed not in FAMILY_OBSERVED:
+            return f"observed {str(observed)[:30]!r} is not an outcome of a family cell"
+        if not is_error_value(rel):
+            return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
+        if not all(isinstance(seen.get(key), (str, type(None))) for key in ("message", "rule")):
+            return "its message or rule is not text"
+        bound = max(WRONG_ABOVE, RANDOM_SCALE)
+        if observed == "ok" and (rel is None or rel > bound):
+            return f"it says ok, with an error {rel} that is not within {bound}"
+        if observed in ("wrong", "wrap") and rel is not None and rel <= bound:
+            return f"it says {observed}, with an error {rel} within {bound}"
+        if observed in STOP_KINDS | {"crash", NOT_RUN, "wrong_other"} and (rel is not None or not seen.get("message")):
+            return f"it says {observed}, but holds an error judged, or no message"
+        return None
 
     @property
     def spec(self) -> FamilyTest:
@@ -196,12 +253,6 @@ class FamilyCell:
 
     def inputs(self) -> tuple[Input, ...]:
         return self.spec.inputs(self.index_bits)
-
-    def elements(self) -> tuple[int, int]:
-        """(input elements, output elements), from meta tensors."""
-        made = make_inputs(self, "meta")
-        out = self.spec.run(made, "meta", self.index_bits)
-        return sum(x.numel() for x in made.values()), out.numel()
 
     def bytes_needed(self) -> int:
         """Bytes the cell holds at once: inputs and output on the device; the same again on the CPU for
@@ -227,8 +278,9 @@ class FamilyCell:
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: every element drawn, computed and compared a few times."""
-        inputs, output = self.elements()
-        return 4 * (inputs + output) / SPEEDS.get(device, SPEEDS["cpu"])[1]
+        made = make_inputs(self, "meta")
+        elements = sum(x.numel() for x in made.values()) + self.spec.run(made, "meta", self.index_bits).numel()
+        return 4 * elements / SPEEDS.get(device, SPEEDS["cpu"])[1]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -237,11 +289,6 @@ class FamilyCell:
 def family_grid(index_bits: int) -> list[FamilyCell]:
     """Every first-pass test at this width (the same in --quick and --full: a few seconds at 20 bits)."""
     return [FamilyCell(test.name, index_bits) for test in TESTS]
-
-
-def cell_name(cell: dict[str, Any]) -> str:
-    """'softmax (softmax, multi-dim)': a family cell as people say it."""
-    return f"{cell['test']} ({TESTS_BY_NAME[cell['test']].slot})"
 
 
 def make_inputs(cell: FamilyCell, device: str, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -269,50 +316,6 @@ def sdpa_route(emulated: bool, profile: Any) -> str:
     if emulated:
         return sdpa_path(False, profile)
     return "fused" if hasattr(torch.ops.aten, "_scaled_dot_product_attention_math_for_mps") else "math"
-
-
-def _observe(cell: FamilyCell, device: str, emulated: bool, profile: Any) -> dict[str, Any]:
-    from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
-    from mpsimpact.modes.emulator import emulate
-
-    torch.manual_seed(0)
-    inputs = make_inputs(cell, device, torch.Generator(device=device).manual_seed(0))
-    try:
-        with emulate(index_bits=cell.index_bits, profile=profile) if emulated else contextlib.nullcontext():
-            out = cell.spec.run(inputs, device, cell.index_bits)
-        if device == "mps":
-            torch.mps.synchronize()
-    except torch.OutOfMemoryError:
-        raise
-    except (EmulatedMpsError, NotEmulatedError) as error:
-        fault = error.fields["fault"]
-        kind = fault.kind if isinstance(error, EmulatedMpsError) else "wrong_other"
-        return {"observed": kind, "message": error.message, "rule": fault.rule, **NO_VALUES}
-    except Exception as error:  # an exception on the device is the cell's outcome: error, with its text
-        text = str(error).strip().splitlines()
-        return {"observed": "error", "message": f"{type(error).__name__}: {text[0] if text else ''}", **NO_VALUES}
-    observed, rel = _judge(cell, inputs, out)
-    return {"observed": observed, "max_rel_error": finite_or_none(rel), "message": None}
-
-
-def family_observation_problem(cell: FamilyCell, seen: dict[str, Any]) -> str | None:
-    """What makes a read-back observation of a family cell impossible, in words, or None (as
-    runs.row_check.observation_problem for bmm cells)."""
-    observed, rel = seen.get("observed"), seen.get("max_rel_error")
-    if observed not in FAMILY_OBSERVED:
-        return f"observed {str(observed)[:30]!r} is not an outcome of a family cell"
-    if not is_error_value(rel):
-        return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
-    if not all(isinstance(seen.get(key), (str, type(None))) for key in ("message", "rule")):
-        return "its message or rule is not text"
-    bound = max(WRONG_ABOVE, RANDOM_SCALE)
-    if observed == "ok" and (rel is None or rel > bound):
-        return f"it says ok, with an error {rel} that is not within {bound}"
-    if observed in ("wrong", "wrap") and rel is not None and rel <= bound:
-        return f"it says {observed}, with an error {rel} within {bound}"
-    if observed in STOP_KINDS | {"crash", NOT_RUN, "wrong_other"} and (rel is not None or not seen.get("message")):
-        return f"it says {observed}, but holds an error judged, or no message"
-    return None
 
 
 def _judge(cell: FamilyCell, inputs: dict[str, torch.Tensor], out: torch.Tensor) -> tuple[str, float]:
@@ -383,23 +386,6 @@ def _judge_random(got: torch.Tensor, limit: int) -> tuple[str, float]:
     tail = flat[limit:limit + 4096]
     repeats = tail.numel() > 0 and torch.equal(tail, flat[:tail.numel()])
     return ("wrong" if repeats or not off <= RANDOM_SCALE else "ok"), (math.inf if repeats else off)
-
-
-def agrees(row: dict[str, Any]) -> bool:
-    """Whether an observed family cell matches what is expected of it (the fault model's prediction on MPS
-    or under emulation; ok on a control device), by the sweep's criteria (runs.sweep.agrees)."""
-    pred, seen = row["expected"], row["observed"]
-    if pred["kind"] == "abort":
-        return seen in ("abort", "crash")
-    if pred["kind"] == "error":
-        return seen == "error" and pred["message"].split(" (")[0][:40] in (row.get("message") or "")
-    if pred["rule"] == "reduction-wrap":
-        return seen == "wrap"
-    if pred["kind"] == "wrong_other":  # values nobody characterised: emulated, refused; on MPS, any wrong
-        return seen in ("wrong", "wrap") if row.get("device") == "mps" else seen == "wrong_other"
-    if pred["kind"] in SILENT_KINDS:  # a bmm of SDPA's math path, emulated with its wrong values
-        return seen in ("wrong", "wrap")
-    return seen == "ok"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """A release profile derived from a sweep's rows (profile.json, in engine.profile_file's format): every
-setting of the bmm rules that agrees with each measured cell by the sweep's own criteria (`agrees`), the
+setting of the bmm rules that agrees with each measured cell by the sweep's own criteria (`Cell.judge`), the
 first failures per series, dtype and layout as the study's table gives them, each failure's text, and what
 the sweep did not measure (judged conservatively, never guessed). Cells that were not run decide nothing."""
 
@@ -18,7 +18,8 @@ from mpsimpact.engine.release import (
 )
 from mpsimpact.runs.family_cells import TESTS_BY_NAME
 from mpsimpact.output.page import cell_name
-from mpsimpact.runs.sweep import Cell, agrees, is_measured
+from mpsimpact.runs.cell import is_measured
+from mpsimpact.runs.sweep import Cell
 
 NOT_MEASURED_NOTE = (
     "The sweep measures bmm around every threshold, and each op family once above 2**index_bits elements "
@@ -65,7 +66,7 @@ def disagreeing(rows: list[tuple[dict[str, Any], TensorSpec, TensorSpec]], setti
                 release: str) -> list[dict[str, Any]]:
     """The measured rows (each with its cell's operand specs) a setting's predictions disagree with."""
     profile = FaultProfile(release, release, True, **setting)
-    return [row for row, a, b in rows if not agrees(
+    return [row for row, a, b in rows if not Cell.judge(
         row | {"expected": classify_bmm(a, b, index_bits=row["index_bits"], profile=profile).to_json()})]
 
 
@@ -226,8 +227,7 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
     if family_skipped:
-        names = ", ".join(f"{row['cell']['test']} ({TESTS_BY_NAME[row['cell']['test']].slot})"
-                          for row in family_skipped)
+        names = ", ".join(row["name"] for row in family_skipped)
         notes.append(f"Family cells not run (over the memory budget): {names}; what they decide is "
                      "'unmeasured' (conservative).")
     if not settings and not control:

@@ -9,48 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
-from mpsimpact.runs.family_cells import FAMILY_SEEN_FIELDS, FamilyCell, family_observation_problem
-from mpsimpact.runs.sweep import NOT_RUN, TOLERANCE, Cell, is_error_value
-
-# What a bmm cell can be observed as, and the fields of a row that say what was observed (the rest of a row,
-# `agree` included, is made from its cell: see `reread_problem`).
-OBSERVED = frozenset({"ok", "crash", NOT_RUN}) | SILENT_KINDS | STOP_KINDS
-SEEN_FIELDS = ("observed", "first_bad_batch", "max_rel_error", "message", "judged_batches", "emulated_values")
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
-def observation_problem(cell: Cell, seen: dict[str, Any]) -> str | None:
-    """What makes a read-back observation of `cell` impossible, in words, or None: a class no cell has, a
-    value of the wrong type or out of range (NaN), or fields that contradict each other (an "ok" with a first
-    bad batch or an error above the tolerance; a wrong class with neither)."""
-    observed, first, rel = seen.get("observed"), seen.get("first_bad_batch"), seen.get("max_rel_error")
-    if observed not in OBSERVED:
-        return f"observed {str(observed)[:30]!r} is not an outcome of a bmm cell"
-    if first is not None and not (_is_count(first) and first < cell.batch):
-        return f"first_bad_batch {str(first)[:30]} is not a batch of this cell (0..{cell.batch - 1})"
-    if not is_error_value(rel):
-        return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
-    if not isinstance(seen.get("message"), (str, type(None))):
-        return "its message is not text"
-    judged = seen.get("judged_batches")
-    if judged is not None and not (_is_count(judged) and 0 < judged <= cell.batch):
-        return f"judged_batches {str(judged)[:30]} is not a count of this cell's batches"
-    tolerance, stopped = TOLERANCE[cell.dtype], observed in STOP_KINDS | {"crash", NOT_RUN}
-    if observed == "ok" and (first is not None or (rel is not None and rel > tolerance)):
-        return f"it says ok, with a first bad batch {first} or an error {rel} above the tolerance {tolerance}"
-    if stopped and (first is not None or rel is not None or not seen.get("message")):
-        return f"it says {observed}, but holds values judged, or no message"
-    if observed == "wrong_tail" and not first:
-        return "it says wrong_tail, without a first bad batch after batch 0"
-    if observed == "wrong_all" and first not in (None, 0):
-        return f"it says wrong_all, with a first bad batch {first}"
-    if observed in SILENT_KINDS and rel is not None and rel <= tolerance:
-        return f"it says {observed}, with an error {rel} within the tolerance {tolerance}"
-    return None
+from mpsimpact.runs.cell import SweepCell, cell_row
 
 
 def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
@@ -60,20 +19,16 @@ def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
     return sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
 
 
-# Per kind of cell: the fields of a row that say what was observed, and what makes an observation impossible.
-OBSERVATIONS = {Cell: (SEEN_FIELDS, observation_problem), FamilyCell: (FAMILY_SEEN_FIELDS, family_observation_problem)}
-
-
-def reread_problem(row: dict[str, Any], cell: Any, device: str, emulated: bool, index_bits: int,
+def reread_problem(row: dict[str, Any], cell: SweepCell, device: str, emulated: bool, index_bits: int,
                    profile: str | None) -> str | None:
     """Why a row read back from an unfinished sweep cannot be kept, or None: its observation is impossible
-    (`observation_problem`), or the row this sweep makes of its cell and observation differs from it (another
-    sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never read)."""
-    fields, problem_of = OBSERVATIONS[type(cell)]
-    seen = {key: row[key] for key in fields if key in row}
-    problem = problem_of(cell, seen)
+    (`cell.observation_problem`), or the row this sweep makes of its cell and observation differs from it
+    (another sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never
+    read)."""
+    seen = {key: row[key] for key in cell.seen_fields if key in row}
+    problem = cell.observation_problem(seen)
     if problem is None:
-        differ = differing_fields(row, cell.row(seen, device, emulated, index_bits, profile))
+        differ = differing_fields(row, cell_row(cell, seen, device, emulated, index_bits, profile))
         problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
     return problem
 
@@ -116,7 +71,7 @@ def reread_rows(items: list[Any], cells: list[Any], problem_of: Callable[[dict[s
     return kept, dropped
 
 
-def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Cell], list[FamilyCell]], device: str, emulated: bool,
+def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Any], list[Any]], device: str, emulated: bool,
                  index_bits: int, profile: str | None) -> list[dict[str, Any]]:
     """The rows an unfinished sweep's two logs (ResumableFolder: sweep.jsonl, families.jsonl) hold that this
     sweep keeps; the others are dropped from the logs (their cells run again), said in one warning line."""

@@ -1,26 +1,20 @@
-"""The op-level sweep: a grid of bmm cells placed around every threshold, each judged per batch
-against float64 and checked against the fault model. On real devices cells run in a worker
-subprocess, so an abort is recorded as a crash rather than ending the sweep."""
+"""The sweep's bmm cells: a grid placed around every threshold, each judged per batch against float64 and
+checked against the fault model (a runs.cell.SweepCell; its worker process is this module)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from mpsimpact.config import SWEEP_LAYOUTS
-from mpsimpact.output.signals import end_with_parent
-from mpsimpact.engine.faults import SILENT_KINDS, Fault, TensorSpec, classify_bmm
+from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS, Fault, TensorSpec, classify_bmm
+from mpsimpact.output.page import cell_name
+from mpsimpact.runs.cell import (
+    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, random_tensor, worker_main,
+)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LAYOUTS = SWEEP_LAYOUTS  # config.SWEEP_DTYPES names DTYPES' keys
@@ -28,37 +22,16 @@ LAYOUTS = SWEEP_LAYOUTS  # config.SWEEP_DTYPES names DTYPES' keys
 SHAPE_FAMILIES = ((256, 64, 256), (256, 256, 64), (128, 64, 512), (256, 256, 256))
 TOLERANCE = {"fp32": 1e-3, "fp16": 3e-2, "bf16": 1e-1}
 SAMPLE = 24  # batches judged per cell beyond the boundaries, when not all are affordable
-CHUNK_ELEMENTS = 1 << 24  # operands are drawn this many fp32 elements at a time, then cast in place
-# A row of a cell that was not run (over the memory budget): it decides nothing and agrees with nothing.
-NOT_RUN = "skipped_memory"
 NO_VALUES = {"first_bad_batch": None, "max_rel_error": None}  # a cell that was not judged
-# Rough speeds before any cell has run, per device: (multiply-adds per second, elements drawn per second).
-# A sweep rescales its estimate by the cells it has finished (CellClock).
-SPEEDS = {"cpu": (2e10, 2e8), "cuda": (2e13, 2e10), "mps": (3e12, 3e9)}
-
-
-class SweepCell(Protocol):
-    """What the sweep asks of a cell, a bmm (`Cell`) or an op family's test (family_cells.FamilyCell), so that
-    the one pipeline below (observe, run_cells, predicted_rows, worker processes) runs either: the fault
-    model's verdict (`predict`), the cell run and judged (`look`: the observation), the observation of a cell
-    that comes out as the rules say (`predicted_seen`), its row (the cell, prediction, expectation, the
-    observation, agreement), its size and time, and its JSON (the row's "cell")."""
-
-    no_values: ClassVar[dict[str, Any]]  # the fields of an observation that judged no values
-    worker: ClassVar[str]  # the module whose worker process (`python -m`) runs such cells
-
-    def predict(self, index_bits: int, profile: Any = None) -> Fault: ...
-    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]: ...
-    def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]: ...
-    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict: ...
-    def bytes_needed(self) -> int: ...
-    def estimated_seconds(self, device: str) -> float: ...
-    def to_json(self) -> dict[str, Any]: ...
+# What a bmm cell can be observed as, and the fields of a row that say what was observed (the rest of a row,
+# `agree` included, is made from its cell: see runs.row_check).
+OBSERVED = frozenset({"ok", "crash", NOT_RUN}) | SILENT_KINDS | STOP_KINDS
+SEEN_FIELDS = ("observed", "first_bad_batch", "max_rel_error", "message", "judged_batches", "emulated_values")
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One bmm: shapes, layout, dtype and batch size (a SweepCell)."""
+    """One bmm: shapes, layout, dtype and batch size (a runs.cell.SweepCell)."""
 
     m: int
     k: int
@@ -67,29 +40,109 @@ class Cell:
     layout: str
     dtype: str
     no_values: ClassVar[dict[str, Any]] = NO_VALUES
-    worker: ClassVar[str] = "mpsimpact.runs.sweep"
+    seen_fields: ClassVar[tuple[str, ...]] = SEEN_FIELDS
+    control: ClassVar[dict[str, Any]] = {"kind": "ok", "first_bad_batch": None}
+    row_defaults: ClassVar[dict[str, Any]] = {}
+
+    @property
+    def name(self) -> str:
+        """'256x64x256 batch 17 contiguous fp32': the cell as people say it."""
+        return cell_name(self.to_json())
 
     def predict(self, index_bits: int, profile: Any = None) -> Fault:
         return classify_bmm(*self.specs(), index_bits=index_bits, profile=profile)
 
-    def look(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        return _observe(self, device, emulated, index_bits, profile)
+    def run(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+        """Runs the bmm and judges it (see runs.cell.observe): ok, error, abort (emulated), wrong_all,
+        wrong_tail, truncated (bad values mostly zero) or wrong_other (wrong otherwise, or not emulated)."""
+        from mpsimpact.modes.emulator import emulate
+        from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
+
+        predicted = self.predict(index_bits, profile)
+        a, b = make_operands(self, device, torch.Generator(device=device).manual_seed(0))
+        try:
+            with emulate(index_bits=index_bits, profile=profile) if emulated else contextlib.nullcontext():
+                out = torch.bmm(a, b)
+            if device == "mps":
+                torch.mps.synchronize()
+        except torch.OutOfMemoryError:
+            raise
+        except NotEmulatedError as error:
+            return {"observed": "wrong_other", "message": error.message, **NO_VALUES, "emulated_values": False}
+        except RuntimeError as error:
+            kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
+            return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
+        batches = judged_batches(self, predicted.first_bad_batch, self.batch * self.m * self.n <= 1 << 26, index_bits)
+        index = torch.tensor(batches, device=out.device)
+        # To the CPU before float64: MPS has no float64.
+        ref = torch.bmm(a[index].cpu().double(), b[index].cpu().double())  # (S, M, N) in float64
+        got = out[index].cpu().double()
+        gap = (got - ref).abs_()
+        scale = ref.abs().amax(dim=(1, 2))
+        err = gap.amax(dim=(1, 2)) / scale
+        wrong_rows = [row for row, e in enumerate(err.tolist()) if not e <= TOLERANCE[self.dtype]]
+        bad = [batches[row] for row in wrong_rows]
+        observed = _classify_bad(bad, batches)
+        if bad and _zero_share(got, gap, scale, wrong_rows) >= 0.9:
+            observed = "truncated"  # the study's criterion: at least 90% of the bad elements exactly 0
+        return {"observed": observed, "first_bad_batch": bad[0] if bad else None,
+                "max_rel_error": finite_or_none(float(err.max())), "judged_batches": len(batches), "message": None}
+
+    @staticmethod
+    def judge(row: dict[str, Any]) -> bool:
+        """Whether an observed cell matches what is expected of it: the fault model's prediction on
+        MPS or under emulation; "ok" on any other device (the control)."""
+        pred, seen = row["expected"], row["observed"]
+        if pred["kind"] == "abort" and seen == "crash":
+            return True  # a real abort ends the worker process
+        if pred["kind"] == "wrong_other" and row.get("device") == "mps":
+            return seen in SILENT_KINDS  # pattern not characterised
+        if seen != pred["kind"]:
+            return False
+        if seen == "wrong_tail":
+            return row["first_bad_batch"] == pred["first_bad_batch"]
+        if seen == "error":
+            return pred["message"].split(" (")[0][:40] in (row.get("message") or "")
+        return True
 
     def predicted_seen(self, index_bits: int, profile: Any) -> dict[str, Any]:
         fault = self.predict(index_bits, profile)
         return {"observed": fault.kind, "first_bad_batch": fault.first_bad_batch, "message": fault.message or None,
                 "max_rel_error": None}
 
-    def row(self, seen: dict[str, Any], device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
+    def row_fields(self, index_bits: int, emulated: bool, profile: Any) -> tuple[dict, dict]:
+        """(the operands' specs, nothing after the observation)."""
         a, b = self.specs()
-        prediction = classify_bmm(a, b, index_bits=index_bits, profile=profile).to_json()
-        control = not emulated and device != "mps"
-        expected = {"kind": "ok", "first_bad_batch": None} if control else prediction
-        row = {"cell": self.to_json(), "a": a.to_json(), "b": b.to_json(), "device": device,
-               "index_bits": index_bits, "torch": torch.__version__, "prediction": prediction, "expected": expected,
-               **seen}
-        row["agree"] = agrees(row) if is_measured(row) else None
-        return row
+        return {"a": a.to_json(), "b": b.to_json()}, {}
+
+    def observation_problem(self, seen: dict[str, Any]) -> str | None:
+        """What makes a read-back observation of this cell impossible, in words, or None: a class no cell has, a
+        value of the wrong type or out of range (NaN), or fields that contradict each other (an "ok" with a first
+        bad batch or an error above the tolerance; a wrong class with neither)."""
+        observed, first, rel = seen.get("observed"), seen.get("first_bad_batch"), seen.get("max_rel_error")
+        if observed not in OBSERVED:
+            return f"observed {str(observed)[:30]!r} is not an outcome of a bmm cell"
+        if first is not None and not (type(first) is int and 0 <= first < self.batch):
+            return f"first_bad_batch {str(first)[:30]} is not a batch of this cell (0..{self.batch - 1})"
+        if not is_error_value(rel):
+            return f"max_rel_error {str(rel)[:30]} is not a finite number >= 0"
+        if not isinstance(seen.get("message"), (str, type(None))):
+            return "its message is not text"
+        judged = seen.get("judged_batches")
+        if judged is not None and not (type(judged) is int and 0 < judged <= self.batch):
+            return f"judged_batches {str(judged)[:30]} is not a count of this cell's batches"
+        tolerance, stopped = TOLERANCE[self.dtype], observed in STOP_KINDS | {"crash", NOT_RUN}
+        if observed == "ok" and (first is not None or (rel is not None and rel > tolerance)):
+            return f"it says ok, with a first bad batch {first} or an error {rel} above the tolerance {tolerance}"
+        if stopped and (first is not None or rel is not None or not seen.get("message")):
+            return f"it says {observed}, but holds values judged, or no message"
+        if observed == "wrong_tail" and not first:
+            return "it says wrong_tail, without a first bad batch after batch 0"
+        if observed == "wrong_all" and first not in (None, 0):
+            return f"it says wrong_all, with a first bad batch {first}"
+        if observed in SILENT_KINDS and rel is not None and rel <= tolerance:
+            return f"it says {observed}, with an error {rel} within the tolerance {tolerance}"
+        return None
 
     def specs(self) -> tuple[TensorSpec, TensorSpec]:
         """The operand specs this cell builds (see `make_operands`)."""
@@ -147,11 +200,6 @@ def grid(index_bits: int, dtypes: tuple[str, ...], layouts: tuple[str, ...], qui
     return cells
 
 
-def is_measured(row: dict[str, Any]) -> bool:
-    """Whether a row's cell ran (a cell over the memory budget did not, and decides nothing)."""
-    return row["observed"] != NOT_RUN
-
-
 def make_operands(cell: Cell, device: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Operands in the cell's layout, different in every batch (identical batches hide a wrap)."""
     extra = 1 if cell.layout == "both_sliced" else 0
@@ -166,17 +214,6 @@ def make_operands(cell: Cell, device: str, generator: torch.Generator) -> tuple[
     return rand(cell.batch + extra, cell.m, cell.k)[extra:], rand(cell.batch + extra, cell.k, cell.n)[extra:]
 
 
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: str, generator: torch.Generator) -> torch.Tensor:
-    """Standard normal draws of `shape`, made in fp32 a chunk of leading rows at a time, so that a
-    half-precision tensor never has a full fp32 twin."""
-    out = torch.empty(shape, dtype=dtype, device=device)
-    step = max(1, CHUNK_ELEMENTS // max(out[0].numel(), 1))
-    for start in range(0, shape[0], step):
-        part = out[start:start + step]
-        part.copy_(torch.randn(part.shape, generator=generator, device=device, dtype=torch.float32))
-    return out
-
-
 def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, index_bits: int) -> list[int]:
     """All batches, or the first/last, both sides of each boundary, and a seeded sample."""
     if affordable:
@@ -188,84 +225,6 @@ def judged_batches(cell: Cell, predicted_first: int | None, affordable: bool, in
     rng = torch.Generator().manual_seed(cell.batch)
     picks.update(torch.randint(0, cell.batch, (SAMPLE,), generator=rng).tolist())
     return sorted(p for p in picks if 0 <= p < cell.batch)
-
-
-def not_run(cell: Any, budget: int) -> dict[str, Any] | None:
-    """The row of a cell over the memory budget (bytes), which is not run; None if it fits."""
-    needed = cell.bytes_needed()
-    if needed <= budget:
-        return None
-    message = (f"needs {needed / 2**30:.3g} GiB, more than the {budget / 2**30:.3g} GiB budget "
-               "(--max-memory): not run, unmeasured")
-    return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None, "message": message}
-
-
-def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profile: Any = None,
-            budget: int | None = None) -> dict[str, Any]:
-    """Runs one cell of either kind (`cell.look`) and returns what it saw: for a bmm ok, error, abort (emulated),
-    wrong_all, wrong_tail, truncated (bad values mostly zero) or wrong_other (wrong otherwise, or not emulated);
-    a cell over `budget` bytes (default: what the device offers), or out of memory, is not run."""
-    from mpsimpact.runs.device import device_memory
-
-    skipped = not_run(cell, device_memory(device) if budget is None else budget)
-    if skipped is not None:
-        return skipped
-    try:
-        return cell.look(device, emulated, index_bits, profile)
-    except torch.OutOfMemoryError as error:
-        return {"observed": NOT_RUN, **cell.no_values,
-                "message": f"out of memory: {str(error).splitlines()[0]}; not run, unmeasured"}
-    finally:
-        if device == "cuda":
-            torch.cuda.empty_cache()  # cells differ in size: give cached blocks back
-        elif device == "mps":
-            torch.mps.empty_cache()
-
-
-def _observe(cell: Cell, device: str, emulated: bool, index_bits: int, profile: str | None) -> dict[str, Any]:
-    from mpsimpact.modes.emulator import emulate
-    from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
-
-    predicted = cell.predict(index_bits, profile)
-    a, b = make_operands(cell, device, torch.Generator(device=device).manual_seed(0))
-    try:
-        with emulate(index_bits=index_bits, profile=profile) if emulated else contextlib.nullcontext():
-            out = torch.bmm(a, b)
-        if device == "mps":
-            torch.mps.synchronize()
-    except torch.OutOfMemoryError:
-        raise
-    except NotEmulatedError as error:
-        return {"observed": "wrong_other", "message": error.message, **NO_VALUES, "emulated_values": False}
-    except RuntimeError as error:
-        kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
-        return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
-    batches = judged_batches(cell, predicted.first_bad_batch, cell.batch * cell.m * cell.n <= 1 << 26, index_bits)
-    index = torch.tensor(batches, device=out.device)
-    # To the CPU before float64: MPS has no float64.
-    ref = torch.bmm(a[index].cpu().double(), b[index].cpu().double())  # (S, M, N) in float64
-    got = out[index].cpu().double()
-    gap = (got - ref).abs_()
-    scale = ref.abs().amax(dim=(1, 2))
-    err = gap.amax(dim=(1, 2)) / scale
-    wrong_rows = [row for row, e in enumerate(err.tolist()) if not e <= TOLERANCE[cell.dtype]]
-    bad = [batches[row] for row in wrong_rows]
-    observed = _classify_bad(bad, batches)
-    if bad and _zero_share(got, gap, scale, wrong_rows) >= 0.9:
-        observed = "truncated"  # the study's criterion: at least 90% of the bad elements exactly 0
-    return {"observed": observed, "first_bad_batch": bad[0] if bad else None,
-            "max_rel_error": finite_or_none(float(err.max())), "judged_batches": len(batches), "message": None}
-
-
-def finite_or_none(value: float) -> float | None:
-    """A relative error as rows keep it: None where it is not a finite number (NaN values came back; JSON
-    has no NaN, and a reader refuses one)."""
-    return value if math.isfinite(value) else None
-
-
-def is_error_value(value: Any) -> bool:
-    """A relative error as a row may hold it: None, or a finite number >= 0 (never a bool or NaN)."""
-    return value is None or (type(value) in (int, float) and math.isfinite(value) and value >= 0)
 
 
 def _zero_share(got: torch.Tensor, gap: torch.Tensor, scale: torch.Tensor, rows: list[int]) -> float:
@@ -287,123 +246,6 @@ def _classify_bad(bad: list[int], judged: list[int]) -> str:
     if bad == [b for b in judged if b >= bad[0]]:
         return "wrong_tail"
     return "wrong_other"
-
-
-def agrees(row: dict[str, Any]) -> bool:
-    """Whether an observed cell matches what is expected of it: the fault model's prediction on
-    MPS or under emulation; "ok" on any other device (the control)."""
-    pred, seen = row["expected"], row["observed"]
-    if pred["kind"] == "abort" and seen == "crash":
-        return True  # a real abort ends the worker process
-    if pred["kind"] == "wrong_other" and row.get("device") == "mps":
-        return seen in SILENT_KINDS  # pattern not characterised
-    if seen != pred["kind"]:
-        return False
-    if seen == "wrong_tail":
-        return row["first_bad_batch"] == pred["first_bad_batch"]
-    if seen == "error":
-        return pred["message"].split(" (")[0][:40] in (row.get("message") or "")
-    return True
-
-
-def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: int, in_process: bool,
-              profile: str | None = None, budget: int | None = None) -> Iterator[dict[str, Any]]:
-    """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
-    worker. `profile`: the profile (a FaultProfile.ref) whose rules predict (and, emulated, produce) each cell;
-    `budget`: the bytes a cell may hold (default: what the device offers); a cell over it is not run."""
-    from mpsimpact.runs.device import device_memory
-
-    budget = device_memory(device) if budget is None else budget
-
-    def make_row(cell: SweepCell, seen: dict[str, Any]) -> dict[str, Any]:
-        return cell.row(seen, device, emulated, index_bits, profile)
-
-    if in_process or emulated:
-        for cell in cells:
-            yield make_row(cell, observe(cell, device, emulated, index_bits, profile, budget))
-        return
-    job = {"device": device, "index_bits": index_bits, "budget": budget}
-    yield from rows_within_budget(cells, budget, lambda fitting: worker_rows(fitting, job, make_row), make_row)
-
-
-def rows_within_budget(cells: list[Any], budget: int, run_fitting: Callable[[list[Any]], Iterator[dict[str, Any]]],
-                       make_row: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Rows of `cells` in order: a cell over the budget is answered here (`not_run`), each run of the cells
-    between by `run_fitting` (a worker process)."""
-    start = 0
-    while start < len(cells):
-        fitting = list(itertools.takewhile(lambda c: not_run(c, budget) is None, cells[start:]))
-        yield from run_fitting(fitting)
-        start += len(fitting)
-        if start < len(cells):
-            yield make_row(cells[start], not_run(cells[start], budget))
-            start += 1
-
-
-def predicted_rows(cells: list[SweepCell], index_bits: int, profile: Any = None) -> list[dict[str, Any]]:
-    """The rows an emulated sweep of `cells` writes when every cell comes out as `profile`'s rules say,
-    without running a tensor (for sizing a sweep, and for deriving profiles in tests)."""
-    return [cell.row(cell.predicted_seen(index_bits, profile), "cpu", True, index_bits, profile) for cell in cells]
-
-
-def worker_rows(cells: list[SweepCell], job: dict[str, Any],
-                make_row: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Runs cells in a subprocess (`python -m` their kind's `worker`, reading `job` and the cells' JSON on stdin and
-    printing one observation per line); a cell whose process dies is recorded as a crash, with the last
-    line the process printed (an abort's assertion text), and the next cells go to a new process."""
-    start = 0
-    while start < len(cells):
-        payload = json.dumps(job | {"cells": [c.to_json() for c in cells[start:]]})
-        with tempfile.TemporaryFile("w+") as errors:
-            proc = subprocess.Popen([sys.executable, "-m", type(cells[0]).worker], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=errors, text=True, env=os.environ.copy(),
-                                    preexec_fn=end_with_parent)  # a SIGKILL-ed sweep leaves no cell running
-            proc.stdin.write(payload)
-            proc.stdin.close()
-            done = 0
-            for line in proc.stdout:
-                yield make_row(cells[start + done], json.loads(line))
-                done += 1
-            code = proc.wait()
-            errors.seek(0)
-            said = [line.strip() for line in errors.read().splitlines() if line.strip()]
-        start += done
-        if code != 0 and start < len(cells):
-            text = f"exit code {code}" + (f": {said[-1][:300]}" if said else "")
-            crash = {"observed": "crash", "message": text, "first_bad_batch": None, "max_rel_error": None}
-            yield make_row(cells[start], crash)
-            start += 1
-
-
-def worker_main(kind: type) -> None:
-    """A worker process (see `worker_rows`): observes each cell of `kind` its job on stdin names, unemulated,
-    and prints one JSON observation per line."""
-    job = json.loads(sys.stdin.read())
-    for spec in job["cells"]:
-        seen = observe(kind(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"))
-        print(json.dumps(seen), flush=True)
-
-
-class CellClock:
-    """The time a sweep has left: each cell's estimate (Cell.estimated_seconds), scaled by how long the
-    finished cells took against their own estimates."""
-
-    def __init__(self, cells: list[Cell], device: str) -> None:
-        self.estimates = [cell.estimated_seconds(device) for cell in cells]
-        self.spent, self.estimated_done, self.done = 0.0, 0.0, 0
-
-    @property
-    def total_estimate(self) -> float:
-        return sum(self.estimates)
-
-    def finished(self, seconds: float) -> None:
-        self.spent += seconds
-        self.estimated_done += self.estimates[self.done]
-        self.done += 1
-
-    def seconds_left(self) -> float:
-        scale = self.spent / self.estimated_done if self.estimated_done > 0 and self.spent > 0 else 1.0
-        return scale * sum(self.estimates[self.done:])
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from mpsimpact.config import SweepConfig, memory_bytes
-from mpsimpact.engine.release import takes_release
+from mpsimpact.engine.release import cached_profile_path, takes_release
 from mpsimpact.errors import UsageError
-from mpsimpact.runs.sweep import NOT_RUN, is_measured
+from mpsimpact.runs.cell import NOT_RUN, is_measured
 
 
 @takes_release
@@ -25,8 +25,9 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
     from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
     from mpsimpact.runs.family_cells import family_grid
+    from mpsimpact.runs.cell import CellClock
     from mpsimpact.runs.row_check import cell_key, resumed_rows
-    from mpsimpact.runs.sweep import CellClock, grid
+    from mpsimpact.runs.sweep import grid
 
     config.validate()
     device = resolve_device(config.device)
@@ -52,9 +53,10 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
         kept = resumed_rows((folder, families), (cells, family_cells), device, emulated, config.index_bits,
                             profile.ref)
         done = {cell_key(row["cell"]): row for row in kept if is_measured(row)}
-        todo = [cell for cell in cells + family_cells if cell_key(dataclasses.asdict(cell)) not in done]
+        todo = [cell for cell in cells + family_cells if cell_key(cell.to_json()) not in done]
         fits = [cell for cell in todo if cell.bytes_needed() <= budget]
-        show.plan(mode, config, (len(cells + family_cells), todo, fits), budget,
+        largest = max((cell.bytes_needed() for cell in fits), default=0)
+        show.plan(mode, config, (len(cells + family_cells), len(todo), len(fits), largest), budget,
                   CellClock(fits, device).total_estimate, folder.path)
         rows = dict(done)
         try:
@@ -65,13 +67,13 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
             if rows:
                 show.interrupted(len(rows), len(cells) + len(family_cells), folder.path, config, out)
             raise
-        ordered = [rows[cell_key(dataclasses.asdict(cell))] for cell in cells]
-        family_rows = [rows[cell_key(dataclasses.asdict(cell))] for cell in family_cells]
+        ordered, family_rows = ([rows[cell_key(cell.to_json())] for cell in kind]
+                                for kind in (cells, family_cells))
         summary, derived, figure = results((ordered, family_rows), config, mode, profile, (device, emulated),
                                            budget)
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
         show.write(folder.path, (ordered, family_rows), derived, figure, summary)
-    show.summary(summary, out)
+    show.summary(summary, out, cached_profile_path(derived["release"]))
     return summary
 
 
@@ -84,23 +86,18 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
     `show.cell`."""
     import itertools
 
-    from mpsimpact.runs.family_cells import FamilyCell
-    from mpsimpact.output.page import cell_name
-    from mpsimpact.runs.sweep import CellClock, run_cells
+    from mpsimpact.runs.cell import CellClock, run_cells
 
     clock = CellClock(todo, device)
     started = tick = time.perf_counter()
-    products = [cell for cell in todo if not isinstance(cell, FamilyCell)]
-    others = [cell for cell in todo if isinstance(cell, FamilyCell)]
-    rows = itertools.chain(
-        run_cells(products, device, emulated, config.index_bits, config.in_process, profile, budget),
-        run_cells(others, device, emulated, config.index_bits, config.in_process, profile, budget))
-    for number, row in enumerate(rows, 1):
+    rows = itertools.chain.from_iterable(  # a run of cells of one kind at a time: the bmm cells, then the others
+        run_cells(list(cells), device, emulated, config.index_bits, config.in_process, profile, budget)
+        for _, cells in itertools.groupby(todo, type))
+    for number, (cell, row) in enumerate(zip(todo, rows), 1):
         now = time.perf_counter()
         clock.finished(now - tick if is_measured(row) else 0.0)
         tick = now
-        name = row.get("name") or cell_name(row["cell"])
-        show.cell((number, len(todo)), name, row, now - started, clock.seconds_left())
+        show.cell((number, len(todo)), cell.name, row, now - started, clock.seconds_left())
         yield row
 
 
