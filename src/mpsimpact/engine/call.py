@@ -148,8 +148,9 @@ def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) 
     """The fault of a recorded call under a release: the products' rules on `a` and `b`; any other
     family's rule on its first input and largest output (Note [Op families past INT_MAX]).
 
-    The answer is kept per (call's family or op, a, b, width, release): the rules are pure, and a model's layers make the same calls (plan and check decide the same
-    traced calls at many lengths and batches, and FaultPlan.from_trace decides them again)."""
+    The answer is kept per (call's family or op, a, b, width, release): the rules are pure, and a model's
+    layers make the same calls (plan and check decide the same traced calls at many lengths and batches, and
+    FaultPlan.from_trace decides them again)."""
     if call.is_product:
         return _decided(True, call.family, call.a, call.b, index_bits, profile)
     if max(call.a.numel, call.b.numel) <= dim_max(index_bits):
@@ -158,7 +159,8 @@ def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) 
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _decided(product: bool, name: str, a: TensorSpec, b: TensorSpec, index_bits: int, profile: FaultProfile) -> Fault:
+def _decided(product: bool, name: str, a: TensorSpec, b: TensorSpec, index_bits: int,
+             profile: FaultProfile) -> Fault:
     if product:  # `name` is the family
         return classify_call(name, a, b, index_bits, profile)
     return classify_op(name, [a], b, index_bits=index_bits, profile=profile)
