@@ -140,7 +140,7 @@ def op_cell(op: str, a: list[int], b: list[int]) -> str:
 def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
     """The fault of one matrix-product call, by family ("bmm", "mm", or "sdpa" with a = query, b = key;
     fused path). See Note [MPS 32-bit index faults]."""
-    return RULES[family](a, b, index_bits=index_bits, profile=profile)
+    return RULES[family].__wrapped__(a, b, index_bits=index_bits, profile=profile)  # resolved above: not again
 
 
 @takes_release
