@@ -99,6 +99,16 @@ def _parse_profile(value: str) -> None:
                          field=error.field) from None
 
 
+def _parse_memory(value: str) -> None:
+    if str(value).strip().lower() != "auto":
+        from mpsimpact.engine.mac_memory import parse_mac_size
+
+        parse_mac_size(value)
+
+
+# A Mac's unified memory ("16GB"), or auto (this Mac): its largest buffer and working set decide too.
+MEMORY = Check("--memory", parse=_parse_memory, hint=", or auto on a Mac")
+
 TORCH_PROFILE = Check(
     "--torch-profile", parse=_parse_profile,
     hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively), "
@@ -140,6 +150,7 @@ class RunConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
+    memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
 
     @property
     def corruption_threshold(self) -> float:
@@ -182,7 +193,7 @@ class PlanConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     versions: bool = False
     out: str | None = None
-    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
+    memory: str | None = option(None, MEMORY)  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
 
 
 # `check --task`: the keys of prediction.meta_model.TASKS (the transformers auto class of each).
@@ -215,6 +226,7 @@ class CheckConfig(Validated):
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
     out: str | None = None
+    memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): its largest buffer decides too
 
 
 # `sweep --dtypes` and `--layouts`: the keys of runs.sweep.DTYPES and its LAYOUTS.

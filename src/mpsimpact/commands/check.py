@@ -32,6 +32,7 @@ def main(
     as_json: bool = options.as_json(),
     verbose: bool = options.verbose(),
     out: str | None = options.out("Also write check.json and check.md"),
+    memory: str | None = shared("--memory"),
 ) -> None:
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
     from mpsimpact.output.files import claimed_out_dir
@@ -39,7 +40,7 @@ def main(
     check_config = options.config_from(  # validated before anything heavy is imported
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, phase=phase, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
-        out=out,
+        out=out, memory=memory,
     )
     from mpsimpact.prediction.check import build_check_report
     from mpsimpact.reports.check import print_check, write_check_folder

@@ -45,6 +45,7 @@ def main(
                                    "P V call, the rest in blocks of texts (fits a 16 GB Mac)."),
     dtype: str | None = option("--dtype", "float32 (as published), float16 or bfloat16: the device passes' "
                                           "dtype; half precision is judged against a same-dtype reference."),
+    memory: str | None = shared("--memory"),
     quick: bool = typer.Option(False, "--quick", help=f"The 20-second demo: {QUICK_TEXT} unless given "
                                "(emulated at a narrow index width, and said so)."),
     verbose: bool = options.verbose(),
@@ -57,7 +58,7 @@ def main(
         config(), scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
         emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
-        steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype,
+        steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory,
     )
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

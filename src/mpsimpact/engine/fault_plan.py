@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.engine.call import CallRecord, classify_record
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile, sdpa_path
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, sdpa_path
+from mpsimpact.engine.mac_memory import MacMemory, buffer_fault
 from mpsimpact.engine.release import FaultProfile, takes_release
 
 
@@ -42,20 +43,29 @@ class FaultPlan:
     profile: str = ""  # the release's FaultProfile.ref, as the plan's JSON names it
     trace: tuple[CallRecord, ...] = ()
     fault_profile: FaultProfile | None = dataclasses.field(default=None, compare=False, repr=False)
+    mac: MacMemory | None = None  # the Mac whose largest buffer also decides (None: the index rules alone)
 
     @classmethod
     @takes_release
-    def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None) -> FaultPlan:
-        """The calls MPS makes under `profile`, each re-decided by that release's rules."""
+    def from_trace(cls, trace: tuple[CallRecord, ...], index_bits: int, profile: Profile = None,
+                   mac: MacMemory | None = None) -> FaultPlan:
+        """The calls MPS makes under `profile`, each re-decided by that release's rules; on `mac`, a call whose
+        tensor reaches its largest buffer is refused first (Note [The Mac's largest buffer])."""
         kept = []
         for call in runs_on_mps(trace, profile):
-            fault = classify_record(call, index_bits, profile)
+            fault = decide(call, index_bits, profile, mac)
             kept.append(call.evolve(index=len(kept), fault=fault))
-        return cls(tuple(kept), index_bits, profile.ref, tuple(trace), profile)
+        return cls(tuple(kept), index_bits, profile.ref, tuple(trace), profile, mac)
 
     def under(self, profile: Profile) -> FaultPlan:
-        """The same trace, decided for another torch release."""
-        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, profile)
+        """The same trace, decided for another torch release (on the same Mac)."""
+        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, profile, self.mac)
+
+    def on_mac(self, mac: MacMemory | None) -> FaultPlan:
+        """The same trace and release, decided on `mac` (None: by the index rules alone)."""
+        if mac == self.mac:
+            return self
+        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, self.fault_profile, mac)
 
     @property
     def faults(self) -> list[CallRecord]:
@@ -78,4 +88,11 @@ class FaultPlan:
             "profile": self.profile,
             "calls": len(self.calls),
             "faults": [call.to_json() for call in self.faults],
+            **({"mac": self.mac.to_json()} if self.mac is not None else {}),
         }
+
+
+def decide(call: CallRecord, index_bits: int, profile: FaultProfile, mac: MacMemory | None = None) -> Fault:
+    """One call's fault: the Mac's refusal of a tensor past its largest buffer first, else the release's rules."""
+    refused = buffer_fault(call, mac, index_bits, profile.release) if mac is not None else None
+    return refused or classify_record(call, index_bits, profile)

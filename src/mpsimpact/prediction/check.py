@@ -18,7 +18,8 @@ from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_m
 from mpsimpact.prediction.safe_size import (
     TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, plan_signature, scalable,
 )
-from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
+from mpsimpact.engine.mac_memory import resolve_mac
+from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, cache_root, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
 
 def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
@@ -56,8 +57,9 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     release = judge_release(cfg.torch_profile)
+    mac = resolve_mac(cfg.memory, cache_root())
     model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, release.profile,
-                      cfg.target_len, cfg.cache)
+                      cfg.target_len, cfg.cache, mac=mac)
     info = {
         "release": release,
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
@@ -97,11 +99,12 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
-        scaled = plan_at(calls, batch, model.index_bits, model.profile)
+        scaled = plan_at(calls, batch, model.index_bits, model.profile, model.mac)
         if plan_signature(scaled) != plan_signature(trace_at(batch)):
             return bisect_clean(trace_at, BATCH_CEILING, f"the scaled calls differ from the trace at batch {batch}")
         basis += f"; the scaling agrees with the trace at batch {batch}"
-    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, BATCH_CEILING, model.profile)
+    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, BATCH_CEILING, model.profile,
+                               model.mac)
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
@@ -141,7 +144,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     plan = model.trace(batch, length)
     high, cost_note = affordable_length(model, batch, high)
     by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
-                                    known=length)
+                                    known=length, mac=model.mac)
     if cost_note:
         by_length = dataclasses.replace(by_length, basis=f"{by_length.basis}; {cost_note}")
     by_batch = safe_batch(model, batch, length)
@@ -154,8 +157,9 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
                                    f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)") + info["padding"]},
-        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(plan.under(release.installed),
-                                                                             batch, heads))},
+        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
+            plan.on_mac(None).under(release.installed), batch, heads))},
+        **({"mac": model.mac.to_json()} if model.mac is not None else {}),
         "torch_profile": profile_info(release),
         "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
                      "index_bits": cfg.index_bits},

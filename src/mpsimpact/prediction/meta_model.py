@@ -260,6 +260,7 @@ class MetaModel:
     mask: str | None = None  # the input variant that traces (found by the first trace)
     traces: int = 0  # traces made (a geometry traced once is answered from `plans`)
     plans: dict[tuple[int, int], FaultPlan] = dataclasses.field(default_factory=dict)
+    mac: Any = None  # a MacMemory: its largest buffer decides too (Note [The Mac's largest buffer])
 
     def forward_args(self, batch: int, length: int) -> dict[str, Any]:
         """Decoder ids for encoder-decoders (zeros on meta, `target_len` long) and use_cache as `cache` says
@@ -293,7 +294,7 @@ class MetaModel:
                 failures.append((variant, error))
                 continue
             self.mask = variant
-            return plan
+            return plan.on_mac(self.mac)
         # The most telling failure: the first that is not a mask value read on meta (the natural input's, 2-D).
         variant, error = next(((v, e) for v, e in failures if "meta tensors" not in str(e)), failures[-1])
         raise ModelLoadError(

@@ -13,6 +13,7 @@ from mpsimpact.budget import bytes_per_score_of, target_budget
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
+from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.piecewise import has_split
 
@@ -196,6 +197,8 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     faults = plan.faults
     if not faults:
         return ["Nothing crosses a limit: no guard needed."]
+    if refused := [c for c in faults if c.fault.rule == BUFFER_RULE]:
+        return _refused_advice(faults, refused, plan, batch, subject)
     stuck = [c for c in faults if not splits_safely(c, plan.index_bits)]
     strict = [c for c in faults if needs_strict(c)]
     if stuck and not stuck[0].is_product:
@@ -223,6 +226,21 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     if any(c.fault.rule == "sdpa-fused" for c in faults):
         lines.append("The fused SDPA op is correct from torch 2.13.0 (--torch-profile 2.13.0 shows it): "
                      "upgrading torch fixes those calls.")
+    return lines
+
+
+def _refused_advice(faults: list[CallRecord], refused: list[CallRecord], plan: FaultPlan, batch: int,
+                    subject: Subject) -> list[str]:
+    """Where the Mac refuses an allocation, no guard mode helps (it splits a computation, never one tensor);
+    mps_safe_eager does where every refused tensor is attention's scores, which it never holds whole."""
+    first, mac = refused[0], plan.mac
+    on = f"on {mac.label} ({mac.buffer_words()})" if mac is not None else "on this Mac"
+    lines = [f"No guard mode makes call {first.index} ({first.op} in {first.module or first.phase}) run {on}: "
+             f"MPS refuses to allocate its tensor ('{first.fault.message}') before anything runs, and a guard "
+             "splits a computation, not one tensor. Lower the batch size or the length (see the largest safe "
+             "batch and the longest safe length)."]
+    if all(is_attention_call(c, batch, subject.heads) for c in refused):
+        lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     return lines
 
 
@@ -314,6 +332,9 @@ def _describe(prediction: Any, batch: int) -> str:
     if prediction.stop is not None:
         what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
         stop = prediction.stop
+        if stop.fault.rule == BUFFER_RULE:
+            return (f"MPS raises '{stop.fault.message}' at call {stop.index} ({stop.describe()}, {stop.phase}): "
+                    "the Mac cannot allocate that tensor, before any wrong value")
         return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
     if prediction.first_corrupted_text is not None:
         return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "

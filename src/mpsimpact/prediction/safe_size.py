@@ -9,9 +9,10 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mpsimpact.engine.call import CallRecord, classify_record, out_elements
+from mpsimpact.engine.call import CallRecord, out_elements
 from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
-from mpsimpact.engine.fault_plan import FaultPlan, runs_on_mps
+from mpsimpact.engine.fault_plan import FaultPlan, decide, runs_on_mps
+from mpsimpact.engine.mac_memory import MacMemory, call_bytes
 from mpsimpact.engine.release import FaultProfile, takes_release
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.meta_model import trace_meta
@@ -87,15 +88,17 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
 
 
 def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int,
-                   profile: FaultProfile) -> FaultPlan:
+                   profile: FaultProfile, mac: MacMemory | None = None) -> FaultPlan:
     """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
-    return _decided((fitted.at(length) for fitted in calls), index_bits, profile)
+    return _decided((fitted.at(length) for fitted in calls), index_bits, profile, mac)
 
 
-def _decided(calls: Iterable[CallRecord], index_bits: int, profile: FaultProfile) -> FaultPlan:
-    """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release."""
+def _decided(calls: Iterable[CallRecord], index_bits: int, profile: FaultProfile,
+             mac: MacMemory | None = None) -> FaultPlan:
+    """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release (and on
+    `mac`, its largest buffer)."""
     # from_trace decides each call MPS runs (its `trace` keeps the rebuilt records, read for their operands)
-    return FaultPlan.from_trace(tuple(calls), index_bits, profile)
+    return FaultPlan.from_trace(tuple(calls), index_bits, profile, mac)
 
 
 def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list[LengthFittedCall]:
@@ -107,9 +110,10 @@ def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list
     return list(distinct.values())
 
 
-def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: FaultProfile) -> bool:
+def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: FaultProfile,
+              mac: MacMemory | None = None) -> bool:
     """is_clean(plan_at_length(...)) for the calls of _distinct_runs, by arithmetic on them alone."""
-    return all(classify_record(fitted.at(length), index_bits, profile).is_ok for fitted in kept)
+    return all(decide(fitted.at(length), index_bits, profile, mac).is_ok for fitted in kept)
 
 
 def is_clean(plan: FaultPlan) -> bool:
@@ -138,9 +142,10 @@ def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int |
 
 
 def candidate_lengths(calls: list[LengthFittedCall], high: int,
-                      index_bits: int = MPS_INDEX_BITS) -> list[int]:
+                      index_bits: int = MPS_INDEX_BITS, mac: MacMemory | None = None) -> list[int]:
     """The lengths where some rule's condition can change: every count reaching 2**(bits-1) or 2**bits
-    (>=) or passing it (>). Between two candidates every call's outcome stays the same."""
+    (>=) or passing it (>), and on `mac` a call's bytes reaching its largest buffer. Between two candidates
+    every call's outcome stays the same."""
     limit, view_limit = limits(index_bits)
     found = {1}
     for fitted in {(f.call.family, f.a, f.b): f for f in calls}.values():  # one per distinct call
@@ -150,6 +155,9 @@ def candidate_lengths(calls: list[LengthFittedCall], high: int,
             for bound in (view_limit, view_limit + 1, limit, limit + 1):
                 if (length := _first_reaching(count, bound, high)) is not None:
                     found.add(length)
+        if mac is not None and (length := _first_reaching(lambda n, f=fitted: call_bytes(f.at(n)),
+                                                           mac.buffer_at(index_bits), high)) is not None:
+            found.add(length)
     return sorted(found)
 
 
@@ -174,9 +182,10 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
 
 @takes_release
 def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = MPS_INDEX_BITS,
-                        profile: Profile = None, known: int | None = None) -> BoundarySearch:
-    """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase);
-    `known` is a length already traced (reused as a fit point).
+                        profile: Profile = None, known: int | None = None,
+                        mac: MacMemory | None = None) -> BoundarySearch:
+    """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase, and decided
+    on `mac` where one is given); `known` is a length already traced (reused as a fit point).
 
     Three traces fit every call; the candidate lengths are decided by arithmetic; the boundary found
     is checked by tracing at L and L + 1. If the fit or the check fails, bisection over traces decides
@@ -186,15 +195,15 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
     try:
         calls = fit_calls([trace_at(n) for n in lengths], lengths)
         kept = _distinct_runs(calls, profile)
-        first_bad = next((L for L in candidate_lengths(calls, high, index_bits)
-                          if not _clean_at(kept, L, index_bits, profile)), None)
+        first_bad = next((L for L in candidate_lengths(calls, high, index_bits, mac)
+                          if not _clean_at(kept, L, index_bits, profile, mac)), None)
     except _Unscalable as error:
         return bisect_clean(trace_at, high, f"the calls do not scale as quadratics in the length: {error}")
     answer = high if first_bad is None else first_bad - 1
     checks = [L for L in (answer, answer + 1) if 1 <= L <= high]
     for length in checks:
         try:
-            expected = plan_at_length(calls, length, index_bits, profile)
+            expected = plan_at_length(calls, length, index_bits, profile, mac)
         except _Unscalable:
             return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
         traced = trace_at(length)
@@ -295,19 +304,20 @@ def scalable(two: FaultPlan, four: FaultPlan) -> bool:
         for c2, c4 in zip(two.trace, four.trace))
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile) -> bool:
+def is_safe(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile,
+            mac: MacMemory | None = None) -> bool:
     """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
-    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile).calls)
+    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile, mac).calls)
 
 
 @takes_release
 def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS,
-                       ceiling: int = 1 << 24, profile: Profile = None) -> int:
+                       ceiling: int = 1 << 24, profile: Profile = None, mac: MacMemory | None = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
-    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch, so only those
-    candidate sizes are checked."""
+    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch (on `mac`, where a
+    call's bytes reach its largest buffer), so only those candidate sizes are checked."""
     limits_ = (1 << (index_bits - 1), 1 << index_bits)
-    candidates = set()
+    candidates = set(_buffer_batches(calls, mac.buffer_at(index_bits))) if mac is not None else set()
     for p in calls:
         a, b = p.at(1)  # per-text shapes (only used for element counts)
         out = out_elements(p.call.family, a, b)
@@ -319,14 +329,27 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = M
             for spec in (a, b):
                 candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
     for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
-        if not is_safe(calls, batch, index_bits, profile):
+        if not is_safe(calls, batch, index_bits, profile, mac):
             return batch - 1
     return ceiling
 
 
+def _buffer_batches(calls: list[PerTextCall], buffer: int) -> set[int]:
+    """The batches where a call's bytes reach `buffer` (its bytes grow by a whole amount per text), and the
+    batch before each."""
+    found = set()
+    for p in calls:
+        one, two = (call_bytes(p.call.evolve(a=a, b=b)) for n in (1, 2) for a, b in [p.at(n)])
+        if two > one:  # bytes(B) = one + (two - one) * (B - 1)
+            first = 1 + max(0, -(-(buffer - one) // (two - one)))
+            found.update({first - 1, first})
+    return found
+
+
 @takes_release
 def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
-            profile: Profile = None) -> FaultPlan:
-    """The fault plan at `batch` texts under a release, rebuilt from per-text calls by arithmetic alone."""
+            profile: Profile = None, mac: MacMemory | None = None) -> FaultPlan:
+    """The fault plan at `batch` texts under a release (on `mac`, with its largest buffer), rebuilt from
+    per-text calls by arithmetic alone."""
     rebuilt = (p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
-    return _decided(rebuilt, index_bits, profile)
+    return _decided(rebuilt, index_bits, profile, mac)

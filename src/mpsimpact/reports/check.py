@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.engine.call import op_cell
+from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.output.page import (
     FAULT_WORDS, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
 )
@@ -67,6 +68,8 @@ def outcome_words(row: dict[str, Any]) -> str:
     """A faulting call's outcome in words: "abort (inferred)", "unmeasured", "silent, every row wrong"."""
     if row["rule"].startswith("unmeasured"):
         return "unmeasured (judged wrong)" if row["kind"] == "wrong_other" else f"unmeasured ({row['kind']})"
+    if row["rule"] == BUFFER_RULE:  # the Mac's own refusal: its message says it all
+        return f"error: {row['message']}"
     return FAULT_WORDS.get(row["kind"], row["kind"]) + (" (inferred)" if row["inferred"] else "")
 
 
@@ -103,13 +106,17 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     m, p, pred, g = report["model"], report["torch_profile"], report["prediction"], report["geometry"]
     rules = f"torch {p['label']}, {'measured' if p['measured'] else 'not measured'}; from {p['source']}"
     by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
+    on_mac = f" on {report['mac']['label']}" if report.get("mac") else ""
     lines = [
         ("task", f"{m['task']} ({m['task_basis']})"),
         ("attention", f"{m['attention']} ({m['attention_basis']})"),
-        ("rules", rules), ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
-        ("largest safe batch", f"{report['largest_safe_batch']} at {g['seq_len']} tokens "
+        ("rules", rules),
+        *([("Mac", f"{report['mac']['sentence']}; a tensor that reaches the buffer stops the run with MPS's "
+                   "'Invalid buffer size'")] if report.get("mac") else []),
+        ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
+        ("largest safe batch", f"{report['largest_safe_batch']} at {g['seq_len']} tokens{on_mac} "
                                f"({by_batch['basis']})"),
-        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {g['batch_size']} "
+        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {g['batch_size']}{on_mac} "
                                 f"(searched 1..{by_length['high']}; {by_length['basis']})"),
         ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
                         f"({report['estimated_peak_basis']})"),

@@ -1,0 +1,232 @@
+"""A Mac's own memory limits beside the index rules: the largest single buffer Metal allocates (PyTorch's MPS
+allocator refuses any allocation of that size or more, loudly) and the working set Metal recommends. Pure:
+sizes in, a Fault out. See Note [The Mac's largest buffer]."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
+
+# Note [The Mac's largest buffer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# PyTorch's MPS allocator checks every allocation before any kernel runs (aten/src/ATen/mps/MPSAllocator.mm,
+# alloc_buffer_block): TORCH_CHECK(size < m_max_buffer_size, "Invalid buffer size: ", format_size(size)), with
+# m_max_buffer_size = [device maxBufferLength]. It is a RuntimeError (not torch.OutOfMemoryError), and torch
+# does not expose the value. Public reports put maxBufferLength at about half the unified memory (16 GiB on a
+# 32 GB M2 MacBook Pro, llama.cpp#1815; "Invalid buffer size: 9.75 GB" on a 16 GB M1 Pro, pytorch#78042;
+# "104.25 GB" on a 128 GB M1 Ultra, diffusers#5894): half is assumed unless this Mac measured its own
+# (`mpsimpact doctor`). The total a process may hold is recommendedMaxWorkingSetSize, about two thirds
+# (torch.mps.recommended_max_memory()).
+# Every silent bmm rule needs an operand or output past 2**32 elements: 8 GiB in half precision, which a
+# 16 GB Mac cannot allocate, so there the loud error comes first. A call whose tensor reaches the largest
+# buffer is "error" (rule BUFFER_RULE) before and instead of what the index rules say; the guard cannot split
+# an allocation, so it lets the call meet the Mac's own error. At a reduced index width the buffer scales
+# with every other limit (by 2**(32 - bits)), so a small run meets it where a full-size one does.
+# Judged per call on the tensors the rules see: a product's operands (their storage extent) and its output;
+# another op's first input and largest output. Fused SDPA's scores are MPSGraph's own intermediate, not a
+# PyTorch buffer: not judged (nobody measured what MPSGraph does there).
+
+BUFFER_RULE = "buffer-size"
+BUFFER_SHARE = 1 / 2  # maxBufferLength, of unified memory (reports above)
+WORKING_SET_SHARE = 2 / 3  # recommendedMaxWorkingSetSize, of unified memory
+GIB = 1 << 30
+# Where the largest buffer was found: assumed from the memory size, or measured on a Mac (`doctor`).
+ASSUMED, MEASURED = "assumed", "measured"
+# Bytes per element by dtype name (TensorSpec.dtype); others count as 4.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+            "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+# Macs Apple sells, by unified memory (GB); the smallest that can show the silent fault is searched here.
+MAC_SIZES_GB = (8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192)
+MEASURED_FILE = "mac-memory.json"
+
+
+def format_size(n_bytes: int) -> str:
+    """A size as MPSAllocator's format_size prints it (two decimals; "GB" means GiB)."""
+    if n_bytes <= 1024:
+        return f"{n_bytes} bytes"
+    for unit, scale in (("KB", 1 << 10), ("MB", 1 << 20)):
+        if n_bytes <= scale << 10:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes / GIB:.2f} GB"
+
+
+def invalid_buffer_message(n_bytes: int) -> str:
+    """MPS's own error text for an allocation of `n_bytes` at or past the largest buffer."""
+    return f"Invalid buffer size: {format_size(n_bytes)}"
+
+
+def parse_mac_size(text: Any) -> float:
+    """The unified memory of "16GB", "16 GB", "16G" or "16" (Apple's GB are GiB), in GB.
+
+    Raises:
+        ValueError: not a size above 0 (the message says what is accepted).
+    """
+    match = re.fullmatch(r"\s*(\d{1,4}(?:\.\d{1,3})?)\s*(GB|G|GIB)?\s*", str(text).upper())
+    if not match or not 0 < float(match[1]) <= 4096:
+        raise ValueError(f"'{text}' is not a Mac's unified memory: give a size such as 16GB or 32GB (up to 4096GB)")
+    return float(match[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class MacMemory:
+    """One Mac's memory limits: `largest_buffer` (an allocation of this many bytes or more is refused with
+    "Invalid buffer size") and `working_set` (what Metal lends a process), with where each came from."""
+
+    unified_gb: float | None  # as Apple sells it ("16 GB" is 16 GiB); None where only measured values are known
+    largest_buffer: int
+    working_set: int
+    basis: str = ASSUMED  # ASSUMED (shares of unified memory) or MEASURED
+    measured_on: str = ""  # with MEASURED: chip, macOS, torch and date
+
+    @classmethod
+    def of_size(cls, unified_gb: float) -> MacMemory:
+        """The limits assumed for a Mac of `unified_gb` GB: half for the buffer, two thirds for the working set."""
+        total = unified_gb * GIB
+        return cls(unified_gb, int(total * BUFFER_SHARE), int(total * WORKING_SET_SHARE))
+
+    @property
+    def label(self) -> str:
+        """'a 16 GB Mac', or 'this Mac' where the size is not known."""
+        return f"a {self.unified_gb:g} GB Mac" if self.unified_gb else "this Mac"
+
+    def buffer_at(self, index_bits: int = MPS_INDEX_BITS) -> int:
+        """The largest buffer at an index width: scaled with the index limits, so a small run meets it where
+        a full-size one does (Note [The Mac's largest buffer])."""
+        return max(1, self.largest_buffer >> max(0, MPS_INDEX_BITS - index_bits))
+
+    def refuses(self, n_bytes: int, index_bits: int = MPS_INDEX_BITS) -> bool:
+        """Whether MPS refuses one allocation of `n_bytes` on this Mac."""
+        return n_bytes >= self.buffer_at(index_bits)
+
+    def fault(self, n_bytes: int, release: str = "", operand: str | None = None) -> Fault:
+        """What MPS does with a call that allocates `n_bytes` at once here: raises, before any kernel."""
+        return Fault("error", operand, None, invalid_buffer_message(n_bytes), BUFFER_RULE, release=release,
+                     inferred=self.basis != MEASURED)
+
+    def buffer_words(self) -> str:
+        """'largest buffer 8.0 GiB (assumed: half of 16 GB)' or '(measured on this Mac ...)'."""
+        return f"largest buffer {self.largest_buffer / GIB:.1f} GiB ({self.source()})"
+
+    def source(self) -> str:
+        if self.basis == MEASURED:
+            return f"measured{': ' + self.measured_on if self.measured_on else ''}"
+        return f"assumed: half of {self.unified_gb:g} GB unified memory"
+
+    def describe(self) -> str:
+        """One sentence for a report: which Mac, its largest buffer and working set, and where each came from."""
+        lends = f"{self.working_set / GIB:.1f} GiB"
+        return (f"{self.label[0].upper()}{self.label[1:]}: {self.buffer_words()}; Metal lends a process about "
+                f"{lends} in all")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"label": self.label, "largest_buffer_gib": round(self.largest_buffer / GIB, 2),
+                                           "working_set_gib": round(self.working_set / GIB, 2),
+                                           "sentence": self.describe()}
+
+
+def itemsize(dtype: str) -> int:
+    return ITEMSIZE.get(dtype, 4)
+
+
+def call_bytes(call: Any) -> int:
+    """The largest single allocation a recorded call makes or reads, in bytes (Note [The Mac's largest buffer]):
+    its operands' storage extent and, for bmm and mm, its output; fused SDPA's scores are not counted."""
+    a, b = call.a, call.b
+    sizes = [a.extent * itemsize(a.dtype), b.extent * itemsize(b.dtype)]
+    if call.family in ("bmm", "mm"):
+        sizes.append(call.out_numel * itemsize(a.dtype))
+    return max(sizes)
+
+
+def buffer_fault(call: Any, mac: MacMemory | None, index_bits: int, release: str = "") -> Fault | None:
+    """The Mac's refusal of this call (an "error" of rule BUFFER_RULE), or None where it fits (or no Mac)."""
+    if mac is None:
+        return None
+    size = call_bytes(call)
+    return mac.fault(size, release) if mac.refuses(size, index_bits) else None
+
+
+def smallest_showing(shows: Any, sizes: tuple[int, ...] = MAC_SIZES_GB) -> MacMemory | None:
+    """The smallest Mac (assumed limits) for which `shows(mac)` holds, or None."""
+    return next((mac for mac in map(MacMemory.of_size, sizes) if shows(mac)), None)
+
+
+def measured_path(cache: Path) -> Path:
+    """Where `doctor` keeps this Mac's measured limits, under the cache folder."""
+    return cache / MEASURED_FILE
+
+
+def read_measured(cache: Path) -> MacMemory | None:
+    """This Mac's measured limits from the cache (None where none were measured, or the file is not one of
+    ours: a bad file is ignored, never trusted)."""
+    path = measured_path(cache)
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 16:
+            return None
+        data = json.loads(path.read_text())
+        buffer, working = int(data["largest_buffer"]), int(data["working_set"])
+        unified = data.get("unified_gb")
+        unified = float(unified) if unified is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if buffer <= 0 or working <= 0 or (unified is not None and not math.isfinite(unified)):
+        return None
+    return MacMemory(unified, buffer, working, MEASURED, str(data.get("measured_on", "")))
+
+
+def this_mac(cache: Path) -> MacMemory:
+    """This Mac's limits: measured (`mpsimpact doctor`, kept in the cache) where it was, else assumed from its
+    unified memory, with the working set Metal reports (torch.mps.recommended_max_memory())."""
+    measured = read_measured(cache)
+    if measured is not None:
+        return measured
+    import os
+
+    import torch
+
+    unified = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assumed = MacMemory.of_size(round(unified))
+    return dataclasses.replace(assumed, working_set=int(torch.mps.recommended_max_memory()))
+
+
+def resolve_mac(memory: str | None, cache: Path, flag: str = "--memory") -> MacMemory | None:
+    """The Mac a command judges on: None (no Mac declared), "auto" (this Mac: needs MPS), or a size ("16GB").
+
+    Raises:
+        UsageError: "auto" without an Apple GPU, or a value that is not a size.
+    """
+    from mpsimpact.errors import UsageError
+
+    if memory is None:
+        return None
+    if str(memory).strip().lower() == "auto":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"{flag} auto reads this Mac's own memory and needs a Mac with MPS; give a size "
+                             "such as 16GB.", option=flag)
+        return this_mac(cache)
+    try:
+        return MacMemory.of_size(parse_mac_size(memory))
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}, or auto on a Mac.", option=flag) from None
+
+
+def largest_allocation(allocates: Any, high: int, low: int = 0, resolution: int = 1 << 20) -> int:
+    """The largest byte count in [low, high] that `allocates(n)` (True: an allocation of n bytes was accepted
+    and freed) accepts, by bisection to `resolution` bytes, assuming every smaller count is accepted too.
+    Returns `low` where none above it is."""
+    if allocates(high):
+        return high
+    good, bad = low, high
+    while bad - good > resolution:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if allocates(mid) else (good, mid)
+    return good
