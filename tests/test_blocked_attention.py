@@ -211,17 +211,33 @@ def run_report(tmp_path, name, *args):
     return json.loads((out / "report.json").read_text())
 
 
-def test_the_16gb_demo_fits_in_10_7_gib_and_corrupts_texts(tmp_path, monkeypatch):
+DEMO_24GB = "mpsimpact run sentiment --batch-size 1398 --max-length 512 --dtype float16 --attention blocked_eager"
+
+
+def test_the_24gb_demo_fits_in_16_gib_and_a_12_gib_buffer_and_corrupts_texts(tmp_path, monkeypatch):
     from mpsimpact.prediction.demo_size import HEADROOM
 
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
-    rec = plan_memory("16GB")["recommendation"]
+    rec = plan_memory("24GB")["recommendation"]
     option = rec["option"]
-    assert rec["command"] == ("mpsimpact run sentiment --batch-size 1398 --max-length 512 --dtype float16 "
-                              "--attention blocked_eager")
+    assert rec["command"] == DEMO_24GB
     # P (1398*12, 512, 512) in fp16 is 8.2 GiB; with V, the product's output and the hidden states 9.8 GiB.
-    assert option["estimated_peak_gib"] * HEADROOM <= 10.7 and 8.2 <= option["estimated_peak_gib"] <= 9.9
+    assert option["estimated_peak_gib"] * HEADROOM <= 16.0 and 8.2 <= option["estimated_peak_gib"] <= 9.9
+    assert 8.19 == option["largest_tensor_gib"] < 12.0  # P: 1398 * 12 * 512**2 * 2 bytes, under half of 24 GB
     assert (option["corrupted_count"], option["first_corrupted_text"]) == (33, 1365)
+
+
+def test_a_16gb_mac_cannot_show_the_silent_fault_and_is_told_what_instead(tmp_path, monkeypatch):
+    # Every silent fault needs a tensor past 2**32 elements, 8 GiB in half precision: a 16 GB Mac's largest buffer.
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    memory = plan_memory("16GB")
+    rec = memory["recommendation"]
+    assert rec["command"] is None and not any(o["fits"] for o in memory["options"])
+    assert all(o["largest_tensor_gib"] >= 8.0 for o in memory["options"])
+    assert "No run can show the silent fault on a 16 GB Mac" in rec["why"] and "Invalid buffer size" in rec["why"]
+    # The smallest Mac that can (an 18 GB M3 Pro: a 9 GiB buffer, 12 GiB working set) runs the 24 GB demo.
+    assert (rec["smallest_mac"]["mac_gb"], rec["smallest_mac"]["command"]) == (18, DEMO_24GB)
+    assert rec["emulated_command"] == "mpsimpact run sentiment --device cpu --batch-size 1438 --max-length 512"
 
 
 @pytest.mark.slow
@@ -229,7 +245,7 @@ def test_the_16gb_demos_flags_replayed_small_corrupt_exactly_what_eager_does(tmp
     # 50 s on 2 CPU cores (the float16 products run on CPU kernels that are slow in half precision); the
     # same P V call in float32 corrupts what eager does in the default selection (the retrieval test below).
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
-    rec = plan_memory("16GB")["recommendation"]
+    rec = plan_memory("24GB")["recommendation"]
     # Its flags at a small geometry and a narrow width (the later --batch-size, --max-length win): traced at
     # 160 x 256 under 2**26, run at 64 tokens replaying that plan. P per text 12 * 256**2: the wrap starts at
     # batch-head 2**26 / 256**2 = 1024, text 85 (head 4); blocks of 2**26 // (12 * 256**2) = 85 texts. Nothing
@@ -252,7 +268,7 @@ def test_the_16gb_demos_flags_replayed_small_corrupt_exactly_what_eager_does(tmp
 def test_the_16gb_demo_as_typed_replayed_at_64_tokens_corrupts_what_eager_does(tmp_path, monkeypatch):
     # The command itself on the CPU: 1398 x 512 traced, run at 64 tokens replaying the plan (4 to 8 minutes).
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
-    flags = plan_memory("16GB")["recommendation"]["command"].split()[3:]
+    flags = plan_memory("24GB")["recommendation"]["command"].split()[3:]
     mine = run_report(tmp_path, "blocked", *flags, "--torch-profile", "2.14.0")
     eager = run_report(tmp_path, "eager", *flags, "--attention", "eager", "--torch-profile", "2.14.0")
     for report in (mine, eager):  # 33 of 1398 from text 1365, the six P V calls, both
@@ -276,7 +292,7 @@ def test_on_a_mac_where_eager_does_not_fit_the_run_takes_blocked_eager_and_says_
     note = run_notes(geometry, 0, {})[1]
     assert note == ("Eager attention would need about 19.7 GiB and mps offers 10.7 GiB, so blocked_eager attention "
                     "runs instead (the same P V call eager attention makes; scores computed in blocks to fit a "
-                    "16 GB Mac; about 10.1 GiB).")
+                    "smaller Mac; about 10.1 GiB).")
     # Where neither fits (float32: 20.1 GiB blocked), the preflight names the plan command, as before.
     with pytest.raises(MemoryPreflightError, match="plan sentiment --memory auto"):
         device_pass.decide_geometry(RunConfig(device="mps"), model, "mps", 1438, 512, training=False)
@@ -322,7 +338,9 @@ def test_plan_memory_offers_only_what_the_scenarios_run_takes():
     finetune = memory("finetune", "64GB")  # run finetune takes eager in float32 only
     assert {(o["attention"], o["dtype"]) for o in finetune["options"]} == {("eager", "float32")}
     assert "blocked_eager" not in finetune["mac_table"][0]
-    retrieval = memory("retrieval", "32GB")  # run retrieval: float32, eager or blocked_eager
+    retrieval = memory("retrieval", "48GB")  # run retrieval: float32, eager or blocked_eager
     assert {o["dtype"] for o in retrieval["options"]} == {"float32"}
     assert retrieval["recommendation"]["command"] == ("mpsimpact run retrieval --batch-size 1398 --max-length 512 "
                                                       "--attention blocked_eager")
+    # On 32 GB its float32 P (16.4 GiB) reaches the 16 GiB buffer: a 36 GB Mac (18 GiB) is the smallest that can.
+    assert memory("retrieval", "32GB")["recommendation"]["smallest_mac"]["mac_gb"] == 36

@@ -6,7 +6,8 @@ import json
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.prediction.demo_size import RECOMMENDED_SHARE, usable_bytes, visible_batch
+from mpsimpact.engine.mac_memory import MacMemory
+from mpsimpact.prediction.demo_size import visible_batch
 
 runner = CliRunner()
 
@@ -31,7 +32,8 @@ def test_bfloat16_run_corrupts_the_same_texts_judged_against_a_same_dtype_refere
 
 
 def test_memory_sizes_and_the_visible_margin():
-    assert usable_bytes("32GB")[0] == int(32 * 2**30 * RECOMMENDED_SHARE)  # about 21.3 GiB
+    mac = MacMemory.of_size(32)
+    assert (mac.working_set, mac.largest_buffer) == (int(32 * 2**30 * 2 / 3), 16 * 2**30)  # about 21.3 GiB, half
     # 1365 first corrupted: max(64, ceil(0.05 * 1365 / 0.95) = 72) more texts.
     assert visible_batch(1365) == 1437
 
@@ -54,9 +56,24 @@ def test_32gb_gets_a_half_precision_demo_that_fits_and_corrupts_visibly():
 
 
 def test_8gb_says_no_run_shows_the_effect_and_why():
+    # Every demo's P has more than 2**32 elements: 8 GiB in half precision, past an 8 GB Mac's 4 GiB buffer.
     rec = plan_memory("8GB")["recommendation"]
-    assert rec["command"] is None and "P alone is 2^32 elements (8 GiB in half precision" in rec["why"]
-    assert "5.3 GiB" in rec["why"] and "blocked_eager attention) needs about 9.8 GiB" in rec["why"]
+    assert rec["command"] is None and "more than 2^32 numbers (8 GiB in half precision" in rec["why"]
+    assert "buffer of 4.0 GiB or more there" in rec["why"] and "Invalid buffer size" in rec["why"]
+    assert rec["smallest_mac"]["mac_gb"] == 18
+
+
+def test_where_the_buffer_fits_but_the_working_set_does_not_the_answer_says_so():
+    from mpsimpact.prediction.demo_size import recommend
+
+    option = {"attention": "blocked_eager", "dtype": "float16", "max_length": 512, "batch_size": 1398,
+              "first_corrupted_text": 1365, "corrupted_count": 33, "outcome": "33 texts wrong from text 1365",
+              "estimated_peak_gib": 9.8, "largest_tensor_gib": 8.19}
+    # A Mac measured with a 12 GiB buffer but lending only 8 GiB: the working set, not the buffer, binds.
+    mac = MacMemory(None, 12 * 2**30, 8 * 2**30, "measured", "M9, today")
+    rec = recommend([option], mac, "sentiment")
+    assert rec["command"] is None and "No run shows the effect in 8.0 GiB" in rec["why"]
+    assert "needs about 9.8 GiB" in rec["why"] and "Invalid buffer size" not in rec["why"]
 
 
 def test_on_2_13_0_only_blocked_eager_shows_the_effect():
@@ -64,19 +81,20 @@ def test_on_2_13_0_only_blocked_eager_shows_the_effect():
     # scales a block at a time, so its P V wrap (wrong on every release) is what the run shows.
     memory = plan_memory("32GB", "2.13.0")
     assert {o["attention"] for o in memory["options"]} == {"blocked_eager"}
-    assert memory["recommendation"]["command"].endswith("--max-length 512 --attention blocked_eager")  # fp32 fits
+    # float32 fits the working set (20.1 GiB of 21.3) but its P (16.4 GiB) reaches the 16 GiB buffer: half precision
+    assert memory["recommendation"]["command"].endswith("--max-length 512 --dtype float16 --attention blocked_eager")
 
 
 def test_no_silent_option_says_where_the_run_stops():
     from mpsimpact.prediction.demo_size import recommend
 
-    rec = recommend([], 10 * 2**30, "sentiment")
+    rec = recommend([], MacMemory.of_size(16), "sentiment")
     assert rec["command"] is None and "stops the run" in rec["why"]
 
 
 def test_bad_memory_and_dtype_are_one_line(tmp_path):
     result = runner.invoke(app, ["plan", "sentiment", "--memory", "lots"])
-    assert result.exit_code == 2 and "--memory must be a size such as 32GB, or auto; got 'lots'." in result.stderr
+    assert result.exit_code == 2 and "--memory: 'lots' is not a Mac's unified memory: give a size such as 16GB" in result.stderr
     result = runner.invoke(app, ["run", "sentiment", "--dtype", "float8", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--dtype must be one of float32, float16, bfloat16; got 'float8'." in result.stderr
 

@@ -16,7 +16,7 @@ import torch
 from mpsimpact.errors import MpsImpactError
 
 NAME = "blocked_eager"
-REASON = "the same P V call eager attention makes; scores computed in blocks to fit a 16 GB Mac"
+REASON = "the same P V call eager attention makes; scores computed in blocks to fit a smaller Mac"
 # Score elements per block of samples: 2**26 (eight blocks' worth of eager's 2**29-element scores at 512
 # tokens); the block's scores and softmax (two such tensors at once) stay below the product's own output.
 SCORE_BLOCK = 1 << 26

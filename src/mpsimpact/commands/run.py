@@ -42,7 +42,7 @@ def main(
     lr: float | None = option("--lr", "Training scenarios: Adam learning rate."),
     torch_profile: str | None = shared("--torch-profile"),
     attention: str | None = option("--attention", "eager, sdpa, both (side by side), or blocked_eager: eager's "
-                                   "P V call, the rest in blocks of texts (fits a 16 GB Mac)."),
+                                   "P V call, the rest in blocks of texts (fits a smaller Mac)."),
     dtype: str | None = option("--dtype", "float32 (as published), float16 or bfloat16: the device passes' "
                                           "dtype; half precision is judged against a same-dtype reference."),
     memory: str | None = shared("--memory"),

@@ -135,13 +135,20 @@ def itemsize(dtype: str) -> int:
     return ITEMSIZE.get(dtype, 4)
 
 
-def call_bytes(call: Any) -> int:
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def call_bytes(call: Any, float_bytes: int | None = None) -> int:
     """The largest single allocation a recorded call makes or reads, in bytes (Note [The Mac's largest buffer]):
-    its operands' storage extent and, for bmm and mm, its output; fused SDPA's scores are not counted."""
+    its operands' storage extent and, for bmm and mm, its output; fused SDPA's scores are not counted.
+    `float_bytes`: count floating tensors at that size (a plan traced in float32, judged for half precision)."""
+    def size(dtype: str) -> int:
+        return float_bytes if float_bytes is not None and dtype in FLOATING else itemsize(dtype)
+
     a, b = call.a, call.b
-    sizes = [a.extent * itemsize(a.dtype), b.extent * itemsize(b.dtype)]
+    sizes = [a.extent * size(a.dtype), b.extent * size(b.dtype)]
     if call.family in ("bmm", "mm"):
-        sizes.append(call.out_numel * itemsize(a.dtype))
+        sizes.append(call.out_numel * size(a.dtype))
     return max(sizes)
 
 

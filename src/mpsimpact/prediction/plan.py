@@ -12,6 +12,8 @@ from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_m
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
+from mpsimpact.engine.mac_memory import resolve_mac
+from mpsimpact.engine.release import cache_root
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -45,11 +47,13 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
     release = judge_release(config.torch_profile)
-    profile = release.profile
+    profile, mac = release.profile, resolve_mac(config.memory, cache_root())
     traced = {L: per_text_calls(meta, L, backward=config.backward)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
-    plan = plan_at(traced[length], batch, config.index_bits, profile)
+    plan = plan_at(traced[length], batch, config.index_bits, profile, mac)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
+    safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
+        L: largest_safe_batch(c, heads, config.index_bits, profile=profile, mac=mac) for L, c in traced.items()}
     parameters, dtype = sum(p.numel() for p in meta.parameters()), next(meta.parameters()).dtype
     peak, peak_basis = traced_peak_bytes(plan, parameters, batch, length, model_config.hidden_size, heads, dtype,
                                          config.backward)
@@ -61,32 +65,35 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
         "ops_traced": len(plan.calls),
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, training=config.backward), "largest_safe_batch": safe[length],
-        "largest_safe_batch_by_length": dict(sorted(safe.items())),
+        "prediction": summarise(plan, batch, heads, training=config.backward),
+        "largest_safe_batch": safe_here[length], "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
         "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
         "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
+    if mac is not None:
+        report["mac"] = mac.to_json()
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
     if config.memory:
-        report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile)
+        report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile, mac)
     if config.versions:
         from mpsimpact.prediction.version_table import version_table
 
         report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention),
                                            batch, length, heads, config.index_bits)
     if config.sweep:
-        report["sweep"] = sweep(traced, heads, config.index_bits, profile)
+        report["sweep"] = sweep(traced, heads, config.index_bits, profile, mac)
     return report
 
 
 def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config: Any, heads: int,
-                   safe: dict, profile: Any) -> dict[str, Any]:
+                   safe: dict, profile: Any, mac: Any) -> dict[str, Any]:
     """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
-    at the longest length), whether it fits, the command."""
+    at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
+    smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
     from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release
     from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
-                                                recommend, usable_bytes)
+                                                recommend, working_set_words)
 
     def trace_blocked(batch: int, length: int) -> Any:
         meta = scenario.meta_module(model_config, BLOCKED)
@@ -96,32 +103,33 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     if unmeasured is not None:  # nobody can tell what it does: the demo is sized on the published release's rules
         profile = judge_release(None, apple_gpu=False).profile
         safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
-    budget, basis = usable_bytes(config.memory)
     dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes
     options = demo_options(traced, model_config, heads, safe, config.index_bits, profile, dtypes)
     blocked_safe = 0
     if takes_blocked:
         options += blocked_options(trace_blocked, traced, model_config, heads, config.index_bits, profile, dtypes)
         blocked_safe = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
-    table = mac_table(model_config, safe.get(512, 0) + 1, blocked_first=blocked_safe + 1 if blocked_safe else None,
-                      dtypes=dtypes)
-    recommendation = recommend(options, budget, scenario.name)
+    table = mac_table(model_config, safe.get(512, 0) + 1, traced.get(512, []),
+                      blocked_first=blocked_safe + 1 if blocked_safe else None, dtypes=dtypes)
+    recommendation = recommend(options, mac, scenario.name)
     if unmeasured is not None:
         recommendation["why"] = (
             f"Cannot tell on torch {unmeasured.release}: nobody measured it on MPS, so nobody can tell whether any "
             f"run shows the bug there (`mpsimpact sweep` on a Mac measures it). On torch {PUBLISHED_DEMO_RELEASE}, "
             f"the published demo's release: {recommendation['why']}")
-    return {"budget_gib": in_gib(budget), "basis": basis, "options": options, "judged_on": profile.release,
-            "recommendation": recommendation, "mac_table": table}
+    return {"budget_gib": in_gib(mac.working_set), "basis": working_set_words(mac),
+            "largest_buffer_gib": in_gib(mac.largest_buffer), "buffer_basis": mac.source(), "options": options,
+            "judged_on": profile.release, "recommendation": recommendation, "mac_table": table}
 
 
-def sweep(traced: dict, heads: int, index_bits: int, profile=None) -> dict[str, list[dict[str, Any]]]:
-    """Predicted corrupted fraction (or stop) over `sweep_batches`, for each table length."""
+def sweep(traced: dict, heads: int, index_bits: int, profile=None, mac=None) -> dict[str, list[dict[str, Any]]]:
+    """Predicted corrupted fraction (or stop) over `sweep_batches`, for each table length (on `mac`, with its
+    largest buffer)."""
     table = {}
     for length in (L for L in SAFE_TABLE_LENGTHS if L in traced):
         rows = []
         for batch in sweep_batches(heads, index_bits):
-            p = predict(plan_at(traced[length], batch, index_bits, profile), batch, heads)
+            p = predict(plan_at(traced[length], batch, index_bits, profile, mac), batch, heads)
             rows.append({"batch": batch, "corrupted_fraction": p.corrupted_count / batch,
                          "stops": p.stop.fault.kind if p.stop else None})
         table[str(length)] = rows

@@ -52,16 +52,29 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
 
 
 def _print_memory(console, memory: dict[str, Any]) -> None:
-    rows = [[o["attention"], o["dtype"], o["max_length"], o["batch_size"], o["outcome"],
-             f"{o['estimated_peak_gib']} GiB", "yes" if o["fits"] else "no"] for o in memory["options"]]
+    rows = [[o["attention"], o["dtype"], f"{o['batch_size']} x {o['max_length']}", o["outcome"],
+             f"{o['estimated_peak_gib']} GiB", f"{o['largest_tensor_gib']} GiB", "yes" if o["fits"] else "no"]
+            for o in memory["options"]]
     if rows:  # none where no length shows the silent effect: the recommendation below says why
         rules = f" (torch {memory['judged_on']}'s rules)" if memory.get("judged_on") else ""
-        console.print(fitted_table(f"the smallest clear demo per dtype and length{rules}, against {memory['basis']}",
-                                   ("attention", "dtype", "max length", "batch", "predicted", "estimated peak",
-                                    "fits"), rows))
+        title = (f"the smallest clear demo per dtype and length{rules}, against {memory['basis']}; largest "
+                 f"buffer {memory['largest_buffer_gib']} GiB ({memory['buffer_basis']})")
+        console.print(fitted_table(title, ("attention", "dtype", "batch x length", "predicted", "estimated peak",
+                                           "largest tensor", "fits"), rows))
     rec = memory["recommendation"]
-    console.print(f"Run: {rec['command']}  ({rec['why']})" if rec["command"] else rec["why"],
-                  style="bold" if rec["command"] else "bold red", markup=False)
+    if rec["command"]:  # a command to type stands alone on its line, never wrapped, so it pastes as printed
+        console.print("Run:", style="bold", markup=False)
+        console.print(rec["command"], soft_wrap=True, markup=False)
+        console.print(rec["why"], markup=False)
+        return
+    console.print(rec["why"], style="bold red", markup=False)
+    if smallest := rec.get("smallest_mac"):
+        console.print(f"The smallest Mac that can show it has {smallest['mac_gb']:g} GB ({smallest['outcome']}); "
+                      "there, run:", markup=False)
+        console.print(smallest["command"], soft_wrap=True, markup=False)
+    if emulated := rec.get("emulated_command"):
+        console.print("On any machine, emulated on its CPU (every result says EMULATED):", markup=False)
+        console.print(emulated, soft_wrap=True, markup=False)
 
 
 def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], verbose: bool = False) -> None:
