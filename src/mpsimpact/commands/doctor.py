@@ -17,6 +17,7 @@ def main() -> None:
     if not env["mps_available"]:
         console.print("No MPS here: mpsimpact will emulate MPS's faults (said in every result).", markup=False)
     console.print(profile_sentence(env), markup=False)
+    console.print(mac_sentence(env["mps_available"]), markup=False)
     console.print(release_rule(judge_release(None, apple_gpu=env["mps_available"])), markup=False)
     fallback = env["mps_fallback_env"]
     said = "is not set" if fallback is None else f"is {fallback!r}"
@@ -48,3 +49,19 @@ def profile_sentence(env: dict) -> str:
             f"release faults on is treated as faulting. Measure it on a Mac with `mpsimpact sweep --device "
             f"mps --full --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a new "
             "release').")
+
+
+def mac_sentence(apple_gpu: bool) -> str:
+    """On a Mac: its largest buffer and working set, measured now and kept in the cache (plan --memory auto,
+    run and sweep on MPS read it there). Elsewhere: what a declared Mac (--memory 16GB) is assumed to have."""
+    from mpsimpact.engine.mac_memory import measure_mac, measured_path
+    from mpsimpact.engine.release import cache_root
+
+    if not apple_gpu:
+        return ("This Mac's memory: no Apple GPU here. A Mac declared with --memory (plan, check, run) is "
+                "assumed to allocate one buffer of at most half its unified memory (a 16 GB Mac: 8 GiB, so no "
+                "2^32 half-precision numbers) and to lend a process about two thirds; `mpsimpact doctor` on "
+                "the Mac measures its own.")
+    mac = measure_mac(cache_root())
+    return (f"This Mac's memory: {mac.describe()} (the largest torch.empty MPS accepts, measured now). "
+            f"Kept in {measured_path(cache_root())} for plan --memory auto, run and sweep on MPS.")

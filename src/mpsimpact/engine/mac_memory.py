@@ -157,7 +157,9 @@ def buffer_fault(call: Any, mac: MacMemory | None, index_bits: int, release: str
     if mac is None:
         return None
     size = call_bytes(call)
-    return mac.fault(size, release) if mac.refuses(size, index_bits) else None
+    if not mac.refuses(size, index_bits):
+        return None
+    return mac.fault(size << max(0, MPS_INDEX_BITS - index_bits), release)  # the size MPS names at full scale
 
 
 def smallest_showing(shows: Any, sizes: tuple[int, ...] = MAC_SIZES_GB) -> MacMemory | None:
@@ -170,37 +172,119 @@ def measured_path(cache: Path) -> Path:
     return cache / MEASURED_FILE
 
 
-def read_measured(cache: Path) -> MacMemory | None:
-    """This Mac's measured limits from the cache (None where none were measured, or the file is not one of
-    ours: a bad file is ignored, never trusted)."""
+def read_measured(cache: Path, machine: str) -> MacMemory | None:
+    """The limits measured on `machine` (its chip and memory, `machine_key`) from the cache; None where none
+    were, they were measured on another machine, or the file is not one of ours (never trusted, never fatal)."""
     path = measured_path(cache)
     try:
         if not path.is_file() or path.stat().st_size > 1 << 16:
             return None
         data = json.loads(path.read_text())
         buffer, working = int(data["largest_buffer"]), int(data["working_set"])
-        unified = data.get("unified_gb")
-        unified = float(unified) if unified is not None else None
+        unified = float(data["unified_gb"])
+        same = data["machine"] == machine
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if buffer <= 0 or working <= 0 or (unified is not None and not math.isfinite(unified)):
+    if not same or buffer <= 0 or working <= 0 or not math.isfinite(unified) or unified <= 0:
         return None
     return MacMemory(unified, buffer, working, MEASURED, str(data.get("measured_on", "")))
 
 
-def this_mac(cache: Path) -> MacMemory:
-    """This Mac's limits: measured (`mpsimpact doctor`, kept in the cache) where it was, else assumed from its
-    unified memory, with the working set Metal reports (torch.mps.recommended_max_memory())."""
-    measured = read_measured(cache)
-    if measured is not None:
-        return measured
+def write_measured(cache: Path, machine: str, mac: MacMemory) -> Path:
+    """Keeps `mac` (measured) for `machine` in the cache, written beside and renamed over (never half-written)."""
+    import os
+    import tempfile
+
+    path = measured_path(cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine, "unified_gb": mac.unified_gb, "largest_buffer": mac.largest_buffer,
+            "working_set": mac.working_set, "measured_on": mac.measured_on}
+    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=".mac-memory.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(data, file, indent=2)
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def machine_key() -> str:
+    """This machine as the cache knows it: its chip and its memory in bytes ("Apple M2 Pro, 17179869184 bytes")."""
+    import os
+    import platform
+    import subprocess
+
+    try:
+        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        chip = ""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{chip or platform.machine()}, {total} bytes"
+
+
+def this_mac(cache: Path, measure: bool = True) -> MacMemory:
+    """This Mac's limits: measured on it (kept in the cache with the machine; measured now where it was not
+    and `measure`), else assumed from its unified memory with the working set Metal reports."""
     import os
 
     import torch
 
+    machine = machine_key()
+    found = read_measured(cache, machine)
+    if found is not None:
+        return found
+    if measure:
+        return measure_mac(cache, machine)
     unified = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    assumed = MacMemory.of_size(round(unified))
-    return dataclasses.replace(assumed, working_set=int(torch.mps.recommended_max_memory()))
+    return dataclasses.replace(MacMemory.of_size(round(unified)),
+                               working_set=int(torch.mps.recommended_max_memory()))
+
+
+def measure_mac(cache: Path, machine: str | None = None) -> MacMemory:
+    """Measures this Mac's largest buffer (the largest torch.empty(n, dtype=uint8, device="mps") MPS accepts, each
+    freed at once; `largest_allocation`, to 1 MiB) and its working set (torch.mps.recommended_max_memory()),
+    and keeps them in the cache with the machine."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def allocates(n_bytes: int) -> bool:
+        try:
+            block = torch.empty(n_bytes, dtype=torch.uint8, device="mps")
+        except RuntimeError as error:
+            if is_allocation_failure(error):
+                return False
+            raise
+        del block
+        torch.mps.empty_cache()
+        return True
+
+    accepted = largest_allocation(allocates, total)
+    when = datetime.date.today().isoformat()
+    machine = machine or machine_key()
+    mac = MacMemory(round(total / GIB), accepted + 1, int(torch.mps.recommended_max_memory()), MEASURED,
+                    f"{machine.split(',')[0]}, macOS {platform.mac_ver()[0]}, torch {torch.__version__}, {when}")
+    write_measured(cache, machine, mac)
+    return mac
+
+
+# What MPS (and torch) say when an allocation cannot be made: the largest buffer, or the working set exceeded.
+ALLOCATION_FAILURES = ("Invalid buffer size", "MPS backend out of memory")
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """Whether `error` says an allocation could not be made (not a fault of the op that asked for it): MPS's
+    "Invalid buffer size" or "MPS backend out of memory", or torch.OutOfMemoryError."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_FAILURES)
 
 
 def resolve_mac(memory: str | None, cache: Path, flag: str = "--memory") -> MacMemory | None:

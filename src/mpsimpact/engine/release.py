@@ -130,6 +130,13 @@ OP_FAMILIES: dict[str, str] = {
         flatten unflatten"""),
 }
 FAMILIES = frozenset(OP_FAMILIES.values()) | {"other"}
+# The "view" ops that allocate a buffer (without a kernel): where a Mac's largest buffer refuses one.
+ALLOCATING = frozenset("empty empty_like empty_strided new_empty new_empty_strided empty_permuted".split())
+
+
+def allocates(op: object) -> bool:
+    """Whether an op (name or overload) allocates a new buffer without running a kernel (`ALLOCATING`)."""
+    return op_base_name(op) in ALLOCATING
 
 
 # The op each first-pass row ran; a family's other ops follow that row, inferred.

@@ -20,14 +20,17 @@ from mpsimpact.modes.base import (
     sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.modes.op_size import SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call
+from mpsimpact.modes.op_size import (
+    SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+)
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
     MPS_INDEX_BITS, contiguous_strides, Fault, Profile, sdpa_path, TensorSpec,
     wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.release import takes_release
+from mpsimpact.engine.mac_memory import MacMemory, call_bytes, itemsize, parse_mac_size
+from mpsimpact.engine.release import allocates, takes_release
 
 if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
@@ -91,20 +94,25 @@ class EmulateMode(MatmulMode):
     """
 
     @takes_release
-    def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> None:
+    def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None,
+                 memory: MacMemory | None = None) -> None:
         super().__init__()
         check_index_bits(index_bits)
         self.index_bits = index_bits
         self.plan = plan
         self.profile = plan.fault_profile if plan is not None else profile
+        # The Mac whose largest buffer refuses an allocation (a plan carries its own: decided at full scale).
+        self.memory = memory if plan is None else None
+        self._buffer = memory.buffer_at(index_bits) if self.memory is not None else None
         self.calls = 0
         self.records: list[CallRecord] = []
         self._grouped = False
         self._passing = False  # inside a fused SDPA call: MPS runs it as one op, decided at its entry
         # Plan replay of the other families: each planned call by (sdpa scope, op name, occurrence), and
         # the calls of each (scope, name) made so far (see `peek_op`).
-        others = (c for c in (plan.calls if plan else ()) if not c.is_product)
+        others = [c for c in (plan.calls if plan else ()) if not c.is_product]
         self._planned = {(c.within, c.op, c.occurrence): c for c in others}
+        self._allocations = any(allocates(c.op) for c in others)  # a plan traced with them replays them
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
 
@@ -114,6 +122,8 @@ class EmulateMode(MatmulMode):
         index = self.calls
         self.calls += 1
         fault, wraps = self._decide(index, family, func, a, b)
+        if self._buffer is not None:
+            self._check_buffer(index, op_name(func), a, b, (*a.shape[:-1], b.shape[-1]), a.dtype)
         if fault.is_ok:
             return func(*args, **kwargs)
         record = self._record(index, op_name(func), a, b, fault)
@@ -175,11 +185,54 @@ class EmulateMode(MatmulMode):
 
     def on_other(self, func, args, kwargs):
         """Every other op past the per-dimension limit, by its family (prefiltered: a call whose tensors all
-        have at most DIM_MAX elements runs at once). Under a plan, its full-scale decision."""
+        have at most DIM_MAX elements runs at once). Under a plan, its full-scale decision. On a Mac (`memory`),
+        every op's tensors are held against its largest buffer (see `_within_buffer`)."""
         if self._passing:
             return func(*args, **kwargs)
         if self.plan is not None:
             return self._replay_other(func, args, kwargs)
+        if self._buffer is not None:
+            return self._within_buffer(func, args, kwargs)
+        return self._on_other(func, args, kwargs)
+
+    def _within_buffer(self, func, args, kwargs):
+        """An op on a Mac: refused, as MPS refuses it, where a tensor it reads, or the output it will make (where
+        its arguments tell), reaches the largest buffer; the output it made is held against it too (what it
+        computed is dropped: on the Mac the allocation fails first). See Note [The Mac's largest buffer]."""
+        if op_family(func) in SKIPPED and not allocates(func):
+            return func(*args, **kwargs)
+        name, inputs = op_name(func), tensors_of(args, kwargs)
+        sized = size_call(func, args, kwargs, -1)
+        made = [sized.out] if sized is not None and sized.out is not None else []
+        self._check_tensors(name, inputs, made)
+        out = self._on_other(func, args, kwargs)
+        self._check_tensors(name, inputs, outputs_of(out))
+        return out
+
+    def _check_tensors(self, op: str, inputs: list, outputs: list) -> None:
+        sizes = [(t, _nbytes(t)) for t in (*inputs, *outputs)]
+        if sizes and max(n for _, n in sizes) >= self._buffer:
+            tensor, n = max(sizes, key=lambda item: item[1])
+            self._refuse_buffer(CallRecord.of_op(self.calls, op, inputs or [tensor], [tensor], self.memory.fault(
+                n << (MPS_INDEX_BITS - self.index_bits), self.profile.release), current_phase()))
+
+    def _check_buffer(self, index: int, op: str, a, b, out_shape: tuple, dtype) -> None:
+        """A product on a Mac: refused where an operand or its output reaches the largest buffer."""
+        out = TensorSpec.contiguous(tuple(out_shape), str(dtype).removeprefix("torch."))
+        record = CallRecord(index, op, TensorSpec.of(a), TensorSpec.of(b), Fault(), current_phase())
+        size = max(call_bytes(record), out.numel * itemsize(out.dtype))
+        if size >= self._buffer:
+            self._refuse_buffer(record.evolve(fault=self.memory.fault(size << (MPS_INDEX_BITS - self.index_bits),
+                                                                      self.profile.release)))
+
+    def _refuse_buffer(self, record: CallRecord) -> None:
+        self.records.append(record)
+        raise EmulatedMpsError(
+            f"{record.describe()}: {record.fault.message} (emulated MPS {self.profile.release} on "
+            f"{self.memory.label}, {self.memory.buffer_words()}; MPS raises before running it)",
+            op=record.op, a=record.a, b=record.b, fault=record.fault, phase=record.phase)
+
+    def _on_other(self, func, args, kwargs):
         sized = size_call(func, args, kwargs, *judged_at(self.index_bits))
         if sized is None:
             return func(*args, **kwargs)
@@ -210,7 +263,8 @@ class EmulateMode(MatmulMode):
 
     def _replay_other(self, func, args, kwargs):
         """A planned call of the other families: the full-scale decision of its occurrence."""
-        planned = None if self._grouped or op_family(func) in SKIPPED else self._take(op_name(func))
+        skipped = op_family(func) in SKIPPED and not (self._allocations and allocates(func))
+        planned = None if self._grouped or skipped else self._take(op_name(func))
         if planned is None or planned.fault.is_ok:
             return func(*args, **kwargs)
         self.records.append(planned)
@@ -244,6 +298,8 @@ class EmulateMode(MatmulMode):
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
+        if self._buffer is not None:  # its scores are MPSGraph's own: only its tensors are held against the buffer
+            self._check_tensors("sdpa", [query, key, value], [])
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
             if sdpa_dropout(args, kwargs):
                 return self._math_path_with_dropout(proceed, args, kwargs, query.device)
@@ -381,8 +437,16 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
     return fault, wraps
 
 
+def _nbytes(tensor: Any) -> int:
+    """Bytes of a tensor's storage as MPS allocates it (a view: its base's), or of a spec of one to be made."""
+    if isinstance(tensor, TensorSpec):
+        return tensor.extent * itemsize(tensor.dtype)
+    return tensor.untyped_storage().nbytes()
+
+
 @contextlib.contextmanager
-def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None) -> Iterator[EmulateMode]:
+def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None,
+            memory: MacMemory | str | None = None) -> Iterator[EmulateMode]:
     """Makes bmm/mm/SDPA and every other op on CPU or CUDA tensors behave like MPS's, faults included:
     crashes and errors raise `EmulatedMpsError`, 2.13.0's sum past INT_MAX returns the wrapped result,
     and values nobody characterised or measured (wrong_other, unmeasured:*) raise `NotEmulatedError`.
@@ -393,6 +457,9 @@ def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, pro
         plan: a full-scale `FaultPlan` to replay call by call on a smaller run (its profile applies).
         profile: the torch release to emulate ("2.12.1"); None: the installed torch's. Values nobody
             characterised (kind wrong_other) are never invented: such a call raises `NotEmulatedError`.
+        memory: a Mac ("16GB", or an engine.mac_memory.MacMemory): a call that allocates or reads a tensor of
+            its largest buffer or more raises `EmulatedMpsError` with MPS's own "Invalid buffer size" text
+            (the buffer scaled with `index_bits`). A `plan` carries its own Mac (FaultPlan.mac).
 
     Yields:
         The active `EmulateMode`; its `records` list every call it altered.
@@ -402,7 +469,9 @@ def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, pro
             "emulate() was entered inside an active guard, so the guard would never see the "
             "emulated faults; enter emulate() first and guard() inside it."
         )
-    mode = EmulateMode(index_bits, plan, profile)
+    if isinstance(memory, str):
+        memory = MacMemory.of_size(parse_mac_size(memory))
+    mode = EmulateMode(index_bits, plan, profile, memory)
     with activated("emulator", mode), handling(mode), mode:
         yield mode
     mode.check_plan_consumed()

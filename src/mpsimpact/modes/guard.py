@@ -43,6 +43,7 @@ from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.families import classify_op
+from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
 
 GUARD_MODES = ("raise", "warn", "chunk")
@@ -495,7 +496,10 @@ class GuardMode(MatmulMode):
              unguarded: Callable[[], Any], active, op: str | None = None, why_not: str | None = None) -> Any:
         """The one place a decision turns into raise, warn or chunk; a call no split makes safe (chunk
         None) is refused in every mode but warn. `op`: a call of the other families (an emulator replaying
-        a plan counts it as one call of that op)."""
+        a plan counts it as one call of that op). A Mac's refusal of an allocation (an emulator's decision on a
+        declared Mac) is not the guard's to stop or split: the call goes on and meets MPS's own loud error."""
+        if fault.rule == BUFFER_RULE:  # See Note [The Mac's largest buffer]
+            return unguarded()
         if self.mode == "chunk" and chunk is not None:
             self.chunked.append(record)
             self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)

@@ -14,7 +14,7 @@ import torch
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, TensorSpec
-from mpsimpact.engine.release import takes_release
+from mpsimpact.engine.release import allocates, takes_release
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import (
@@ -174,8 +174,9 @@ class TraceMode(MatmulMode):
 
     @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
-                 profile: Profile = None, every_op: bool = False) -> None:
+                 profile: Profile = None, every_op: bool = False, allocations: bool = False) -> None:
         super().__init__()
+        self._allocations = allocations  # record the ops that allocate without a kernel (empty): a Mac's buffer
         self.index_bits = index_bits
         self.profile = profile
         self.calls: list[CallRecord] = []
@@ -229,7 +230,7 @@ class TraceMode(MatmulMode):
 
     def on_other(self, func, args, kwargs):
         out = self._track(_shape_only(func, args) if func in SHAPE_ONLY else _fast_meta(func, args, kwargs))
-        if op_family(func) in SKIPPED:
+        if op_family(func) in SKIPPED and not (self._allocations and allocates(func)):
             return out
         name = op_name(func)
         key = (self._within, name)
@@ -296,6 +297,7 @@ def trace_faults(
     module: torch.nn.Module | None = None,
     profile: Profile = None,
     every_op: bool = False,
+    allocations: bool = False,
     **kwargs: Any,
 ) -> FaultPlan:
     """Runs `fn(*args, **kwargs)` (on meta tensors, typically) and predicts every call's fault.
@@ -307,11 +309,13 @@ def trace_faults(
         profile: the torch release whose rules decide ("2.12.1"); None: the installed one.
         every_op: record every op but views, not only those past DIM_MAX (for traces rescaled by
             arithmetic, which must hold the same calls at every size).
+        allocations: record the ops that allocate without running a kernel (empty, new_empty): where a Mac's
+            largest buffer decides too (Note [The Mac's largest buffer]), the allocation is where MPS refuses.
 
     Returns:
         The `FaultPlan`, whose calls are in the order a run of `fn` under that release makes them.
     """
-    mode = TraceMode(index_bits, module, profile, every_op)
+    mode = TraceMode(index_bits, module, profile, every_op, allocations)
     with mode.naming_modules(), handling(mode), mode:
         fn(*args, **kwargs)
     return FaultPlan.from_trace(tuple(mode.calls), index_bits, mode.profile)
@@ -325,6 +329,7 @@ def trace_module(
     index_bits: int = MPS_INDEX_BITS,
     profile: Profile = None,
     every_op: bool = False,
+    allocations: bool = False,
 ) -> FaultPlan:
     """Traces `module(**inputs)` in eval mode, and one backward pass of its output's sum if asked: a first
     step, with every parameter's grad None (as after `zero_grad()`), and the grads restored after it, so that
@@ -345,4 +350,5 @@ def trace_module(
             for p, grad in kept:
                 p.grad = grad
 
-    return trace_faults(step, index_bits=index_bits, module=module, profile=profile, every_op=every_op)
+    return trace_faults(step, index_bits=index_bits, module=module, profile=profile, every_op=every_op,
+                        allocations=allocations)

@@ -232,7 +232,7 @@ def explain_build_error(error: Exception, model_class: Any, config: Any, attenti
 
 def trace_meta(module: torch.nn.Module, batch: int, length: int, *, mask: str = "none", backward: bool = False,
                index_bits: int = MPS_INDEX_BITS, profile: FaultProfile | None = None, every_op: bool = False,
-               **forward: Any) -> FaultPlan:
+               allocations: bool = False, **forward: Any) -> FaultPlan:
     """Traces `module` (built on meta) on `batch` samples of `length` zero token ids, with the attention
     mask variant `mask` (one of MASKS) and any other `forward` arguments; `profile` None: the installed
     torch's rules."""
@@ -242,7 +242,7 @@ def trace_meta(module: torch.nn.Module, batch: int, length: int, *, mask: str = 
     elif mask == "2-D ones":
         inputs["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device="meta")
     return trace_module(module, inputs | forward, backward=backward, index_bits=index_bits, profile=profile,
-                        every_op=every_op)
+                        every_op=every_op, allocations=allocations)
 
 
 @dataclasses.dataclass
@@ -289,6 +289,7 @@ class MetaModel:
             try:
                 plan = trace_meta(self.module, batch, length, mask=variant, backward=self.backward,
                                   index_bits=self.index_bits, profile=self.profile, every_op=True,
+                                  allocations=self.mac is not None,
                                   **self.forward_args(batch, length))
             except Exception as error:  # the model's own code on meta tensors can fail in any way: try the next
                 failures.append((variant, error))

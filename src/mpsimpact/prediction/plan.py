@@ -48,7 +48,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     heads = model_config.num_attention_heads
     release = judge_release(config.torch_profile)
     profile, mac = release.profile, resolve_mac(config.memory, cache_root())
-    traced = {L: per_text_calls(meta, L, backward=config.backward)
+    traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     plan = plan_at(traced[length], batch, config.index_bits, profile, mac)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}

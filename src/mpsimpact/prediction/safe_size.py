@@ -270,12 +270,14 @@ def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
 TRACE_TEXTS = 2
 
 
-def per_text_calls(meta_module: Any, length: int, *, backward: bool = False) -> list[PerTextCall]:
+def per_text_calls(meta_module: Any, length: int, *, backward: bool = False,
+                   allocations: bool = False) -> list[PerTextCall]:
     """Traces at 2 and 4 texts, whose calls give each operand entry's growth per text. Every call of the
     trace is kept (SDPA and its math path, and every op but views, whatever its size: the same calls at
     every batch): `plan_at` picks those a release makes."""
-    two = trace_meta(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True)
-    four = trace_meta(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True)
+    two = trace_meta(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True, allocations=allocations)
+    four = trace_meta(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True,
+                      allocations=allocations)
     return per_text(two, four)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
 from mpsimpact.engine.faults import MPS_INDEX_BITS
+from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.config import GIB
 from mpsimpact.runs.device import check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
@@ -46,6 +47,7 @@ class Geometry:
     attentions: tuple[str, ...] = ("eager",)  # the implementations the run compares, one pass set each
     substituted: str = ""  # why `attentions` are not those asked (blocked_eager where eager would not fit)
     release: Any = dataclasses.field(default=None, compare=False, repr=False)  # `profile`'s FaultProfile
+    mac: Any = dataclasses.field(default=None, compare=False, repr=False)  # the Mac (MacMemory) emulated, or None
 
     @property
     def replayed(self) -> bool:
@@ -69,7 +71,7 @@ class Geometry:
         return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "release"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("release", "mac")}
         return fields | {"replayed": self.replayed, "mode": self.mode}
 
 
@@ -171,8 +173,8 @@ def build_batch(texts: tuple[str, ...], labels: tuple[int, ...],
 def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
     """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
     bits, profile = geometry.index_bits, geometry.release
-    emulation = (contextlib.nullcontext(None) if not geometry.emulated
-                 else emulate(plan=plan) if geometry.replayed else emulate(index_bits=bits, profile=profile))
+    emulation = (contextlib.nullcontext(None) if not geometry.emulated else emulate(plan=plan) if geometry.replayed
+                 else emulate(index_bits=bits, profile=profile, memory=geometry.mac))
     guarding = (guard(guard_mode, index_bits=bits, profile=profile) if guard_mode != "off"
                 else contextlib.nullcontext(None))
     with contextlib.nullcontext() if training else torch.inference_mode(), emulation as emu, guarding as g:
@@ -221,6 +223,8 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     if stopped_at is not None:  # in a speaker's words, and whether anybody measured it (headlines read these)
         result["where"] = site(stopped_at)
         result["unmeasured"] = stopped_at.fault.nobody_measured
+        if stopped_at.fault.rule == BUFFER_RULE:  # the Mac's own refusal (Note [The Mac's largest buffer])
+            result["buffer_refused"] = stopped_at.fault.message
     if geometry.device == "cuda":
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []

@@ -89,7 +89,8 @@ class RunKind(abc.ABC):
         release = report.get("release") or {}
         unmeasured = release.get("measured") is False
         if off["status"] != "completed":
-            return self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain)
+            return self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain,
+                                       report.get("mac"))
         if not self.is_corrupted(off):
             return "Clean: without a guard every output matches the reference (nothing crossed a limit)."
         if off.get("non_finite_count"):
@@ -101,10 +102,15 @@ class RunKind(abc.ABC):
                     f"worst measured release does: {said}. `mpsimpact sweep` on a Mac measures it.")
         return f"Silent: {said}."
 
-    def _not_completed(self, off: dict, release: str, plain: bool) -> str:
+    def _not_completed(self, off: dict, release: str, plain: bool, mac: dict | None = None) -> str:
         """Without a guard the run did not complete: a crash (which op; the process would die), MPS's own
-        error, or values nobody can tell (never "not silent" for what nobody measured)."""
+        error, the Mac's refusal of a tensor past its largest buffer, or values nobody can tell (never "not
+        silent" for what nobody measured)."""
         where = off.get("where")
+        if off.get("buffer_refused"):
+            on = f"{mac['label']} (largest buffer {mac['largest_buffer_gib']:g} GiB)" if mac else "this Mac"
+            return (f"Not silent: on {on} MPS cannot allocate {where} and stops with '{off['buffer_refused']}' "
+                    "before any wrong value; no guard changes that.")
         if where is None:  # a report from before "where": the message, as it was
             message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
             return f"Not silent: without a guard the run did not complete ({status_words(off)}: {message})."

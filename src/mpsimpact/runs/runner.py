@@ -41,20 +41,41 @@ def run_scenario(config: RunConfig,
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
+    mac = run_mac(config, device)
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
-                                   profile=release.profile.ref, release=release.profile, dtype=config.dtype)
-    # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it.
+                                   profile=release.profile.ref, release=release.profile, dtype=config.dtype, mac=mac)
+    # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
+    # Mac every op is traced (a tensor of few elements can still reach a small Mac's largest buffer).
     dtype = getattr(torch, config.dtype)
     plans = {a: trace_meta(scenario.meta_module(attention=a).to(dtype), batch, max_length,
-                           index_bits=config.index_bits, backward=kind.backward, profile=geometry.release)
+                           index_bits=config.index_bits, backward=kind.backward, profile=geometry.release,
+                           every_op=mac is not None, allocations=mac is not None).on_mac(mac)
              for a in geometry.attentions}
     body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
     report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
-    installed = predict(plans[geometry.attentions[0]].under(release.installed), batch, model.heads)
+    installed = predict(plans[geometry.attentions[0]].on_mac(None).under(release.installed), batch, model.heads)
     report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
+    if mac is not None:
+        report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
     return report, arrays
+
+
+def run_mac(config: RunConfig, device: str) -> Any:
+    """The Mac whose largest buffer the run meets (engine.mac_memory.MacMemory), or None: --memory's for an
+    emulated run; on a Mac's own GPU, that Mac's (measured by `mpsimpact doctor`, else assumed)."""
+    from mpsimpact.engine.mac_memory import resolve_mac, this_mac
+    from mpsimpact.engine.release import cache_root
+    from mpsimpact.errors import UsageError
+
+    if device == "mps" and not config.emulate:
+        if config.memory is not None and config.memory.strip().lower() != "auto":
+            raise UsageError("--memory declares another Mac for an emulated run; on this Mac's GPU its own memory "
+                             "counts (`mpsimpact doctor` measures it). Drop --memory, or add --device cpu.",
+                             option="--memory")
+        return this_mac(cache_root())
+    return resolve_mac(config.memory, cache_root())
 
 
 def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int,
