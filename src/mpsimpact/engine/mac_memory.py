@@ -126,9 +126,9 @@ class MacMemory:
                 f"{lends} in all")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"label": self.label, "largest_buffer_gib": round(self.largest_buffer / GIB, 2),
-                                           "working_set_gib": round(self.working_set / GIB, 2),
-                                           "sentence": self.describe()}
+        return dataclasses.asdict(self) | {
+            "label": self.label, "largest_buffer_gib": round(self.largest_buffer / GIB, 2),
+            "working_set_gib": round(self.working_set / GIB, 2), "sentence": self.describe()}
 
 
 def itemsize(dtype: str) -> int:

@@ -459,7 +459,8 @@ def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, pro
             characterised (kind wrong_other) are never invented: such a call raises `NotEmulatedError`.
         memory: a Mac ("16GB", or an engine.mac_memory.MacMemory): a call that allocates or reads a tensor of
             its largest buffer or more raises `EmulatedMpsError` with MPS's own "Invalid buffer size" text
-            (the buffer scaled with `index_bits`). A `plan` carries its own Mac (FaultPlan.mac).
+            (the buffer scaled with `index_bits`). With a `plan`, its calls are decided on that Mac
+            (FaultPlan.on_mac); a plan decided on a Mac carries it.
 
     Yields:
         The active `EmulateMode`; its `records` list every call it altered.
@@ -471,6 +472,8 @@ def emulate(index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, pro
         )
     if isinstance(memory, str):
         memory = MacMemory.of_size(parse_mac_size(memory))
+    if plan is not None and memory is not None:
+        plan = plan.on_mac(memory)  # the plan's calls decided on that Mac
     mode = EmulateMode(index_bits, plan, profile, memory)
     with activated("emulator", mode), handling(mode), mode:
         yield mode

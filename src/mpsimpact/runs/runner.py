@@ -132,6 +132,9 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
     if geometry.index_bits != MPS_INDEX_BITS:
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's {MPS_INDEX_BITS}: every threshold "
                      f"scaled by 2^{MPS_INDEX_BITS - geometry.index_bits}.")
+    if geometry.mac is not None:
+        notes.append(f"{geometry.mac.describe()}: a tensor that reaches the buffer stops the run with MPS's "
+                     "'Invalid buffer size', before any wrong value, whatever the guard.")
     if geometry.emulated:
         release = geometry.release
         origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
