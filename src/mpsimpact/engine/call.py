@@ -15,7 +15,7 @@ from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.faults import (
     OK, Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, dim_max, spec_of,
 )
-from mpsimpact.engine.release import FaultProfile, family_of, takes_release
+from mpsimpact.engine.release import FaultProfile, allocates, family_of, takes_release
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}
 PRODUCTS = frozenset(RULES)
@@ -103,6 +103,8 @@ class CallRecord:
             return f"sdpa(q {list(self.a.shape)}, k {list(self.b.shape)}) ({self.a.dtype})"
         if self.family == "cat":
             return f"cat to {list(self.b.shape)}, {self.b.numel} elements ({self.b.dtype})"
+        if allocates(self.op):  # a "view" op that allocates: what it makes is what counts
+            return f"{self.op} of {list(self.b.shape)} ({self.b.dtype}, allocation)"
         if not self.is_product:
             into = f" -> {list(self.b.shape)}" if self.b != self.a else ""
             return f"{self.op}({list(self.a.shape)}{into}) ({self.a.dtype}, {self.family})"

@@ -29,7 +29,7 @@ from mpsimpact.engine.faults import (
     wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.mac_memory import MacMemory, call_bytes, itemsize, parse_mac_size
+from mpsimpact.engine.mac_memory import MacMemory, itemsize, parse_mac_size
 from mpsimpact.engine.release import allocates, takes_release
 
 if TYPE_CHECKING:
@@ -210,7 +210,9 @@ class EmulateMode(MatmulMode):
         return out
 
     def _check_tensors(self, op: str, inputs: list, outputs: list) -> None:
-        sizes = [(t, _nbytes(t)) for t in (*inputs, *outputs)]
+        # A parameter is as big at every index width: held against the Mac's own buffer (see modes/op_size).
+        full = self.memory.largest_buffer
+        sizes = [(t, _nbytes(t)) for t in (*inputs, *outputs) if not _is_parameter(t) or _nbytes(t) >= full]
         if sizes and max(n for _, n in sizes) >= self._buffer:
             tensor, n = max(sizes, key=lambda item: item[1])
             self._refuse_buffer(CallRecord.of_op(self.calls, op, inputs or [tensor], [tensor], self.memory.fault(
@@ -220,7 +222,8 @@ class EmulateMode(MatmulMode):
         """A product on a Mac: refused where an operand or its output reaches the largest buffer."""
         out = TensorSpec.contiguous(tuple(out_shape), str(dtype).removeprefix("torch."))
         record = CallRecord(index, op, TensorSpec.of(a), TensorSpec.of(b), Fault(), current_phase())
-        size = max(call_bytes(record), out.numel * itemsize(out.dtype))
+        operands = [_nbytes(x) for x in (a, b) if not _is_parameter(x) or _nbytes(x) >= self.memory.largest_buffer]
+        size = max([*operands, out.numel * itemsize(out.dtype)])
         if size >= self._buffer:
             self._refuse_buffer(record.evolve(fault=self.memory.fault(size << (MPS_INDEX_BITS - self.index_bits),
                                                                       self.profile.release)))
@@ -435,6 +438,11 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
             )
         wraps[name] = period * here[0].numel()
     return fault, wraps
+
+
+def _is_parameter(tensor: Any) -> bool:
+    """A module's weight, or a view of one (Linear's weight.t())."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(getattr(tensor, "_base", None), torch.nn.Parameter)
 
 
 def _nbytes(tensor: Any) -> int:

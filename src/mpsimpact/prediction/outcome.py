@@ -14,6 +14,7 @@ from mpsimpact.prediction.memory import in_gib
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE
+from mpsimpact.engine.release import allocates
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.piecewise import has_split
 
@@ -359,6 +360,10 @@ def site(call: CallRecord) -> str:
     attention's P V product (bmm: 192x256x256 @ 192x256x32)', 'gelu in encoder.layer.0 (...)'."""
     from mpsimpact.engine.call import op_cell
 
+    if allocates(call.op):  # an empty tensor made whole (blocked_eager's P): where a Mac's buffer refuses it
+        made = "x".join(map(str, call.b.shape))
+        square = len(call.b.shape) == 4 and call.b.shape[-1] == call.b.shape[-2]
+        return f"{'the attention probabilities P' if square else 'a tensor'}, allocated whole ({call.op} of {made})"
     shape = op_cell(call.op, list(call.a.shape), list(call.b.shape))
     a = call.a.shape
     square = len(a) >= 3 and a[-1] == a[-2]
