@@ -212,6 +212,24 @@ def test_allocation_failures_are_told_from_faults():
     assert not is_allocation_failure(RuntimeError("MPSGraph does not support tensor dims larger than INT_MAX"))
 
 
+def test_the_24gb_demos_plan_on_24gb_is_the_plan_without_a_mac_and_on_16gb_stops_at_p():
+    # What an emulated run replays, call by call (the slow test below runs it): the 24 GB demo's calls traced at
+    # full scale (1398 x 512, float16, blocked_eager), every op and allocation, decided on each Mac.
+    from mpsimpact.prediction.meta_model import trace_meta
+    from mpsimpact.runs.scenario import get_scenario
+
+    scenario = get_scenario("sentiment")()
+    meta = scenario.meta_module(scenario.load_config(), attention="blocked_eager").to(torch.float16)
+    plan = trace_meta(meta, 1398, 512, every_op=True, allocations=True, profile="2.14.0")
+    on_24, on_16 = plan.on_mac(MacMemory.of_size(24)), plan.on_mac(MacMemory.of_size(16))
+    assert [(c.op, c.fault) for c in on_24.faults] == [(c.op, c.fault) for c in plan.faults]
+    assert [c.fault.kind for c in plan.faults] == ["wrong_tail"] * 6  # the six P V products, one per layer
+    stop = on_16.first_stop
+    assert (stop.op, stop.fault.message, list(stop.b.shape)) == ("new_empty", "Invalid buffer size: 8.19 GB",
+                                                                 [1398, 12, 512, 512])
+    assert not any(c.fault.is_silent for c in on_16.calls if c.index < stop.index)  # no wrong value before it
+
+
 DEMO_24GB = ["--batch-size", "1398", "--max-length", "512", "--dtype", "float16", "--attention", "blocked_eager"]
 
 
