@@ -49,6 +49,24 @@ def without_rule_names(text: str) -> str:
     return text
 
 
+def command_lines(command: str, width: int = 80) -> list[str]:
+    """A command to type, alone on its lines and pasteable as printed: broken only before an option (`--flag
+    value` kept together), each line but the last ending in " \\", the next indented by two spaces."""
+    words = command.split()
+    pieces: list[str] = []
+    for word in words:
+        if pieces and not word.startswith("-") and pieces[-1].startswith("-") and " " not in pieces[-1]:
+            pieces[-1] += f" {word}"  # an option's value stays with it
+        else:
+            pieces.append(word)
+    lines = [""]
+    for piece in pieces:
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) + 2 > width:
+            lines.append("  ")
+        lines[-1] += (" " if lines[-1].strip() else "") + piece
+    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
 def cell_name(cell: dict[str, Any]) -> str:
     """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
     return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"

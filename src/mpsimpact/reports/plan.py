@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import Footnotes, fitted_table, release_lines, without_rule_names
+from mpsimpact.output.page import Footnotes, command_lines, fitted_table, release_lines, without_rule_names
 from mpsimpact.reports.check import console_calls, stop_line
 
 
@@ -67,17 +67,23 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
     rec = memory["recommendation"]
     if rec["command"]:  # a command to type stands alone on its line, never wrapped, so it pastes as printed
         console.print("Run:", style="bold", markup=False)
-        console.print(rec["command"], soft_wrap=True, markup=False)
+        _print_command(console, rec["command"])
         console.print(rec["why"], markup=False)
         return
     console.print(rec["why"], style="bold red", markup=False)
     if smallest := rec.get("smallest_mac"):
         console.print(f"The smallest Mac that can show it has {smallest['mac_gb']:g} GB ({smallest['outcome']}); "
                       "there, run:", markup=False)
-        console.print(smallest["command"], soft_wrap=True, markup=False)
+        _print_command(console, smallest["command"])
     if emulated := rec.get("emulated_command"):
         console.print("On any machine, emulated on its CPU (every result says EMULATED):", markup=False)
-        console.print(emulated, soft_wrap=True, markup=False)
+        _print_command(console, emulated)
+
+
+def _print_command(console, command: str) -> None:
+    """A command to type alone on its lines, broken only before an option with a shell continuation."""
+    for line in command_lines(command, min(console.width, 80)):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], verbose: bool = False) -> None:
