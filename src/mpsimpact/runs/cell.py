@@ -21,8 +21,8 @@ from mpsimpact.engine.faults import Fault
 from mpsimpact.engine.mac_memory import GIB, invalid_buffer_message
 from mpsimpact.output.signals import end_with_parent
 
-# A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation refused
-# by the device): it decides nothing and agrees with nothing.
+# A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation
+# refused by the device): it decides nothing and agrees with nothing.
 NOT_RUN = "skipped_memory"
 # Why a cell was not run, in words; its row's message says which (the messages are made here: `why_not_run`).
 NOT_RUN_WHY = {"max_memory": "over --max-memory", "largest_buffer": "reaching the largest buffer",
@@ -134,8 +134,8 @@ def cell_row(cell: SweepCell, seen: dict[str, Any], device: str, emulated: bool,
 
 
 def reaches_buffer(cell: SweepCell, buffer: int | None) -> bool:
-    """Whether one of the cell's tensors holds `buffer` bytes or more (a Mac's largest buffer: MPS refuses it);
-    never where `buffer` is None (no Mac)."""
+    """Whether one of the cell's tensors holds `buffer` bytes or more (a Mac's largest buffer: MPS refuses
+    it); never where `buffer` is None (no Mac)."""
     return buffer is not None and cell.largest_tensor_bytes() >= buffer
 
 
@@ -148,8 +148,9 @@ def not_run(cell: SweepCell, budget: int, buffer: int | None = None) -> dict[str
                         "(--max-memory): not run, unmeasured")
     if reaches_buffer(cell, buffer):
         largest = cell.largest_tensor_bytes()
-        return _skipped(f"a tensor of {largest / GIB:.3g} GiB reaches {BUFFER_WORDS}, "
-                        f"{buffer / GIB:.3g} GiB (MPS: '{invalid_buffer_message(largest)}'): not run, unmeasured")
+        refused = invalid_buffer_message(largest)
+        return _skipped(f"a tensor of {largest / GIB:.3g} GiB reaches {BUFFER_WORDS}, {buffer / GIB:.3g} GiB "
+                        f"(MPS: '{refused}'): not run, unmeasured")
     return None
 
 
@@ -189,7 +190,8 @@ def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: i
     """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
     worker, a run of the cells within the budget at a time. `profile`: the profile (a FaultProfile.ref) whose
     rules predict (and, emulated, produce) each cell; `budget`: the bytes a cell may hold (default: what the
-    device offers); `buffer`: a Mac's largest buffer in bytes (None: no Mac); a cell over either is not run."""
+    device offers); `buffer`: a Mac's largest buffer in bytes (None: no Mac); a cell over either is not
+    run."""
     from mpsimpact.runs.device import device_memory
 
     budget = device_memory(device) if budget is None else budget

@@ -173,8 +173,8 @@ class FamilyCell:
         return next((f for f in faults if f.is_stop or f.kind == "wrong_other"), faults[0] if faults else OK)
 
     def run(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        """Runs the test once at the cell's own width and judges it against the CPU (see runs.cell.observe); an
-        allocation the device refuses (inputs or output) is raised for `observe`, never an "error"."""
+        """Runs the test once at the cell's own width and judges it against the CPU (see runs.cell.observe);
+        an allocation the device refuses (inputs or output) is raised for `observe`, never an "error"."""
         from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
         from mpsimpact.modes.emulator import emulate
 
