@@ -28,7 +28,7 @@ GIB = 1 << 30
 def derived(release, bits=32, quick=True, not_run=lambda cell: False, device="cpu", emulated=True,
             families=False):
     """profile.json's content for the sweep whose cells all come out as `release`'s rules say; cells for
-    which `not_run` holds were not run (over the memory budget); with `families`, its family cells too."""
+    which `not_run` holds were not run (over --max-memory); with `families`, its family cells too."""
     cells = grid(bits, ("fp32", "fp16", "bf16"), LAYOUTS, quick)
     rows = predicted_rows(cells, bits, release)
     family_cells = family_grid(bits) if families else []
@@ -117,7 +117,7 @@ def test_family_cells_not_run_leave_their_rules_unmeasured():
     assert content["rules"]["mm"] is None and content["rules"]["sdpa"] is None
     assert (families["elementwise"], families["softmax"]) == (["ok", "unmeasured"], ["unmeasured", "unmeasured"])
     assert content["unmeasured"] == ["mm", "sdpa"] and content["cells"]["family_cells_not_run"] == 4
-    assert any(note.startswith("Family cells not run (over the memory budget): linear (mm), scale (elementwise, "
+    assert any(note.startswith("Family cells not run (over --max-memory): linear (mm), scale (elementwise, "
                                "multi-dim)") for note in content["notes"])
     profile = profile_from_json(content, "derived")
     # The unmeasured multi-dimensional scale: judged "unmeasured" (the guard stops it), where 2.14.0 says ok.

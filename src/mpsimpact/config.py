@@ -259,3 +259,4 @@ class SweepConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
                                                 hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))
+    memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): no cell reaches its largest buffer

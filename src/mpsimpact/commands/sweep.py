@@ -33,6 +33,9 @@ def main(
                                                     "cell that needs more is not run and stays unmeasured.",
                                       "what the device lends this process: MPS's recommended maximum, "
                                       "else the free memory"),
+    memory: str | None = option("--memory", "A Mac's unified memory (e.g. 16GB), or auto on a Mac: a cell "
+                                "with a tensor reaching its largest buffer (half of it, scaled to --index-bits) "
+                                "is not run ('Invalid buffer size').", "on mps this Mac's; elsewhere none"),
 ) -> None:
     """Re-measure the bmm fault map and the op families on a device; check them against the fault model."""
     from mpsimpact.reports.sweep import SweepConsole
@@ -41,7 +44,7 @@ def main(
     sweep_config = options.config_from(
         config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
-        in_process=in_process, torch_profile=torch_profile, max_memory=max_memory,
+        in_process=in_process, torch_profile=torch_profile, max_memory=max_memory, memory=memory,
     )
     summary = run_sweep(sweep_config, SweepConsole(), profile=sweep_config.torch_profile)
     bad = summary["not_ok"] if expect_fixed else summary["disagree"] + summary["families"]["disagree"]

@@ -24,16 +24,22 @@ class SweepConsole:
 
         self.console, self._last_line = Console(highlight=False), 0.0
 
-    def plan(self, mode: str, config: SweepConfig, counts, budget: int, estimate: float, partial: Path) -> None:
-        """What the sweep will cost, before it starts: cells (`counts`: all, to do, fitting the budget, and the
-        bytes the largest of those holds), memory, the time estimate, and how to resume."""
+    def plan(self, mode: str, config: SweepConfig, counts, budget: int, estimate: float, partial: Path,
+             buffer: tuple[int, str] | None = None) -> None:
+        """What the sweep will cost, before it starts: cells (`counts`: all, to do, run, and the bytes the
+        largest of those holds), memory, the time estimate, and how to resume; `buffer`: on a Mac, the cells
+        within the budget that reach its largest buffer, and that buffer in words."""
         cells, todo, fits, largest = counts
+        over_buffer, words = buffer or (0, "")
         resumed = f", {cells - todo} done by an earlier run (resumed)" if todo < cells else ""
         self.console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {cells} cells{resumed}")
         self.console.print(f"To run: {fits} cells, the largest holding {largest / GIB:.3g} GiB, about "
                            f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
-                           f"{todo - fits} cells need more than the {budget / GIB:.3g} GiB budget "
-                           "(--max-memory) and are not run (unmeasured).")
+                           f"{todo - fits - over_buffer} cells need more than the {budget / GIB:.3g} GiB "
+                           "budget (--max-memory) and are not run (unmeasured).")
+        if buffer:
+            self.console.print(f"{over_buffer} cells hold a tensor that reaches {words}: MPS refuses it "
+                               "('Invalid buffer size'), so they are not run (unmeasured).")
         self.console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
                            f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
 
@@ -67,8 +73,10 @@ class SweepConsole:
                                                                                      "skipped"), rows))
         disagree = summary["disagree"]
         verdict = "[green]every cell agrees[/]" if not disagree else f"[red]{disagree} cells disagree[/]"
-        not_run = f", {summary['not_run']} not run (over --max-memory: unmeasured)" if summary["not_run"] else ""
+        not_run = _not_run_words(summary["not_run"], summary["not_run_why"])
         self.console.print(f"{summary['mode']}: {summary['cells']} bmm cells, {verdict}{not_run}.")
+        if summary.get("largest_buffer"):
+            self.console.print(f"Cells were planned within {summary['largest_buffer']['words']}.")
         print_families(self.console, summary["families"])
         self.console.print(f"Written to {out}/ ({', '.join(FILES)})")
         print_profile(self.console, summary["derived_profile"], out, cached)
@@ -81,6 +89,15 @@ def _write_json(path: Path, data: Any) -> None:
 def _resume_hint(config: SweepConfig, out: Path) -> str:
     again = "run the same command again" + ("" if config.out else f" with --out {out}")
     return f"{again} to finish the sweep"
+
+
+def _not_run_words(count: int, why: dict[str, int]) -> str:
+    """", 3 not run (over --max-memory: unmeasured)", each reason counted where there are several; "" for
+    none."""
+    if not count:
+        return ""
+    reasons = next(iter(why)) if len(why) == 1 else ", ".join(f"{n} {words}" for words, n in why.items())
+    return f", {count} not run ({reasons}: unmeasured)"
 
 
 def _duration(seconds: float) -> str:
@@ -101,8 +118,8 @@ def print_families(console, families: dict[str, Any]) -> None:
                              ("cell", "decides", "observed", "code", "fault model"), rows))
     disagree, not_run = families["disagree"], families["not_run"]
     verdict = "[green]every one agrees[/]" if not disagree else f"[red]{disagree} disagree[/]"
-    console.print(f"{families['cells']} family cells, {verdict}"
-                  + (f", {not_run} not run (over --max-memory: unmeasured)" if not_run else "") + ".")
+    not_run_words = _not_run_words(not_run, families["not_run_why"])
+    console.print(f"{families['cells']} family cells, {verdict}{not_run_words}.")
 
 
 def print_profile(console, derived: dict[str, Any], out: Path, cached: Path) -> None:

@@ -1,6 +1,7 @@
 """The sweep's cell protocol (a bmm, runs.sweep.Cell, or an op family's test, runs.family_cells.FamilyCell)
 and the one pipeline that runs any cell: observed here or in a crash-tolerant worker process, not run over
-the memory budget, predicted without a tensor, made into its row and judged."""
+the memory budget or a Mac's largest buffer (nor when the device refuses its allocation), predicted without
+a tensor, made into its row and judged."""
 
 from __future__ import annotations
 
@@ -17,10 +18,20 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from mpsimpact.engine.faults import Fault
+from mpsimpact.engine.mac_memory import GIB, invalid_buffer_message
 from mpsimpact.output.signals import end_with_parent
 
-# A row of a cell that was not run (over the memory budget): it decides nothing and agrees with nothing.
+# A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation
+# refused by the device): it decides nothing and agrees with nothing.
 NOT_RUN = "skipped_memory"
+# Why a cell was not run, in words; its row's message says which (the messages are made here: `why_not_run`).
+NOT_RUN_WHY = {"max_memory": "over --max-memory", "largest_buffer": "reaching the largest buffer",
+               "refused": "allocation refused by the device"}
+REFUSED = "allocation refused"  # how the message of a cell whose allocation the device refused begins
+BUFFER_WORDS = "the Mac's largest buffer"  # what the message of a cell over that buffer names
+# The texts of an allocation MPS refuses: MPSAllocator's "Invalid buffer size: 8.19 GB" (one buffer at or past
+# maxBufferLength, Note [The Mac's largest buffer]) and its high watermark's "MPS backend out of memory".
+ALLOCATION_TEXTS = (invalid_buffer_message(0).partition(":")[0], "MPS backend out of memory")
 CHUNK_ELEMENTS = 1 << 24  # operands are drawn this many fp32 elements at a time, then cast in place
 # Rough speeds before any cell has run, per device: (multiply-adds per second, elements drawn per second).
 # A sweep rescales its estimate by the cells it has finished (CellClock).
@@ -48,13 +59,41 @@ class SweepCell(Protocol):
     def row_fields(self, index_bits: int, emulated: bool, profile: Any) -> tuple[dict, dict]: ...
     def observation_problem(self, seen: dict[str, Any]) -> str | None: ...
     def bytes_needed(self) -> int: ...
+    def largest_tensor_bytes(self) -> int: ...
     def estimated_seconds(self, device: str) -> float: ...
     def to_json(self) -> dict[str, Any]: ...
 
 
 def is_measured(row: dict[str, Any]) -> bool:
-    """Whether a row's cell ran (a cell over the memory budget did not, and decides nothing)."""
+    """Whether a row's cell ran (a cell over the memory budget or the largest buffer, or whose allocation the
+    device refused, did not, and decides nothing)."""
     return row["observed"] != NOT_RUN
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """Whether an exception says that the device refused to allocate a tensor (the cell did not fit), not that
+    the op failed: torch's out-of-memory error (where this torch has one) or a RuntimeError with MPS's own
+    text for a refused allocation (ALLOCATION_TEXTS: "Invalid buffer size", "MPS backend out of memory")."""
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if out_of_memory is not None and isinstance(error, out_of_memory):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_TEXTS)
+
+
+def why_not_run(row: dict[str, Any]) -> str:
+    """Why a row's cell was not run, in NOT_RUN_WHY's words (read from the message `not_run` or `observe`
+    made; a message of neither counts as over the budget)."""
+    message = row.get("message") or ""
+    if message.startswith(REFUSED):
+        return NOT_RUN_WHY["refused"]
+    return NOT_RUN_WHY["largest_buffer" if BUFFER_WORDS in message else "max_memory"]
+
+
+def not_run_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How many of `rows` were not run, by why (NOT_RUN_WHY's words, in its order; reasons no row has left
+    out)."""
+    said = [why_not_run(row) for row in rows if not is_measured(row)]
+    return {words: said.count(words) for words in NOT_RUN_WHY.values() if words in said}
 
 
 def finite_or_none(value: float) -> float | None:
@@ -94,30 +133,50 @@ def cell_row(cell: SweepCell, seen: dict[str, Any], device: str, emulated: bool,
     return row
 
 
-def not_run(cell: SweepCell, budget: int) -> dict[str, Any] | None:
-    """The row of a cell over the memory budget (bytes), which is not run; None if it fits."""
+def reaches_buffer(cell: SweepCell, buffer: int | None) -> bool:
+    """Whether one of the cell's tensors holds `buffer` bytes or more (a Mac's largest buffer: MPS refuses
+    it); never where `buffer` is None (no Mac)."""
+    return buffer is not None and cell.largest_tensor_bytes() >= buffer
+
+
+def not_run(cell: SweepCell, budget: int, buffer: int | None = None) -> dict[str, Any] | None:
+    """The row of a cell that is not run, None if it fits: one that needs more than `budget` bytes in all, or
+    one of whose tensors reaches `buffer` bytes (a Mac's largest buffer; None: no Mac)."""
     needed = cell.bytes_needed()
-    if needed <= budget:
-        return None
-    message = (f"needs {needed / 2**30:.3g} GiB, more than the {budget / 2**30:.3g} GiB budget "
-               "(--max-memory): not run, unmeasured")
+    if needed > budget:
+        return _skipped(f"needs {needed / GIB:.3g} GiB, more than the {budget / GIB:.3g} GiB budget "
+                        "(--max-memory): not run, unmeasured")
+    if reaches_buffer(cell, buffer):
+        largest = cell.largest_tensor_bytes()
+        refused = invalid_buffer_message(largest)
+        return _skipped(f"a tensor of {largest / GIB:.3g} GiB reaches {BUFFER_WORDS}, {buffer / GIB:.3g} GiB "
+                        f"(MPS: '{refused}'): not run, unmeasured")
+    return None
+
+
+def _skipped(message: str) -> dict[str, Any]:
     return {"observed": NOT_RUN, "first_bad_batch": None, "max_rel_error": None, "message": message}
 
 
 def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profile: Any = None,
-            budget: int | None = None) -> dict[str, Any]:
+            budget: int | None = None, buffer: int | None = None) -> dict[str, Any]:
     """Runs one cell of either kind (`cell.run`) and returns what it saw; a cell over `budget` bytes (default:
-    what the device offers), or out of memory, is not run."""
+    what the device offers) or one of whose tensors reaches `buffer` bytes is not run, and one whose
+    allocation the device refuses (making its operands or the op's output: `is_allocation_failure`) did not
+    run: both are NOT_RUN, never the op's fault."""
     from mpsimpact.runs.device import device_memory
 
-    skipped = not_run(cell, device_memory(device) if budget is None else budget)
+    skipped = not_run(cell, device_memory(device) if budget is None else budget, buffer)
     if skipped is not None:
         return skipped
     try:
         return cell.run(device, emulated, index_bits, profile)
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:
+        if not is_allocation_failure(error):
+            raise
+        text = str(error).strip().splitlines()
         return {"observed": NOT_RUN, **cell.no_values,
-                "message": f"out of memory: {str(error).splitlines()[0]}; not run, unmeasured"}
+                "message": f"{REFUSED}: {text[0] if text else type(error).__name__}; not run, unmeasured"}
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()  # cells differ in size: give cached blocks back
@@ -126,11 +185,13 @@ def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profi
 
 
 def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: int, in_process: bool,
-              profile: str | None = None, budget: int | None = None) -> Iterator[dict[str, Any]]:
+              profile: str | None = None, budget: int | None = None,
+              buffer: int | None = None) -> Iterator[dict[str, Any]]:
     """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
     worker, a run of the cells within the budget at a time. `profile`: the profile (a FaultProfile.ref) whose
     rules predict (and, emulated, produce) each cell; `budget`: the bytes a cell may hold (default: what the
-    device offers); a cell over it is not run."""
+    device offers); `buffer`: a Mac's largest buffer in bytes (None: no Mac); a cell over either is not
+    run."""
     from mpsimpact.runs.device import device_memory
 
     budget = device_memory(device) if budget is None else budget
@@ -140,15 +201,15 @@ def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: i
 
     if in_process or emulated:
         for cell in cells:
-            yield make_row(cell, observe(cell, device, emulated, index_bits, profile, budget))
+            yield make_row(cell, observe(cell, device, emulated, index_bits, profile, budget, buffer))
         return
-    job, start = {"device": device, "index_bits": index_bits, "budget": budget}, 0
+    job, start = {"device": device, "index_bits": index_bits, "budget": budget, "buffer": buffer}, 0
     while start < len(cells):
-        fitting = list(itertools.takewhile(lambda c: not_run(c, budget) is None, cells[start:]))
+        fitting = list(itertools.takewhile(lambda c: not_run(c, budget, buffer) is None, cells[start:]))
         yield from worker_rows(fitting, job, make_row)
         start += len(fitting)
         if start < len(cells):
-            yield make_row(cells[start], not_run(cells[start], budget))
+            yield make_row(cells[start], not_run(cells[start], budget, buffer))
             start += 1
 
 
@@ -193,7 +254,8 @@ def worker_main(kind: type) -> None:
     and prints one JSON observation per line."""
     job = json.loads(sys.stdin.read())
     for spec in job["cells"]:
-        seen = observe(kind(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"))
+        seen = observe(kind(**spec), job["device"], False, job["index_bits"], budget=job.get("budget"),
+                       buffer=job.get("buffer"))
         print(json.dumps(seen), flush=True)
 
 

@@ -14,7 +14,8 @@ import torch
 
 from mpsimpact.engine.faults import OK, SILENT_KINDS, STOP_KINDS, Fault, limits
 from mpsimpact.runs.cell import (
-    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, random_tensor, worker_main,
+    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_allocation_failure, is_error_value, random_tensor,
+    worker_main,
 )
 
 WRONG_ABOVE = 1e-2  # the first-pass suite's criterion: relative error above 1e-2 against the CPU is WRONG
@@ -172,7 +173,8 @@ class FamilyCell:
         return next((f for f in faults if f.is_stop or f.kind == "wrong_other"), faults[0] if faults else OK)
 
     def run(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
-        """Runs the test once at the cell's own width and judges it against the CPU (see runs.cell.observe)."""
+        """Runs the test once at the cell's own width and judges it against the CPU (see runs.cell.observe);
+        an allocation the device refuses (inputs or output) is raised for `observe`, never an "error"."""
         from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
         from mpsimpact.modes.emulator import emulate
 
@@ -183,13 +185,13 @@ class FamilyCell:
                 out = self.spec.run(inputs, device, self.index_bits)
             if device == "mps":
                 torch.mps.synchronize()
-        except torch.OutOfMemoryError:
-            raise
         except (EmulatedMpsError, NotEmulatedError) as error:
             fault = error.fields["fault"]
             kind = fault.kind if isinstance(error, EmulatedMpsError) else "wrong_other"
             return {"observed": kind, "message": error.message, "rule": fault.rule, **NO_VALUES}
         except Exception as error:  # an exception on the device is the cell's outcome: error, with its text
+            if is_allocation_failure(error):
+                raise  # the output did not fit: not the op's fault (runs.cell.observe says not run)
             text = str(error).strip().splitlines()
             return {"observed": "error", "message": f"{type(error).__name__}: {text[0] if text else ''}", **NO_VALUES}
         observed, rel = _judge(self, inputs, out)
@@ -253,6 +255,14 @@ class FamilyCell:
 
     def inputs(self) -> tuple[Input, ...]:
         return self.spec.inputs(self.index_bits)
+
+    def largest_tensor_bytes(self) -> int:
+        """Bytes of the largest input or output the cell allocates on the device (what a Mac's largest buffer
+        must hold; the op's own intermediates, e.g. the scores of SDPA's math path, are not counted: a device
+        that refuses them is caught as it runs, runs.cell.observe)."""
+        made = make_inputs(self, "meta")
+        out = self.spec.run(made, "meta", self.index_bits)
+        return max(x.numel() * x.element_size() for x in (*made.values(), out))
 
     def bytes_needed(self) -> int:
         """Bytes the cell holds at once: inputs and output on the device; the same again on the CPU for

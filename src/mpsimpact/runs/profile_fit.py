@@ -18,7 +18,7 @@ from mpsimpact.engine.release import (
 )
 from mpsimpact.runs.family_cells import TESTS_BY_NAME
 from mpsimpact.output.page import cell_name
-from mpsimpact.runs.cell import is_measured
+from mpsimpact.runs.cell import is_measured, not_run_counts
 from mpsimpact.runs.sweep import Cell
 
 NOT_MEASURED_NOTE = (
@@ -148,7 +148,7 @@ def fit_families(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The rules of the aspects the family cells measured: {"families": {family: [1-D code, multi code]},
     "mm": {"mm_aborts": ...}, "sdpa": {...}}, each None when its cells were not measured (or, for mm and
     sdpa, showed something the rules cannot say)."""
-    measured = [row for row in rows if row["observed"] != "skipped_memory"]
+    measured = [row for row in rows if is_measured(row)]
     codes = {name: ["unmeasured", "unmeasured"] for name in FAMILY_NAMES}
     found: dict[str, Any] = {"families": None, "mm": None, "sdpa": None}
     for row in measured:
@@ -187,6 +187,11 @@ def family_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def _why(rows: list[dict[str, Any]]) -> str:
+    """Why rows were not run, in words: "over --max-memory", or each reason there is, joined by "or"."""
+    return " or ".join(not_run_counts(rows))
+
+
 def profile_release(emulated: bool, emulated_release: str, torch_version: str) -> str:
     """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0")."""
     for candidate in ((emulated_release, torch_version) if emulated else (torch_version,)):
@@ -223,14 +228,14 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
                      "judged conservatively.")
     if skipped:
-        notes.append(f"{len(skipped)} of {len(rows)} cells were not run (over the memory budget) and decide "
+        notes.append(f"{len(skipped)} of {len(rows)} cells were not run ({_why(skipped)}) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
     if family_skipped:
         names = ", ".join(row["name"] for row in family_skipped)
-        notes.append(f"Family cells not run (over the memory budget): {names}; what they decide is "
+        notes.append(f"Family cells not run ({_why(family_skipped)}): {names}; what they decide is "
                      "'unmeasured' (conservative).")
-    if not settings and not control:
+    if not settings and not control and len(skipped) < len(rows):
         notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "
                      "bmm is judged conservatively. Report the cells upstream and to mpsimpact.")
     rules: dict[str, Any] = {aspect: None for aspect in ASPECTS} | others | {"bmm": settings or None}

@@ -13,7 +13,8 @@ from mpsimpact.config import SWEEP_LAYOUTS
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS, Fault, TensorSpec, classify_bmm
 from mpsimpact.output.page import cell_name
 from mpsimpact.runs.cell import (
-    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_error_value, random_tensor, worker_main,
+    CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_allocation_failure, is_error_value, random_tensor,
+    worker_main,
 )
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -54,7 +55,8 @@ class Cell:
 
     def run(self, device: str, emulated: bool, index_bits: int, profile: Any) -> dict[str, Any]:
         """Runs the bmm and judges it (see runs.cell.observe): ok, error, abort (emulated), wrong_all,
-        wrong_tail, truncated (bad values mostly zero) or wrong_other (wrong otherwise, or not emulated)."""
+        wrong_tail, truncated (bad values mostly zero) or wrong_other (wrong otherwise, or not emulated). An
+        allocation the device refuses (operands or output) is raised for `observe`, never an "error"."""
         from mpsimpact.modes.emulator import emulate
         from mpsimpact.errors import EmulatedMpsError, NotEmulatedError
 
@@ -65,11 +67,11 @@ class Cell:
                 out = torch.bmm(a, b)
             if device == "mps":
                 torch.mps.synchronize()
-        except torch.OutOfMemoryError:
-            raise
         except NotEmulatedError as error:
             return {"observed": "wrong_other", "message": error.message, **NO_VALUES, "emulated_values": False}
         except RuntimeError as error:
+            if is_allocation_failure(error):
+                raise  # the output did not fit: not the op's fault (runs.cell.observe says not run)
             kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
             return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
         batches = judged_batches(self, predicted.first_bad_batch, self.batch * self.m * self.n <= 1 << 26, index_bits)
@@ -165,6 +167,12 @@ class Cell:
         size = DTYPES[self.dtype].itemsize
         draws = min(CHUNK_ELEMENTS, max(a.extent, b.extent))
         return (a.extent + b.extent + self.batch * self.m * self.n) * size + draws * 4
+
+    def largest_tensor_bytes(self) -> int:
+        """Bytes of the largest tensor the cell allocates on the device: an operand's storage (a sliced one
+        has a batch more) or the output (what a Mac's largest buffer must hold; see `make_operands`)."""
+        a, b = self.specs()
+        return max(a.extent, b.extent, self.batch * self.m * self.n) * DTYPES[self.dtype].itemsize
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: drawing the operands and the product (SPEEDS)."""

@@ -10,10 +10,11 @@ import json
 import time
 from typing import Any
 
-from mpsimpact.config import SweepConfig, memory_bytes
-from mpsimpact.engine.release import cached_profile_path, takes_release
+from mpsimpact.config import GIB, SweepConfig, memory_bytes
+from mpsimpact.engine.mac_memory import MacMemory
+from mpsimpact.engine.release import cache_root, cached_profile_path, takes_release
 from mpsimpact.errors import UsageError
-from mpsimpact.runs.cell import NOT_RUN, is_measured
+from mpsimpact.runs.cell import NOT_RUN, is_measured, not_run_counts
 
 
 @takes_release
@@ -25,13 +26,14 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
     from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
     from mpsimpact.runs.family_cells import family_grid
-    from mpsimpact.runs.cell import CellClock
+    from mpsimpact.runs.cell import CellClock, not_run, reaches_buffer
     from mpsimpact.runs.row_check import cell_key, resumed_rows
     from mpsimpact.runs.sweep import grid
 
     config.validate()
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
+    mac, buffer = mac_buffer(config, device)  # refuses --memory auto off a Mac before the folder is claimed
     out = fresh_out_dir(config.out, "sweep")  # claimed, and resumed, by resumable_folder below
     cells, family_cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick), \
         family_grid(config.index_bits)
@@ -54,13 +56,15 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
                             profile.ref)
         done = {cell_key(row["cell"]): row for row in kept if is_measured(row)}
         todo = [cell for cell in cells + family_cells if cell_key(cell.to_json()) not in done]
-        fits = [cell for cell in todo if cell.bytes_needed() <= budget]
+        fits = [cell for cell in todo if not_run(cell, budget, buffer) is None]
         largest = max((cell.bytes_needed() for cell in fits), default=0)
+        over_buffer = sum(cell.bytes_needed() <= budget and reaches_buffer(cell, buffer) for cell in todo)
         show.plan(mode, config, (len(cells + family_cells), len(todo), len(fits), largest), budget,
-                  CellClock(fits, device).total_estimate, folder.path)
+                  CellClock(fits, device).total_estimate, folder.path,
+                  buffer=(over_buffer, buffer_words(mac, buffer)) if mac else None)
         rows = dict(done)
         try:
-            for row in sweep_cells(show, todo, device, emulated, config, profile.ref, budget):
+            for row in sweep_cells(show, todo, device, emulated, config, profile.ref, (budget, buffer)):
                 (families if "test" in row["cell"] else folder).append(row)
                 rows[cell_key(row["cell"])] = row
         except KeyboardInterrupt:
@@ -71,19 +75,44 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
                                 for kind in (cells, family_cells))
         summary, derived, figure = results((ordered, family_rows), config, mode, profile, (device, emulated),
                                            budget)
+        summary["largest_buffer"] = {"bytes": buffer, "words": buffer_words(mac, buffer)} if mac else None
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
         show.write(folder.path, (ordered, family_rows), derived, figure, summary)
     show.summary(summary, out, cached_profile_path(derived["release"]))
     return summary
 
 
+def mac_buffer(config: SweepConfig, device: str) -> tuple[MacMemory | None, int | None]:
+    """The Mac whose largest buffer no tensor of a cell may reach (MPS refuses it: "Invalid buffer size"),
+    and that buffer in bytes: --memory's Mac (scaled to --index-bits, as every limit is, so a small sweep
+    skips the cells a full-size one on that Mac would) or, on MPS, this Mac's own (measured by `doctor`, else
+    assumed; the bytes MPS refuses, whatever the width); (None, None) elsewhere: no Mac, nothing changes."""
+    from mpsimpact.engine.mac_memory import resolve_mac, this_mac
+
+    mac = resolve_mac(config.memory, cache_root())
+    if mac is not None:
+        return mac, mac.buffer_at(config.index_bits)
+    if device == "mps":
+        mac = this_mac(cache_root())
+        return mac, mac.largest_buffer
+    return None, None
+
+
+def buffer_words(mac: MacMemory, buffer: int) -> str:
+    """"a 16 GB Mac's largest buffer 8.0 GiB (assumed: half of 16 GB unified memory)", with the bytes judged
+    where the index width scales them."""
+    scaled = f", {buffer / GIB:.3g} GiB at this index width" if buffer != mac.largest_buffer else ""
+    return f"{mac.label}'s {mac.buffer_words()}{scaled}"
+
+
 def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfig, profile: str, budget: int):
+def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfig, profile: str,
+                limits: tuple[int, int | None]):
     """Yields each cell's row as it finishes, with the time spent and an estimate of the time left for
-    `show.cell`."""
+    `show.cell`; `limits`: the memory budget and the Mac's largest buffer (None: no Mac), in bytes."""
     import itertools
 
     from mpsimpact.runs.cell import CellClock, run_cells
@@ -91,7 +120,7 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
     clock = CellClock(todo, device)
     started = tick = time.perf_counter()
     rows = itertools.chain.from_iterable(  # a run of cells of one kind at a time: the bmm cells, then the others
-        run_cells(list(cells), device, emulated, config.index_bits, config.in_process, profile, budget)
+        run_cells(list(cells), device, emulated, config.index_bits, config.in_process, profile, *limits)
         for _, cells in itertools.groupby(todo, type))
     for number, (cell, row) in enumerate(zip(todo, rows), 1):
         now = time.perf_counter()
@@ -120,12 +149,14 @@ def results(rows_and_families, config: SweepConfig, mode: str, profile, where: t
                              mpsimpact_version=version("mpsimpact"), family_rows=family_rows)
     figure = outcome_map(rows, f"{mode}, index bits {config.index_bits}")
     families = {"cells": len(family_rows), "disagree": sum(r["agree"] is False for r in family_rows),
-                "not_run": sum(not is_measured(r) for r in family_rows), "table": family_table(family_rows),
+                "not_run": sum(not is_measured(r) for r in family_rows),
+                "not_run_why": not_run_counts(family_rows), "table": family_table(family_rows),
                 "agree": [r["agree"] for r in family_rows]}
     return summarize(rows) | {
         "mode": mode, "profile": profile.to_json(), "config": dataclasses.asdict(config),
         "not_ok": sum(r["observed"] not in ("ok", NOT_RUN) for r in rows),
-        "not_run": sum(not is_measured(r) for r in rows), "max_memory_bytes": budget,
+        "not_run": sum(not is_measured(r) for r in rows), "not_run_why": not_run_counts(rows),
+        "max_memory_bytes": budget,
         "families": families,
         "derived_profile": {key: derived[key] for key in ("release", "measured_on", "unmeasured", "cells")},
     }, derived, figure
