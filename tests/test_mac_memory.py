@@ -1,6 +1,6 @@
 """A Mac's own memory in the fault model (issue 45): the largest buffer MPS allocates ("Invalid buffer size",
 PyTorch's MPSAllocator) and the working set, in the rules, plan, check, run, the emulator and doctor's
-measurement. Sizes: Apple's "16 GB" is 16 GiB; the buffer is assumed half of it (FAULT-MODEL.md section 8)."""
+measurement. Sizes: Apple's "16 GB" is 16 GiB; the buffer is assumed half of it (docs/fault-model.md, section 8)."""
 
 import json
 

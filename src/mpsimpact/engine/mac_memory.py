@@ -275,14 +275,16 @@ def measure_mac(cache: Path, machine: str | None = None) -> MacMemory:
     return mac
 
 
-# What MPS (and torch) say when an allocation cannot be made: the largest buffer, or the working set exceeded.
-ALLOCATION_FAILURES = ("Invalid buffer size", "MPS backend out of memory")
+# What MPS says when an allocation cannot be made: MPSAllocator's "Invalid buffer size: 8.19 GB" (one buffer at or
+# past maxBufferLength) and its high watermark's "MPS backend out of memory".
+ALLOCATION_FAILURES = (invalid_buffer_message(0).partition(":")[0], "MPS backend out of memory")
 
 
 def is_allocation_failure(error: BaseException) -> bool:
     """Whether `error` says an allocation could not be made (not a fault of the op that asked for it): MPS's
-    "Invalid buffer size" or "MPS backend out of memory", or torch.OutOfMemoryError."""
-    if type(error).__name__ == "OutOfMemoryError":
+    "Invalid buffer size" or "MPS backend out of memory", or torch's OutOfMemoryError (torch.OutOfMemoryError,
+    torch.cuda.OutOfMemoryError in older releases: one name)."""
+    if any(kind.__name__ == "OutOfMemoryError" for kind in type(error).__mro__):
         return True
     return isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_FAILURES)
 

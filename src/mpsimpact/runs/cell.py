@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from mpsimpact.engine.faults import Fault
-from mpsimpact.engine.mac_memory import GIB, invalid_buffer_message
+from mpsimpact.engine.mac_memory import GIB, invalid_buffer_message, is_allocation_failure
 from mpsimpact.output.signals import end_with_parent
 
 # A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation
@@ -29,9 +29,6 @@ NOT_RUN_WHY = {"max_memory": "over --max-memory", "largest_buffer": "reaching th
                "refused": "allocation refused by the device"}
 REFUSED = "allocation refused"  # how the message of a cell whose allocation the device refused begins
 BUFFER_WORDS = "the Mac's largest buffer"  # what the message of a cell over that buffer names
-# The texts of an allocation MPS refuses: MPSAllocator's "Invalid buffer size: 8.19 GB" (one buffer at or past
-# maxBufferLength, Note [The Mac's largest buffer]) and its high watermark's "MPS backend out of memory".
-ALLOCATION_TEXTS = (invalid_buffer_message(0).partition(":")[0], "MPS backend out of memory")
 CHUNK_ELEMENTS = 1 << 24  # operands are drawn this many fp32 elements at a time, then cast in place
 # Rough speeds before any cell has run, per device: (multiply-adds per second, elements drawn per second).
 # A sweep rescales its estimate by the cells it has finished (CellClock).
@@ -68,16 +65,6 @@ def is_measured(row: dict[str, Any]) -> bool:
     """Whether a row's cell ran (a cell over the memory budget or the largest buffer, or whose allocation the
     device refused, did not, and decides nothing)."""
     return row["observed"] != NOT_RUN
-
-
-def is_allocation_failure(error: BaseException) -> bool:
-    """Whether an exception says that the device refused to allocate a tensor (the cell did not fit), not that
-    the op failed: torch's out-of-memory error (where this torch has one) or a RuntimeError with MPS's own
-    text for a refused allocation (ALLOCATION_TEXTS: "Invalid buffer size", "MPS backend out of memory")."""
-    out_of_memory = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if out_of_memory is not None and isinstance(error, out_of_memory):
-        return True
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_TEXTS)
 
 
 def why_not_run(row: dict[str, Any]) -> str:
