@@ -146,6 +146,7 @@ class GuardMode(MatmulMode):
         self.stopped: list[CallRecord] = []
         self.chunked: list[CallRecord] = []
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
+        self.warned: list[CallRecord] = []  # mode "warn": the calls it let run (and warned of, once a site)
         self._warned: set[tuple[str, int]] = set()
         self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
 
@@ -507,6 +508,7 @@ class GuardMode(MatmulMode):
                 return split()
         message = describe_stop(record, fault, chunk, why_not)
         if self.mode == "warn":
+            self.warned.append(record)
             self._warn_once(message)
             return unguarded()
         self.stopped.append(record)

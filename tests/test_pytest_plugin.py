@@ -1,0 +1,153 @@
+"""The pytest plugin (issue 50): someone else's small suite, run as a Mac would run it. Its tests call bmm,
+matmul, SDPA and a tiny transformers model and compare each batch with per-sample results, as a project's own
+tests do; at a 12-bit index width (LIMIT 4096) their batches cross the scaled limits the way full-size runs cross
+MPS's. pytester runs the suite in this process (one run in worker processes: xdist)."""
+
+import json
+import textwrap
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+SUITE = textwrap.dedent('''
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+
+    def per_sample(fn, *batched):
+        return torch.cat([fn(*(x[i:i + 1].clone() for x in batched)) for i in range(batched[0].shape[0])])
+
+
+    def test_bmm_matches_per_sample():
+        torch.manual_seed(0)
+        a, b = torch.randn(8, 16, 64), torch.randn(8, 64, 4)  # a: 8192 elements, past 4096; output 512
+        torch.testing.assert_close(torch.bmm(a, b), per_sample(torch.bmm, a, b))
+
+
+    def test_matmul_matches_per_sample():
+        torch.manual_seed(1)
+        a, b = torch.randn(2, 4, 16, 64), torch.randn(2, 4, 64, 4)  # folded to bmm of (8, 16, 64)
+        torch.testing.assert_close(torch.matmul(a, b), per_sample(torch.matmul, a, b))
+
+
+    def test_small_matmul_is_untouched():
+        a, b = torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+        torch.testing.assert_close(torch.matmul(a, b), per_sample(torch.matmul, a, b))
+
+
+    def test_tiny_bert_batch_matches_each_sample():
+        from transformers import BertConfig, BertModel
+
+        torch.manual_seed(2)
+        config = BertConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=8, max_position_embeddings=64, attn_implementation="eager",
+                            initializer_range=1.0)  # scores far from uniform: a wrapped P reads other values
+        model = BertModel(config).eval()
+        ids = torch.randint(0, 64, (4, 32))  # P (4*2, 32, 32): 8192 elements, its P V wraps at 4096
+        with torch.no_grad():
+            whole = model(ids).last_hidden_state
+            alone = per_sample(lambda x: model(x).last_hidden_state, ids)
+        torch.testing.assert_close(whole, alone, atol=1e-5, rtol=1e-4)
+
+
+    def test_sdpa_math_matches_per_sample():
+        torch.manual_seed(3)
+        q, k, v = (torch.randn(4, 2, 32, 4, requires_grad=True) for _ in range(3))  # with grads: the math path
+        out = F.scaled_dot_product_attention(q, k, v)
+        torch.testing.assert_close(out, per_sample(F.scaled_dot_product_attention, q, k, v))
+
+
+    @pytest.mark.mpsimpact("off")
+    def test_marked_out_is_left_alone():
+        torch.manual_seed(0)
+        a, b = torch.randn(8, 16, 64), torch.randn(8, 64, 4)
+        torch.testing.assert_close(torch.bmm(a, b), per_sample(torch.bmm, a, b))
+''')
+CROSSING = {"test_bmm_matches_per_sample", "test_matmul_matches_per_sample", "test_tiny_bert_batch_matches_each_sample",
+            "test_sdpa_math_matches_per_sample"}
+NARROW = ["--mps-index-bits", "12", "--mps-profile", "2.14.0", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported_once():
+    # pytester's in-process runs drop the modules a run imported; torch registers some of its libraries once per
+    # process, so what the suite and the plugin import is imported here first, and kept.
+    import torch.distributed._functional_collectives  # noqa: F401
+    import transformers.models.bert.modeling_bert  # noqa: F401
+
+    import mpsimpact.modes.emulator  # noqa: F401
+    import mpsimpact.modes.guard  # noqa: F401
+
+
+@pytest.fixture
+def suite(pytester):
+    pytester.makepyfile(test_theirs=SUITE)
+    return pytester
+
+
+def outcomes(recorder):
+    """{test name: outcome} from a pytester run's hook recorder."""
+    reports = recorder.getreports("pytest_runtest_logreport")
+    return {r.nodeid.split("::")[-1]: r.outcome for r in reports if r.when == "call"}
+
+
+def run(suite, *args):
+    return suite.inline_run("-q", *args)
+
+
+def test_without_options_the_plugin_changes_nothing(suite):
+    result = run(suite, "-p", "no:cacheprovider")
+    assert set(outcomes(result).values()) == {"passed"} and len(outcomes(result)) == 6
+
+
+def test_emulated_at_12_bits_the_crossing_tests_fail_and_the_summary_names_each_call_site(suite):
+    result = suite.runpytest_inprocess("--mps-emulate", *NARROW, "--mps-json", "calls.json")
+    got = outcomes(result.reprec)
+    assert {name for name, outcome in got.items() if outcome == "failed"} == CROSSING
+    assert got["test_small_matmul_is_untouched"] == got["test_marked_out_is_left_alone"] == "passed"
+    text = result.stdout.str()
+    assert "calls that would fault on MPS (torch 2.14.0)" in text and "EMULATED MPS" in text
+    assert "Mismatched elements" in text  # values that differ, as the suite's own comparison says
+    calls = json.loads((suite.path / "calls.json").read_text())["calls"]
+    sites = {c["site"].split(":")[0] for c in calls}
+    assert "test_theirs.py" in sites  # bmm, matmul, SDPA asked for in the suite itself
+    assert any("modeling_bert.py" in s for s in sites)  # the model's own P V line
+    assert {t.split("::")[-1] for c in calls for t in c["tests"]} == CROSSING
+    bmm = next(c for c in calls if c["tests"] == ["test_theirs.py::test_bmm_matches_per_sample"])
+    # a (8, 16, 64) contiguous past 2**12 wraps: batches from ceil(4096 / 1024) = 4 read the start again
+    assert (bmm["kind"], bmm["rule"], bmm["first_bad_batch"]) == ("wrong_tail", "input-wrap", 4)
+
+
+def test_with_the_chunk_guard_they_pass_and_with_raise_they_fail_naming_the_op(suite):
+    chunked = suite.runpytest_inprocess("--mps-emulate", "--mps-guard", "chunk", *NARROW)
+    assert set(outcomes(chunked.reprec).values()) == {"passed"}
+    assert "guard chunk: split, correct" in chunked.stdout.str()
+    raised = suite.runpytest_inprocess("--mps-guard", "raise", *NARROW)  # no emulator: the CPU tensors judged
+    got = outcomes(raised.reprec)
+    assert {name for name, outcome in got.items() if outcome == "failed"} == CROSSING
+    assert "OversizedOpError: mpsimpact guard: bmm[8, 16, 64] @ [8, 64, 4]" in raised.stdout.str()
+    warned = suite.runpytest_inprocess("--mps-guard", "warn", *NARROW)  # never fails a test
+    assert set(outcomes(warned.reprec).values()) == {"passed"}
+    assert "guard warn: warned" in warned.stdout.str()
+
+
+def test_the_junit_xml_carries_each_tests_call_sites(suite):
+    suite.runpytest_inprocess("--mps-emulate", *NARROW, "--junitxml", "junit.xml")
+    xml = (suite.path / "junit.xml").read_text()
+    assert xml.count('<property name="mpsimpact"') >= len(CROSSING) and "input-wrap" in xml
+
+
+def test_xdist_workers_each_get_the_plugin_and_the_summary_collects_them(suite):
+    result = suite.runpytest_subprocess("-n", "2", "--mps-emulate", *NARROW, "--mps-json", "calls.json")
+    result.assert_outcomes(passed=2, failed=4)
+    calls = json.loads((suite.path / "calls.json").read_text())["calls"]
+    assert {t.split("::")[-1] for c in calls for t in c["tests"]} == CROSSING
+
+
+def test_bad_options_are_one_line(suite):
+    result = suite.runpytest_inprocess("--mps-index-bits", "40")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and "--mps-index-bits must be in 4..32" in result.stderr.str()
+    result = suite.runpytest_inprocess("--mps-emulate", "--mps-profile", "banana")
+    assert result.ret != 0 and "--mps-profile" in result.stderr.str() + result.stdout.str()
