@@ -44,6 +44,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Also write the summary (every call site that would fault) to this JSON file.")
 
 
+@pytest.fixture
+def mpsimpact_as_a_mac(request: pytest.FixtureRequest) -> Any:
+    """Inside a test, the same as the marker for a block: `with mpsimpact_as_a_mac("chunk"): ...` (raise, warn,
+    chunk or emulate), with the options' release, index width and devices; its calls join the summary."""
+    run: MacRun = request.config.pluginmanager.get_plugin("mpsimpact-run")
+
+    def as_a_mac(mode: str = "raise") -> Any:
+        if mode not in MARK_CHOICES[:-1]:
+            raise pytest.UsageError(f"mpsimpact_as_a_mac takes one of {', '.join(MARK_CHOICES[:-1])}; got {mode!r}.")
+        guard_mode, emulated = (None, True) if mode == "emulate" else (mode, run.settings.emulate)
+        return run.as_a_mac(request.node.nodeid, guard_mode, emulated)
+
+    return as_a_mac
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "mpsimpact(mode): run this test as MPS would whatever the options: raise, "
                                        "warn or chunk (the guard), emulate, or off (neither emulator nor guard)")
