@@ -141,12 +141,21 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
                      f"{release.label}.")
     if geometry.replayed:
-        reduced = token_stats["truncated_by_reduced_length"]
         notes.append(f"Texts run at {geometry.run_length} tokens with the fault plan traced at "
-                     f"{geometry.max_length}; {len(reduced)} texts "
-                     f"({token_stats['truncated_by_reduced_length_fraction']:.2%}) are longer than "
-                     f"{geometry.run_length} tokens and were truncated by the reduction (positions "
-                     f"{reduced[:20]}).")
+                     f"{geometry.max_length}; {truncated_words(token_stats, geometry.run_length)}.")
     if repeats:
         notes.append(f"The data has fewer texts than the batch: {repeats} positions repeat earlier texts.")
     return notes
+
+
+def truncated_words(token_stats: dict[str, Any], run_length: int, shown: int = 20) -> str:
+    """Which texts the reduced length cut, in words: none said as none, a count with its items (the first
+    `shown` of them, said so)."""
+    reduced = token_stats["truncated_by_reduced_length"]
+    if not reduced:
+        return f"no text is longer than {run_length} tokens, so the reduction cut none"
+    listed = ", ".join(map(str, reduced[:shown]))
+    which = f"positions {listed}" if len(reduced) <= shown else f"the first {shown} at positions {listed}"
+    texts = "1 text" if len(reduced) == 1 else f"{len(reduced)} texts"
+    return (f"{texts} ({token_stats['truncated_by_reduced_length_fraction']:.2%}) longer than {run_length} tokens "
+            f"{'was' if len(reduced) == 1 else 'were'} cut by the reduction ({which})")
