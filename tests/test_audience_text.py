@@ -14,3 +14,22 @@ def test_the_reduced_lengths_cut_is_said_in_words_never_as_an_empty_list():
     many = truncated_words(stats(list(range(26))), 64)  # 26 texts, 20 listed: said so
     assert many.startswith("26 texts (26.00%)") and "the first 20 at positions 0, 1," in many and "19)" in many
     assert "[" not in many and "None" not in many
+
+
+def test_each_guard_mode_gets_one_plain_line_in_the_runs_summary():
+    from mpsimpact.runs.kinds import KINDS
+
+    kind = KINDS["inference"]
+    conditions = [
+        {"guard": "off", "status": "completed", "corrupted_count": 6},
+        {"guard": "raise", "status": "stopped_by_guard", "where": "eager attention's P V product (bmm: 1x2 @ 2x1)"},
+        {"guard": "chunk", "status": "completed", "corrupted_count": 0},
+        {"guard": "chunk", "status": "error", "buffer_refused": "Invalid buffer size: 8.19 GB",
+         "attention": "blocked_eager"},
+    ]
+    assert kind.guard_lines({"conditions": conditions}) == [
+        "guard raise: stopped before any wrong value, at eager attention's P V product (bmm: 1x2 @ 2x1).",
+        "guard chunk: 0 wrong, every output matches the reference.",
+        "guard chunk (blocked_eager attention): cannot help: MPS refuses the allocation ('Invalid buffer size: "
+        "8.19 GB').",
+    ]

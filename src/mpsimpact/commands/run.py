@@ -120,6 +120,8 @@ def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) 
         console.print(line, markup=False)
     console.print(geometry["mode"], style=style, markup=False)
     console.print(kind.console_table(report, footnotes, verbose))
+    for line in kind.guard_lines(report):
+        console.print(line, markup=False)
     for line in [*footnotes.lines(), *kind.console_lines(report, verbose)]:
         console.print(line, markup=False)
     for note in report["notes"][1:]:

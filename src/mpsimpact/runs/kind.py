@@ -168,6 +168,25 @@ class RunKind(abc.ABC):
         """Lines printed under the table and its footnotes (before the notes)."""
         return []
 
+    def guard_lines(self, report: dict) -> list[str]:
+        """One plain line per guarded condition: what the guard did ("guard raise: stopped before any wrong value,
+        at ..."; "guard chunk: 0 wrong, every output matches the reference")."""
+        return [self.guard_line(c) for c in report["conditions"] if c["guard"] != "off"]
+
+    def guard_line(self, condition: dict) -> str:
+        c = condition
+        name = f"guard {c['guard']}" + (f" ({c['attention']} attention)" if c.get("attention", "eager") != "eager"
+                                        else "")
+        where = f", at {c['where']}" if c.get("where") else ""
+        if c["status"] == "stopped_by_guard":
+            return f"{name}: stopped before any wrong value{where}."
+        if c.get("buffer_refused"):
+            return f"{name}: cannot help: MPS refuses the allocation ('{c['buffer_refused']}'){where}."
+        if c["status"] != "completed":
+            return f"{name}: did not complete ({status_words(c)}){where}."
+        wrong = self.corrupted_parts(c)
+        return f"{name}: {', '.join(wrong)} wrong." if wrong else f"{name}: 0 wrong, every output matches the reference."
+
     def console_cell(self, condition: dict, key: str) -> str:
         """One cell of the console's conditions table, in the kind's format for that key."""
         value = condition.get(key, "eager" if key == "attention" else None)
