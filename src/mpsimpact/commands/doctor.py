@@ -10,19 +10,44 @@ def main() -> None:
     from mpsimpact.runs.environment import collect_environment
 
     env = collect_environment()
-    rows = [[key, str(value) if value is not None else "not set" if key == "mps_fallback_env" else "none"]
-            for key, value in env.items()]
     console = Console()
-    console.print(fitted_table("mpsimpact doctor", ("what", "here"), rows))
+    release = judge_release(None, apple_gpu=env["mps_available"])
+    console.print(fitted_table("mpsimpact doctor", ("what", "here"), doctor_rows(env, release)))
     if not env["mps_available"]:
         console.print("No MPS here: mpsimpact will emulate MPS's faults (said in every result).", markup=False)
     console.print(profile_sentence(env), markup=False)
     console.print(mac_sentence(env["mps_available"]), markup=False)
-    console.print(release_rule(judge_release(None, apple_gpu=env["mps_available"])), markup=False)
+    console.print(release_rule(release), markup=False)
     fallback = env["mps_fallback_env"]
     said = "is not set" if fallback is None else f"is {fallback!r}"
     console.print(f"PYTORCH_ENABLE_MPS_FALLBACK {said}. Setting it would not help: it only reroutes ops MPS does "
                   "not implement, and bmm is implemented.", markup=False)
+
+
+def doctor_rows(env: dict, release) -> list[list[str]]:
+    """The environment in words a person reads: yes and no, sizes with their unit, and rows with nothing to say
+    left out (report.json keeps every field as it is)."""
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    profile = f"torch {env['fault_profile']}: " + (
+        "measured (the study)" if env["fault_profile_source"] == "study" and env["fault_profile_measured"] else
+        f"measured by a sweep on {env['fault_profile_measured_on']}" if env["fault_profile_measured_on"] else
+        "nobody measured it (judged conservatively)")
+    rows = [["mpsimpact", env["mpsimpact"]], ["python", env["python"]], ["torch", env["torch"]],
+            ["transformers", env["transformers"]], ["machine", env["machine"]],
+            ["Apple GPU (MPS)", yes(env["mps_available"])],
+            ["NVIDIA GPU (CUDA)", env["cuda_device"] or yes(env["cuda_available"])],
+            ["host memory", f"{env['host_memory_gib']} GiB ({env['host_memory_available_gib']} GiB free)"]]
+    if "mps_recommended_max_memory_gib" in env:
+        rows.append(["Metal lends a process", f"{env['mps_recommended_max_memory_gib']} GiB"])
+    rows += [["installed torch's MPS faults", profile], ["the commands judge", f"torch {release.profile.label}"]]
+    if env["fault_profile_unmeasured"]:
+        rows.append(["judged conservatively", env["fault_profile_unmeasured"]])
+    if env["fault_profile_cache_file"]:
+        rows.append(["a measured profile would be read from", env["fault_profile_cache_file"]])
+    rows.append(["PYTORCH_ENABLE_MPS_FALLBACK", env["mps_fallback_env"] or "not set"])
+    return rows
 
 
 def release_rule(release) -> str:
