@@ -33,3 +33,20 @@ def test_each_guard_mode_gets_one_plain_line_in_the_runs_summary():
         "guard chunk (blocked_eager attention): cannot help: MPS refuses the allocation ('Invalid buffer size: "
         "8.19 GB').",
     ]
+
+
+def test_a_release_nobody_measured_is_cannot_tell_in_plan_and_in_the_version_table():
+    import json
+
+    from typer.testing import CliRunner
+
+    from mpsimpact.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "sentiment", "--torch-profile", "2.15.0", "--json"])
+    assert result.exit_code == 0, result.output
+    describe = json.loads(result.stdout)["prediction"]["describe"]
+    assert describe.startswith("cannot tell: nobody measured torch 2.15.0 on MPS at ") and "`mpsimpact sweep`" in describe
+    said = " ".join(CliRunner().invoke(app, ["plan", "sentiment", "--torch-profile", "2.15.0"],
+                                       env={"COLUMNS": "200"}).stdout.split())
+    assert "Cannot tell what torch 2.15.0 does: nobody measured it on MPS" in said
+    assert "MPS aborts the process at call" not in said.split("Judged as the worst measured release would be")[0]

@@ -304,6 +304,10 @@ def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False
     prediction = predict(plan, batch, heads, "forward")
     whole = predict(plan, batch, heads, "all") if training else None
     outcome, words = step_outcome(prediction, whole, lambda p: _describe(p, batch))
+    profile = plan.fault_profile
+    if profile is not None and (unknown := undecided_at(profile, whole or prediction)) is not None:
+        words = (f"cannot tell: {cannot_tell(profile.release, unknown)}; judged as the worst measured release would "
+                 f"be: {words}")
     first, wrong = prediction.first_corrupted_text, prediction.corrupted_count
     unknown = bool(prediction.uncharacterised) and prediction.stop is None
     if prediction.stop is not None:  # the run ends there: no output, right or wrong

@@ -61,5 +61,12 @@ def _merge(per_release: dict[str, dict]) -> list[dict[str, Any]]:
                  else f"{group[0]}-{group[-1]}")
         note = " ".join(sorted({n for release in group for n in profile_for(release).notes}))
         for (attention, phase), value in per_release[group[0]].items():
+            if group == [CONSERVATIVE]:  # nobody measured them: said so, the worst measured release's outcome after
+                value = value | {"cannot_tell": True, "message": f"{CANNOT_TELL}; judged as the worst measured "
+                                                                 f"release would be: {value['message']}"}
             rows.append({"release": label, "attention": attention, "phase": phase, **value, "note": note})
     return rows
+
+
+# How every table says what nobody measured (plan, check, run and compare say "cannot tell" too).
+CANNOT_TELL = "cannot tell: nobody measured these releases on MPS (`mpsimpact sweep` on a Mac measures one)"

@@ -127,7 +127,7 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     return lines
 
 
-def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = ()) -> str:
+def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = (), unmeasured: str | None = None) -> str:
     """The first call where MPS raises or aborts (the run ends there), and how many more would; and, from
     the faulting `calls`, the first one before it that goes silently wrong in a pattern nobody
     characterised: an emulated run stops there instead ("not emulated"), which must not read as a
@@ -142,7 +142,15 @@ def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = ()) -> 
         line += (f". Before it, call {earlier['index']} ({earlier['op']} in {earlier['module'] or earlier['phase']}) "
                  "goes wrong in a pattern nobody characterised: an emulated run stops there ('not emulated') "
                  "rather than invent its values")
+    if unmeasured is not None:  # a release nobody measured: what the worst measured release does, said as that
+        line = (f"Cannot tell what torch {unmeasured} does: nobody measured it on MPS (`mpsimpact sweep` on a Mac "
+                f"measures it). Judged as the worst measured release would be: {line}")
     return line
+
+
+def unmeasured_release(profile: dict[str, Any]) -> str | None:
+    """The release of a report's profile (as to_json gives it) where nobody measured it, else None."""
+    return profile.get("release") if profile.get("conservative") else None
 
 
 def print_check(report: dict[str, Any], verbose: bool = False) -> None:
@@ -158,7 +166,7 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
         console.print("[bold green]No call crosses a limit.[/]")
     stops = report["prediction"]["stops"]
     if stops:
-        line = stop_line(stops, report["faulting_calls"])
+        line = stop_line(stops, report["faulting_calls"], unmeasured_release(report["torch_profile"]))
         line = line if verbose else without_rule_names(line)
         console.print(line, style="bold red", markup=False)
     for label, text in facts(report):
@@ -176,7 +184,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("No call crosses a limit.")
     stops = report["prediction"]["stops"]
     if stops:
-        lines += ["", "## Where MPS stops the run", "", stop_line(stops, report["faulting_calls"])]
+        lines += ["", "## Where MPS stops the run", "",
+                  stop_line(stops, report["faulting_calls"], unmeasured_release(report["torch_profile"]))]
     lines += ["", "## Summary", ""] + [f"- **{label}**: {text}" for label, text in facts(report)]
     return "\n".join(lines) + "\n"
 

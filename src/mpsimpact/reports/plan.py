@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpsimpact.output.page import Footnotes, command_lines, fitted_table, release_lines, without_rule_names
-from mpsimpact.reports.check import console_calls, stop_line
+from mpsimpact.reports.check import console_calls, stop_line, unmeasured_release
 
 
 def write_sweep_figure(table: dict, path: str, model: str, release: str = "") -> None:
@@ -37,7 +37,7 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     calls = report["faulting_calls"]
     console.print(console_calls(calls, verbose) if calls else "No call crosses a limit.")
     if pred["stops"]:
-        line = stop_line(pred["stops"], calls)
+        line = stop_line(pred["stops"], calls, unmeasured_release(report["profile"]))
         console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
     else:
         console.print(f"Predicted: {pred['describe']}.", markup=False)

@@ -39,6 +39,8 @@ def console_cell(row: dict[str, Any], footnotes: Footnotes, verbose: bool = Fals
              "error": "error", "abort": "abort"}.get(row["outcome"], row["outcome"])
     if row["outcome"] in STOP_KINDS and first is not None:
         words = f"wrong from text {first}, then {row['outcome']}"
+    if row.get("cannot_tell"):  # nobody measured it: no outcome, inferred or not, stands in the cell
+        return f"cannot tell {footnotes.mark(message if verbose else without_rule_names(message))}"
     words += " (inferred)" if inferred else ""
     if message in ("clean", f"{row['corrupted_count']} texts wrong from text {first}"):
         return words
@@ -54,6 +56,8 @@ def console_table(rows: list[dict[str, Any]], title: str, footnotes: Footnotes, 
 
 def _short(row: dict[str, Any]) -> str:
     first = row["first_corrupted_text"]
+    if row.get("cannot_tell"):
+        return "cannot tell\n(unmeasured)"
     if row["outcome"] in STOP_KINDS and first is not None:
         return f"wrong from {first},\nthen {row['outcome']} in bwd"
     labels = {"wrong": f"wrong from {first}" if first is not None else "wrong",
@@ -72,7 +76,8 @@ def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(2.3 * len(COLUMNS) + 1.5, 0.55 * len(releases) + 1.6))
     for y, cells in enumerate(releases.values()):
         for x, r in enumerate(cells):
-            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=COLORS[r["outcome"]], alpha=0.85))
+            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=COLORS["unmeasured" if r.get("cannot_tell") else
+                                                                   r["outcome"]], alpha=0.85))
             ax.text(x + 0.5, y + 0.5, _short(r), ha="center", va="center", fontsize=8,
                     color="white" if r["outcome"] != "clean" else "black")
     ax.set_xlim(0, len(COLUMNS))
