@@ -50,3 +50,16 @@ def test_a_release_nobody_measured_is_cannot_tell_in_plan_and_in_the_version_tab
                                        env={"COLUMNS": "200"}).stdout.split())
     assert "Cannot tell what torch 2.15.0 does: nobody measured it on MPS" in said
     assert "MPS aborts the process at call" not in said.split("Judged as the worst measured release would be")[0]
+
+
+def test_a_headline_counts_the_outputs_silently_wrong_before_a_later_error():
+    from mpsimpact.runs.kinds import KINDS
+
+    report = {"geometry": {"batch_size": 16, "emulated": True, "profile": "2.14.0"}, "release": {"release": "2.14.0"},
+              "conditions": [{"guard": "off", "status": "error", "phase": "backward", "corrupted_count": 6,
+                              "message": "sum(...): MPS sum_reduction: tensors requiring 64-bit indexing"}]}
+    said = KINDS["training"].headline(report, plain=True)
+    assert said.startswith("EMULATED MPS. Silent, then stopped: 6 of 16 outputs came back wrong with no error")
+    assert "then without a guard the run did not complete (error: sum(...)" in said
+    report["conditions"][0]["corrupted_count"] = 0  # nothing wrong before the stop: not silent at all
+    assert KINDS["training"].headline(report, plain=True).startswith("EMULATED MPS. Not silent: ")

@@ -30,24 +30,26 @@ def test_a_silent_corruption_says_so_with_its_numbers():
     assert "1 prediction changed class" in headline(flips=1)
 
 
+# A pass that did not complete has no outputs to count (corrupted_count None, as runs write it); a training step's
+# logits wrong before its backward stops are counted (tests/test_audience_text.py).
 ABORTED = {"status": "error", "where": SCALE, "message": "mul(...): SIGSEGV (signal 11) (emulated MPS 2.13.0)",
-           "altered_calls": [{"fault": {"kind": "abort"}}]}
+           "altered_calls": [{"fault": {"kind": "abort"}}], "corrupted_count": None}
 
 
 @pytest.mark.parametrize(("off", "said"), [
     ({"corrupted_count": 0, "flips": 0}, "Clean: without a guard every output matches"),
     (ABORTED, f"Not silent: the process would die at {SCALE}: torch 2.14.0 aborts there, no result at all."),
-    ({"status": "skipped_predicted_abort", "where": SCALE}, f"Not silent: the process would die at {SCALE}"),
+    ({"status": "skipped_predicted_abort", "where": SCALE, "corrupted_count": None}, f"Not silent: the process would die at {SCALE}"),
     ({"status": "error", "where": "eager attention's P V product (bmm: 49152x512x512 @ 49152x512x32)",
-      "message": "MPSGraph does not support tensor dims larger than INT_MAX"},
+      "message": "MPSGraph does not support tensor dims larger than INT_MAX", "corrupted_count": None},
      "Not silent: MPS raises an error at eager attention's P V product"),
     ({"status": "not_emulated", "where": "fused attention (SDPA; sdpa: q 4096x12x512x32, k 4096x12x512x32)"},
      "Silent on MPS, but not shown: torch 2.14.0 returns wrong values at fused attention"),
     ({"status": "not_emulated", "unmeasured": True, "where": SCALE},
      f"Cannot tell: nobody measured torch 2.14.0 on MPS at {SCALE}, so nobody can tell what it does there; "
      "`mpsimpact sweep` on a Mac measures it."),
-    ({"status": "error", "message": "MPSGraph does not support tensor dims larger than INT_MAX"},
-     "Not silent: without a guard the run did not complete (error: MPSGraph"),  # a report from before "where"
+    ({"status": "error", "message": "MPSGraph does not support tensor dims larger than INT_MAX",
+      "corrupted_count": None}, "Not silent: without a guard the run did not complete (error: MPSGraph"),  # a report from before "where"
     ({"non_finite_count": 3}, "Not silent: 3 outputs came back NaN or infinite."),
     ({"collapse": {"class": "neutral", "device_share": 0.4}}, "Silent: 2731 of 4096 outputs came back wrong"),
 ])

@@ -89,8 +89,9 @@ class RunKind(abc.ABC):
         release = report.get("release") or {}
         unmeasured = release.get("measured") is False
         if off["status"] != "completed":
-            return self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain,
-                                       report.get("mac"))
+            stopped = self._not_completed(off, release.get("release") or report["geometry"].get("profile"), plain,
+                                          report.get("mac"))
+            return self._wrong_before(off, report["geometry"]["batch_size"], stopped)
         if not self.is_corrupted(off):
             return "Clean: without a guard every output matches the reference (nothing crossed a limit)."
         if off.get("non_finite_count"):
@@ -101,6 +102,17 @@ class RunKind(abc.ABC):
             return (f"Cannot tell: nobody measured torch {release['release']} on MPS. If it behaves as the "
                     f"worst measured release does: {said}. `mpsimpact sweep` on a Mac measures it.")
         return f"Silent: {said}."
+
+    @staticmethod
+    def _wrong_before(off: dict, batch: int, stopped: str) -> str:
+        """A stop's headline, led by the outputs already silently wrong before it (a training step's logits
+        before its backward raises): every wrong output counted."""
+        wrong = off.get("corrupted_count") or 0
+        if not wrong or not stopped.startswith("Not silent: "):
+            return stopped
+        then = stopped.removeprefix("Not silent: ")
+        return (f"Silent, then stopped: {wrong} of {batch} outputs came back wrong with no error, no warning; "
+                f"then {then[0].lower()}{then[1:]}")
 
     def _not_completed(self, off: dict, release: str, plain: bool, mac: dict | None = None) -> str:
         """Without a guard the run did not complete: a crash (which op; the process would die), MPS's own
