@@ -55,15 +55,17 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
 
 
 def _print_memory(console, memory: dict[str, Any]) -> None:
-    rows = [[o["attention"], o["dtype"], f"{o['batch_size']} x {o['max_length']}", o["outcome"],
-             f"{o['estimated_peak_gib']} GiB", f"{o['largest_tensor_gib']} GiB", "yes" if o["fits"] else "no"]
+    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+    rows = [[o["attention"], short.get(o["dtype"], o["dtype"]), f"{o['batch_size']} x {o['max_length']}",
+             f"{o['corrupted_count']} from {o['first_corrupted_text']}",
+             f"{o['estimated_peak_gib']} / {o['largest_tensor_gib']}", "yes" if o["fits"] else "no"]
             for o in memory["options"]]
     if rows:  # none where no length shows the silent effect: the recommendation below says why
         rules = f" (torch {memory['judged_on']}'s rules)" if memory.get("judged_on") else ""
         title = (f"the smallest clear demo per dtype and length{rules}, against {memory['basis']}; largest "
                  f"buffer {memory['largest_buffer_gib']} GiB ({memory['buffer_basis']})")
-        console.print(fitted_table(title, ("attention", "dtype", "batch x length", "predicted", "estimated peak",
-                                           "largest tensor", "fits"), rows))
+        console.print(fitted_table(title, ("attention", "dtype", "batch x length", "texts wrong",
+                                           "GiB: peak / largest tensor", "fits"), rows))
     rec = memory["recommendation"]
     if rec["command"]:  # a command to type stands alone on its line, never wrapped, so it pastes as printed
         console.print("Run:", style="bold", markup=False)

@@ -1,0 +1,69 @@
+"""What the audience reads, reviewed as text (issue 48): each command's console at 80 columns kept in
+tests/snapshots/, so that a change of wording shows as a diff in review. Times, paths and library versions are
+masked. After a deliberate change: `MPSIMPACT_UPDATE_SNAPSHOTS=1 pytest tests/test_snapshots.py`, then read the
+diff. Every console is also held to 80 columns, and every snapshot scanned: no None, no empty list."""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mpsimpact.cli import app
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+DATA = Path(__file__).parent / "data"
+UPDATE = os.environ.get("MPSIMPACT_UPDATE_SNAPSHOTS") == "1"
+COMMANDS = {
+    "list": ["list"],
+    "check-bert": ["check", str(DATA / "bert-base" / "config.json"), "--batch-size", "2048",
+                   "--torch-profile", "2.14.0"],
+    "plan-memory-16gb": ["plan", "sentiment", "--memory", "16GB", "--torch-profile", "2.14.0"],
+    "run-quick": ["run", "sentiment", "--quick", "--torch-profile", "2.14.0", "--out", "out"],
+}
+MASKS = [
+    (re.compile(r"\b\d+\.\ds\b"), "<s>"),  # wall times
+    (re.compile(r"\((\d+) s\)"), "(<s>)"),
+    (re.compile(r"transformers \d+\.\d+\.\d+"), "transformers <version>"),
+    (re.compile(r"torch \d+\.\d+\.\d+\+\w+"), "torch <build>"),
+    (re.compile(re.escape(str(DATA))), "<data>"),
+]
+# The consoles name the installed release beside the judged one, and say what it would do on a Mac: the snapshots
+# are of the torch CI installs (.ci/run).
+PINNED_TORCH = "2.13.0"
+
+
+def masked(text: str) -> str:
+    for pattern, replacement in MASKS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --out out lands in a fresh folder
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_the_console_reads_as_reviewed(name):
+    if torch.__version__.split("+")[0] != PINNED_TORCH:
+        pytest.skip(f"the snapshots are of torch {PINNED_TORCH} installed (as CI installs it)")
+    result = CliRunner().invoke(app, COMMANDS[name], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert not [line for line in result.stdout.splitlines() if len(line) > 80]
+    text = masked(result.stdout)
+    path = SNAPSHOTS / f"{name}.txt"
+    if UPDATE:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no snapshot {path.name}: run with MPSIMPACT_UPDATE_SNAPSHOTS=1 and review it"
+    assert text == path.read_text(), f"{name}'s console changed: review, then update the snapshot"
+
+
+@pytest.mark.parametrize("path", sorted(SNAPSHOTS.glob("*.txt")), ids=lambda p: p.stem)
+def test_no_snapshot_prints_none_or_an_empty_list(path):
+    text = path.read_text()
+    assert not re.search(r"\bNone\b", text) and "[]" not in text and "[none]" not in text.lower()
