@@ -12,7 +12,7 @@ import typer
 
 from mpsimpact.commands import check, compare, doctor, matrix, plan, run, sweep, train_head
 from mpsimpact.commands import list as list_  # the module named `list`; `list_` spares the builtin
-from mpsimpact.commands.options import shows_config_defaults
+from mpsimpact.commands.options import check_environment, shows_config_defaults
 
 COMMANDS = (run, plan, check, sweep, compare, matrix, doctor, list_, train_head)
 
@@ -41,6 +41,7 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
 
         try:
             with exit_cleanly_on_signals():  # SIGTERM/SIGHUP clean up like Ctrl-C, exit 143/129
+                check_environment()  # a bad variable is refused before any work
                 return command(*args, **kwargs)
         except MpsImpactError as error:
             typer.echo(f"error: {error.message}", err=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.bounds import parse_json
+from mpsimpact.variables import is_offline
 from mpsimpact.errors import OverlayError, UsageError
 from mpsimpact.engine.release import cache_root
 from mpsimpact.output.files import is_process_alive, warn
@@ -33,8 +34,6 @@ PROBE_TIMEOUT_S = 600
 # How long a build waits for another process building or probing the same environment (it holds the
 # environment's lock file): two installs and a probe.
 LOCK_TIMEOUT_S = 2 * INSTALL_TIMEOUT_S + PROBE_TIMEOUT_S
-# Package-index offline switches (HF_HUB_OFFLINE is about models, not packages: overlays ignore it).
-OFFLINE_VARIABLES = ("UV_OFFLINE", "PIP_NO_INDEX")
 
 Builder = Callable[[str, Path], dict[str, Any]]
 
@@ -51,9 +50,10 @@ class Overlay:
 
 
 def is_offline_env() -> bool:
-    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX)."""
-    values = (os.environ.get(name, "").strip().lower() for name in OFFLINE_VARIABLES)
-    return any(value not in ("", "0", "false", "no") for value in values)
+    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX; a value that is
+    neither true nor false is refused in one line: variables.is_offline). HF_HUB_OFFLINE is about models, not
+    packages: overlays ignore it."""
+    return is_offline()
 
 
 def normalize(name: str) -> str:
