@@ -336,3 +336,100 @@ def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_specification_says(monk
     assert cache_root() == Path.home() / ".cache" / "mpsimpact"
     monkeypatch.setenv("XDG_CACHE_HOME", "/abs/cache")
     assert cache_root() == Path("/abs/cache/mpsimpact")
+
+
+# Integers and numbers: every one range-checked at the boundary, in the words the CLI uses elsewhere.
+
+HUGE = str(10**30)
+NUMBERS = [  # (command line, the one line)
+    (["run", "sentiment", "--quick", "--seed", "1180591620717411303424"],
+     "--seed must be <= 18,446,744,073,709,551,615 (what torch.manual_seed takes), got 1180591620717411303424."),
+    (["run", "sentiment", "--quick", "--seed", "-1"], "--seed must be >= 0 (what torch.manual_seed takes), got -1."),
+    (["run", "sentiment", "--quick", "--batch-size", HUGE], f"--batch-size must be <= 2,147,483,647, got {HUGE}."),
+    (["plan", "sentiment", "--batch-size", HUGE], f"--batch-size must be <= 2,147,483,647, got {HUGE}."),
+    (["check", BERT, "--batch-size", HUGE], f"--batch-size must be <= 2,147,483,647, got {HUGE}."),
+    (["check", BERT, "--seq-len", HUGE], f"--seq-len must be <= 2,147,483,647, got {HUGE}."),
+    (["matrix", "sentiment", "--max-length", HUGE], f"--max-length must be <= 2,147,483,647, got {HUGE}."),
+    (["run", "sentiment", "--quick", "--run-length", str(10**9)],
+     "--run-length 1,000,000,000 is more than the length asked (256, --max-length or the scenario's); give at "
+     "most 256: the device passes run at --run-length, the plan at --max-length."),
+    (["run", "sentiment", "--quick", "--lr", "inf"], "--lr must be a finite number > 0, got inf."),
+    (["run", "sentiment", "--quick", "--threshold", "nan"], "--threshold must be a finite number in (0, 1), got nan."),
+    (["run", "sentiment", "--quick", "--steps", str(10**6)], "--steps must be <= 1000, got 1000000."),
+    (["train-head", "--limit", HUGE, "--out", "head"], f"--limit must be <= 2,147,483,647, got {HUGE}."),
+]
+
+
+@pytest.mark.parametrize(("args", "line"), NUMBERS, ids=[" ".join(a[:1] + a[-2:-1]) for a, _ in NUMBERS])
+def test_a_number_out_of_range_is_one_line_naming_the_option(args, line):
+    result, stderr = invoke(args)
+    assert one_line(result, stderr) == f"error: {line}\n"
+    assert os.listdir() == []  # nothing written: no report folder, no head
+
+
+def test_the_bounds_themselves_are_accepted():
+    from mpsimpact.config import MAX_COUNT, MAX_SEED, CheckConfig, RunConfig
+
+    RunConfig(seed=MAX_SEED, batch_size=MAX_COUNT, max_length=512, run_length=512).validate()
+    CheckConfig(model="m", batch_size=MAX_COUNT, seq_len=MAX_COUNT).validate()
+
+
+def test_a_run_length_past_the_scenarios_own_length_is_refused_where_that_length_is_known():
+    from mpsimpact.config import check_run_length
+
+    check_run_length(512, 512)
+    check_run_length(64, None)  # the scenario's length is not known yet: checked again when it is
+    with pytest.raises(UsageError, match="--run-length 1,000 is more than the length asked"):
+        check_run_length(1000, 512)  # what runs.device_pass asks with the scenario's --max-length
+
+
+# No silent defaults: an empty --out is refused everywhere; train-head writes a folder of its own.
+
+@pytest.mark.parametrize("words", [["run", "sentiment", "--quick"], ["plan", "sentiment", "--versions"],
+                                   ["check", BERT], ["sweep"], ["compare", "a", "b"], ["matrix", "sentiment"],
+                                   ["train-head"]])
+def test_an_empty_out_is_refused_by_every_command(words):
+    from mpsimpact.runs.head import installed_head_folder
+
+    installed = {p.name: p.read_bytes() for p in installed_head_folder().iterdir() if p.name.startswith("sentiment")}
+    result, stderr = invoke([*words, "--out", ""])
+    assert one_line(result, stderr) == "error: --out must name a folder, got ''.\n"
+    assert {p.name: p.read_bytes() for p in installed_head_folder().iterdir() if p.name in installed} == installed
+    assert os.listdir() == []
+
+
+def test_train_head_writes_a_new_folder_by_default_and_the_installed_head_only_with_install(monkeypatch):
+    import mpsimpact.runs.head as head
+
+    calls = []
+
+    def fake_train(out_dir, *, limit=None, steps=None):  # the routing alone: training is tested in test_commands
+        calls.append(out_dir)
+        if out_dir is not None:
+            (Path(out_dir) / "sentiment_head.npz").write_bytes(b"npz")
+        return {"heldout_accuracy": 0.5, "heldout_texts": 3, "train_texts": 3}
+
+    monkeypatch.setattr(head, "train_head", fake_train)
+    result, stderr = invoke(["train-head"])
+    assert result.exit_code == 0, (result.output, stderr)
+    (folder,) = Path("outputs").iterdir()
+    assert folder.name.startswith("train-head-") and (folder / "sentiment_head.npz").read_bytes() == b"npz"
+    assert "the installed head is unchanged (--install replaces it)" in result.output
+    result, stderr = invoke(["train-head", "--install"])
+    assert result.exit_code == 0 and calls[-1] is None and "Replaced the installed head in" in result.output
+    result, stderr = invoke(["train-head", "--install", "--out", "x"])
+    assert "--install replaces the installed head in place; it takes no --out" in one_line(result, stderr)
+    assert len(calls) == 2
+
+
+def test_progress_in_a_log_says_the_time_left_as_an_estimate():
+    from mpsimpact.output.progress import log_steps
+
+    said, now = [], [100.0]
+    advance = log_steps(lambda line, **_: said.append(line), clock=lambda: now[0])("Embedding 8 texts", 8)
+    now[0] += 3
+    advance(2)  # a quarter done in 3 s: 3 quarters left, about 9 s
+    now[0] += 9
+    advance(6)
+    assert said == ["Embedding 8 texts: started (8 steps)", "Embedding 8 texts: 2/8 (3 s, about 9 s left)",
+                    "Embedding 8 texts: 8/8 (12 s)"]
