@@ -433,3 +433,64 @@ def test_progress_in_a_log_says_the_time_left_as_an_estimate():
     advance(6)
     assert said == ["Embedding 8 texts: started (8 steps)", "Embedding 8 texts: 2/8 (3 s, about 9 s left)",
                     "Embedding 8 texts: 8/8 (12 s)"]
+
+
+# `check`: a search that stops at its own bound says "at least"; a search whose extra trace fails leaves the
+# asked geometry answered and says which part could not be searched.
+
+def write_config(folder: str, config) -> str:
+    Path(folder).mkdir()
+    config.to_json_file(f"{folder}/config.json")
+    return folder
+
+
+def check_json(*args) -> dict:
+    result, stderr = invoke(["check", *args, "--json"])
+    assert result.exit_code == 0, (result.output, stderr)
+    return json.loads(result.output)
+
+
+def test_a_batch_search_that_reaches_its_ceiling_answers_at_least():
+    from transformers import BertConfig
+
+    from mpsimpact.config import BATCH_CEILING
+
+    tiny = write_config("tiny", BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                           intermediate_size=32, max_position_embeddings=1, vocab_size=100))
+    report = check_json(tiny, "--batch-size", "40000000")
+    assert report["prediction"]["outcome"] == "clean"
+    # the issue: "predicted: clean" yet "largest safe batch: 16777216", the search's cap (2**24), not an answer
+    assert report["largest_safe_batch"] == 40_000_000 and report["largest_safe_batch_search"]["at_least"]
+    result, _ = invoke(["check", tiny])
+    said = " ".join(result.output.split())
+    assert f"largest safe batch: at least {BATCH_CEILING} at 1 tokens (every size up to {BATCH_CEILING:,} is clean;" in said
+
+
+def test_check_answers_the_asked_geometry_when_only_a_trace_of_a_search_fails():
+    from transformers import BigBirdConfig
+
+    # BigBird's block-sparse attention turns full below 704 tokens, whose mask code cannot run on meta: the
+    # length search's first trace (64 tokens) fails, the asked 4096 tokens trace.
+    sparse = write_config("bigbird", BigBirdConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2,
+                                                   intermediate_size=64, vocab_size=100))
+    report = check_json(sparse, "--seq-len", "4096")
+    assert report["prediction"]["outcome"] == "clean" and report["geometry"]["seq_len"] == 4096
+    search = report["longest_safe_length_search"]
+    assert report["longest_safe_length"] is None
+    assert search["basis"].startswith("not searched: a trace the search needs failed (Cannot trace BigBirdModel")
+    assert "length 64" in search["basis"]
+
+
+def test_a_search_that_fails_is_said_and_other_errors_are_not_swallowed():
+    from mpsimpact.errors import ModelLoadError
+    from mpsimpact.prediction.check import searched
+    from mpsimpact.prediction.safe_size import BoundarySearch
+
+    def failing():
+        raise ModelLoadError("Cannot trace X at length 64")
+
+    found = searched(512, failing)
+    assert (found.largest_safe, found.high) == (None, 512) and "Cannot trace X at length 64" in found.basis
+    assert searched(512, lambda: BoundarySearch(7, 512, "b")).largest_safe == 7
+    with pytest.raises(ZeroDivisionError):  # a bug stays a traceback
+        searched(512, lambda: 1 // 0)

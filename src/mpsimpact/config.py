@@ -250,7 +250,13 @@ NEWER = "unmeasured newer"  # the releases after the newest measured one, as tab
 EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"  # the embedded default model, as reports name it
 # Searched up to here when the config states no position limit (relative positions, e.g. T5).
 LENGTH_CEILING = 1 << 20
-BATCH_CEILING = 1 << 24
+BATCH_CEILING = 1 << 24  # the largest safe batch is searched up to here, or up to the batch asked if larger
+
+
+def batch_ceiling(batch: int) -> int:
+    """Where the largest-safe-batch search of `plan` and `check` stops: BATCH_CEILING, or the batch asked when
+    that is larger. An answer at the ceiling is a lower bound, and the reports say "at least"."""
+    return max(BATCH_CEILING, batch)
 
 
 @dataclasses.dataclass(frozen=True)
