@@ -494,3 +494,10 @@ def test_a_search_that_fails_is_said_and_other_errors_are_not_swallowed():
     assert searched(512, lambda: BoundarySearch(7, 512, "b")).largest_safe == 7
     with pytest.raises(ZeroDivisionError):  # a bug stays a traceback
         searched(512, lambda: 1 // 0)
+
+
+def test_a_value_holding_a_newline_still_makes_one_line():
+    # found by tests/test_fuzz_options.py: `mpsimpact matrix $'\n'` printed its refusal on two lines
+    result, stderr = invoke(["run", "senti\nment"])
+    assert one_line(result, stderr) == ("error: Unknown scenario 'senti\\nment'. Did you mean 'sentiment'? Available: "
+                                        "finetune, retrieval, sentiment.\n")
