@@ -77,8 +77,8 @@ def text_problem(text: str) -> str | None:
 
 NAME_MAX = 255  # bytes of one name where the file system does not say (Linux, macOS)
 PATH_MAX = 4096  # bytes of a whole path where the system does not say (Linux's; macOS allows 1024)
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
 class FileProblemError(ValueError):

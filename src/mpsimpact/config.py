@@ -211,9 +211,9 @@ def check_run_length(run_length: int | None, max_length: int | None) -> None:
     """Raises UsageError when --run-length passes the length asked (--max-length, or the scenario's default):
     the device passes would run longer texts than the plan they are checked against; nothing is clamped."""
     if run_length is not None and max_length is not None and run_length > max_length:
-        raise UsageError(f"--run-length {run_length:,} is more than the length asked ({max_length:,}, --max-length "
-                         f"or the scenario's); give at most {max_length:,}: the device passes run at --run-length, "
-                         "the plan at --max-length.", option="--run-length")
+        raise UsageError(f"--run-length {run_length:,} is more than the length asked ({max_length:,}, "
+                         f"--max-length or the scenario's); give at most {max_length:,}: the device passes run at "
+                         "--run-length, the plan at --max-length.", option="--run-length")
 
 
 # What a run's report folder holds at most (RunConfig.written_bytes): 0.16 MB for 16 texts, measured.
@@ -289,8 +289,8 @@ class TrainHeadConfig(Validated):
     def validate(self) -> None:
         validate(self)
         if self.install and self.out is not None:
-            raise UsageError("--install replaces the installed head in place; it takes no --out. Pass one of them.",
-                             option="--install")
+            raise UsageError("--install replaces the installed head in place; it takes no --out. Pass one of "
+                             "them.", option="--install")
 
 
 # `sweep --dtypes` and `--layouts`: the keys of runs.sweep.DTYPES and its LAYOUTS.

@@ -32,8 +32,8 @@ def main(
         with claimed_out_dir(head_config.out, "train-head") as folder:
             with folder_written_atomically(folder) as partial, progress_steps() as steps:
                 metadata = train_head(partial, limit=limit, steps=steps)
-        where = (f"Written to {folder}/ (sentiment_head.npz, sentiment_head.json); the installed head is unchanged "
-                 "(--install replaces it)")
+        where = (f"Written to {folder}/ (sentiment_head.npz, sentiment_head.json); the installed head is "
+                 "unchanged (--install replaces it)")
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts "
                f"(trained on {metadata['train_texts']})")
     typer.echo(where)

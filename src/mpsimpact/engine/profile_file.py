@@ -84,7 +84,8 @@ def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
                                "`mpsimpact sweep`.", path) from None
     except UnicodeDecodeError as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': not UTF-8 ({error.reason} at byte "
-                               f"{error.start}); pass a profile.json written by `mpsimpact sweep`.", path) from None
+                               f"{error.start}); pass a profile.json written by `mpsimpact sweep`.",
+                               path) from None
     try:
         data = parse_json(text)  # no NaN or Infinity in a profile, nor nesting past MAX_JSON_DEPTH
     except ValueError as error:

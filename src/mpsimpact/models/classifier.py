@@ -28,7 +28,8 @@ from mpsimpact.variables import EMBEDDED_MODEL as EMBEDDED_MODEL_VARIABLE, embed
 HEAD_WEIGHTS = "sentiment_head.npz"
 HEAD_METADATA = "sentiment_head.json"
 # A local model folder holds its weights in one of these (a sharded model: its index); see model_folder_problem.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 MAX_HEAD_BYTES = 1 << 20  # sentiment_head.npz (about 5 kB) and its .json
 MAX_FOLDER_ENTRIES = 10_000  # entries of a model folder looked at (a model folder holds a dozen)
 

@@ -101,7 +101,8 @@ def load_file(path: str, label_names: tuple[str, ...] | None = None) -> Labelled
     """
     file = Path(path)
     kind = {".csv": "csv", ".json": "json", ".jsonl": "jsonl"}.get(file.suffix.lower())
-    problem = path_problem(file, MAX_DATASET_BYTES, "a dataset file")  # never opens a FIFO: Note [Only regular files]
+    # never opens a FIFO: Note [Only regular files]
+    problem = path_problem(file, MAX_DATASET_BYTES, "a dataset file")
     if problem == "does not exist":
         raise UsageError(f"Dataset file '{path}' does not exist.", file=str(path))
     if problem is not None:

@@ -103,7 +103,8 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
         scaled = plan_at(calls, batch, model.index_bits, model.profile, model.mac)
         if plan_signature(scaled) != plan_signature(trace_at(batch)):
-            return _capped(bisect_clean(trace_at, ceiling, f"the scaled calls differ from the trace at batch {batch}"))
+            why = f"the scaled calls differ from the trace at batch {batch}"
+            return _capped(bisect_clean(trace_at, ceiling, why))
         basis += f"; the scaling agrees with the trace at batch {batch}"
     found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, ceiling, model.profile, model.mac)
     if batch == 1 or found < 2:

@@ -87,7 +87,8 @@ def _check_local_source(path: Path, source: str) -> None:
     that looks like a path must exist. A hub id (nothing of that name here) passes."""
     problem = name_problem(path) if _looks_like_path(source) or len(source) > NAME_MAX else None
     if problem is not None:
-        raise UsageError(f"Model '{shown_path(source)}' {problem}; pass a model folder, a config.json or a hub id.")
+        raise UsageError(f"Model '{shown_path(source)}' {problem}; pass a model folder, a config.json or a hub "
+                         "id.")
     if path.is_dir():
         problem = path_problem(path / "config.json", MAX_CONFIG_BYTES, "a config")
         if problem == "does not exist":

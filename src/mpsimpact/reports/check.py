@@ -137,7 +137,9 @@ def at_least(search: dict[str, Any]) -> str:
 
 def stopped(search: dict[str, Any]) -> str:
     """Where a search that reached its own ceiling stopped, said before its basis."""
-    return f"every size up to {search['high']:,} is clean; the search stops there: " if search.get("at_least") else ""
+    if not search.get("at_least"):
+        return ""
+    return f"every size up to {search['high']:,} is clean; the search stops there: "
 
 
 def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = ()) -> str:

@@ -55,7 +55,8 @@ def installed_head_folder() -> Path:
     return head_files(None)[0].parent
 
 
-def train_head(out_dir: Path | None = None, *, limit: int | None = None, steps: Steps | None = None) -> dict[str, Any]:
+def train_head(out_dir: Path | None = None, *, limit: int | None = None,
+               steps: Steps | None = None) -> dict[str, Any]:
     """Fits the head, writes `sentiment_head.npz` and `.json` (atomically); returns the metadata.
 
     Args:
@@ -77,7 +78,8 @@ def train_head(out_dir: Path | None = None, *, limit: int | None = None, steps: 
     loaded = steps("Loading all-MiniLM-L6-v2", 1)
     model = load_embedded_classifier(with_head=False)
     loaded(1)
-    advance = steps(f"Embedding {len(train):,} training and {len(heldout):,} held-out texts", len(train) + len(heldout))
+    advance = steps(f"Embedding {len(train):,} training and {len(heldout):,} held-out texts",
+                    len(train) + len(heldout))
     x_train, x_test = embed_texts(model, train, advance), embed_texts(model, heldout, advance)
     fitted = steps("Fitting the logistic regression", 1)
     fit, accuracy = fit_head(x_train, train, x_test, heldout)
@@ -90,7 +92,8 @@ def train_head(out_dir: Path | None = None, *, limit: int | None = None, steps: 
     return metadata
 
 
-def fit_head(x_train: np.ndarray, train: LabelledTexts, x_test: np.ndarray, heldout: LabelledTexts) -> tuple[Any, float]:
+def fit_head(x_train: np.ndarray, train: LabelledTexts, x_test: np.ndarray,
+             heldout: LabelledTexts) -> tuple[Any, float]:
     """The logistic regression (C, SEED) on the training embeddings, and its held-out accuracy."""
     from sklearn.linear_model import LogisticRegression
 

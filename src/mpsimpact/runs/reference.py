@@ -144,7 +144,8 @@ def cached_reference(key: str, rows: int | None = None, shape: tuple[int, ...] |
     path = entry_path(key)
     if not os.path.lexists(path):
         return None
-    problem = target_problem(path)  # a folder, a FIFO, a link: never read, never replaced (Note [Only regular files])
+    # a folder, a FIFO, a link: never read, never replaced (Note [Only regular files])
+    problem = target_problem(path)
     if problem is not None:
         problem, it = ("is a folder, not a file", "the folder") if path.is_dir() else (problem, "it")
         warn(f"the cached reference '{path}' {problem}; computing the reference without the cache (remove {it} to "
