@@ -513,3 +513,19 @@ def test_a_value_holding_a_newline_still_makes_one_line():
     result, stderr = invoke(["run", "senti\nment"])
     assert one_line(result, stderr) == ("error: Unknown scenario 'senti\\nment'. Did you mean 'sentiment'? "
                                         "Available: finetune, retrieval, sentiment.\n")
+
+
+def test_a_real_device_node_is_neither_written_over_nor_taken_for_a_folder(monkeypatch):
+    try:
+        os.mknod("null", stat.S_IFCHR | 0o644, os.makedev(1, 3))  # /dev/null's numbers
+    except PermissionError:
+        pytest.skip("making a device node needs root (the link to /dev/null cases run everywhere)")
+    result, stderr = invoke(["plan", "sentiment", "--sweep", "--figure", "null"])
+    assert "--figure 'null' is a character device, not a regular file" in one_line(result, stderr)
+    assert stat.S_ISCHR(os.lstat("null").st_mode)
+    from mpsimpact.models.classifier import embedded_model_path
+
+    monkeypatch.setenv("MPSIMPACT_EMBEDDED_MODEL", "null")
+    with pytest.raises(EnvironmentVariableError, match="MPSIMPACT_EMBEDDED_MODEL='null' is a character device, "
+                                                       "not a folder"):
+        embedded_model_path()

@@ -20,8 +20,8 @@ from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
 from mpsimpact.models.dataset import LABELS
-from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_problem, parse_json, path_problem
-from mpsimpact.bounds import read_file_bytes, shown_path
+from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, kind_of, name_problem, parse_json
+from mpsimpact.bounds import path_problem, read_file_bytes, shown_path
 from mpsimpact.errors import EnvironmentVariableError, ModelLoadError
 from mpsimpact.variables import EMBEDDED_MODEL as EMBEDDED_MODEL_VARIABLE, embedded_model_folder
 
@@ -89,7 +89,7 @@ def model_folder_problem(folder: Path) -> str | None:
     in bounds); no weights (WEIGHT_FILES). Only the folder's own entries are looked at, not its subfolders'."""
     problem = name_problem(folder)
     if problem is not None or not folder.is_dir():
-        return problem or path_problem(folder) or "is a file, not a folder"
+        return problem or _not_a_folder(folder)
     problem = _config_problem(folder / "config.json")
     if problem is not None:
         return problem
@@ -100,6 +100,13 @@ def model_folder_problem(folder: Path) -> str | None:
     if not any(os.path.lexists(folder / name) for name in WEIGHT_FILES):
         return f"has no weights ({' or '.join(WEIGHT_FILES[::2])})"
     return None
+
+
+def _not_a_folder(path: Path) -> str:
+    try:
+        return f"is {kind_of(os.stat(path).st_mode)}, not a folder"
+    except OSError:
+        return path_problem(path) or "is not a folder"
 
 
 def _config_problem(config: Path) -> str | None:
