@@ -529,3 +529,14 @@ def test_a_real_device_node_is_neither_written_over_nor_taken_for_a_folder(monke
     with pytest.raises(EnvironmentVariableError, match="MPSIMPACT_EMBEDDED_MODEL='null' is a character device, "
                                                        "not a folder"):
         embedded_model_path()
+
+
+def test_a_release_named_like_a_folder_here_is_still_a_release_and_a_fifo_named_like_one_is_refused():
+    from mpsimpact.engine.profile_file import ProfileFileError
+    from mpsimpact.engine.release import resolve_profile
+
+    Path("2.13.0").mkdir()  # an output folder named after the release it ran (test_console_width does so)
+    assert resolve_profile("2.13.0").release == "2.13.0"
+    os.mkfifo("p")
+    with pytest.raises(ProfileFileError, match="is a FIFO"):
+        resolve_profile("p")

@@ -488,8 +488,10 @@ def profile_from_json(data: Any, origin: str | Path) -> FaultProfile:
 
 
 def is_profile_path(text: str) -> bool:
-    """Whether a --torch-profile value names a profile file rather than a release."""
-    return text.endswith(".json") or "/" in text or os.sep in text or os.path.lexists(text)
+    """Whether a --torch-profile value names a profile file rather than a release: a .json name, a path, or
+    anything but a folder of that name here (a FIFO named 'p' is refused as one, not taken for a release)."""
+    return (text.endswith(".json") or "/" in text or os.sep in text
+            or (os.path.lexists(text) and not os.path.isdir(text)))
 
 
 def resolve_profile(profile: str | FaultProfile | None) -> FaultProfile:
