@@ -168,9 +168,10 @@ def test_help_cuts_nothing_at_80_columns(command):  # a default Mac terminal
     assert result.exit_code == 0 and "…" not in result.output, result.output
 
 
-def test_help_says_train_heads_default_folder_overwrites_the_installed_head():
-    row = help_rows("train-head")["--out"]
-    assert "[default: (the installed package's data folder: overwrites the installed head)]" in row
+def test_help_says_train_heads_default_folder_and_that_replacing_the_installed_head_takes_install():
+    rows = help_rows("train-head")
+    assert "[default: (outputs/train-head-<time>/)]" in rows["--out"]  # never the installed package (#47)
+    assert "Replace the installed package's head" in rows["--install"]
 
 
 def test_help_describes_the_scenarios_defaults_where_the_config_has_none():

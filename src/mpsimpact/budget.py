@@ -3,9 +3,9 @@ piece of mps_safe_eager or of the guard's SDPA split may hold at once. See Note 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from mpsimpact.variables import ATTENTION_BUDGET as ENV, attention_budget
 
 # Note [Attention memory budget]
 # mps_safe_eager and the guard's SDPA split cut attention into pieces below MPS's index limits
@@ -21,7 +21,6 @@ import torch
 # the piece's queries (G*r x D, a copy) and, with key blocks, the float32 accumulator (G*r x Dv), both
 # small against the scores at real sizes; nor the caller's output tensor and inputs.
 
-ENV = "MPSIMPACT_ATTENTION_BUDGET"
 CPU_DEFAULT = 256 * 2**20
 DEVICE_CAP = 2**30
 SCORE_BYTES_FP32 = 4  # the softmax runs in float32 (transformers' eager_attention_forward)
@@ -41,26 +40,11 @@ def set_memory_budget(n_bytes: int | None) -> None:
     _budget = n_bytes
 
 
-def _from_env() -> int | None:
-    text = os.environ.get(ENV, "").strip().upper()
-    if not text:
-        return None
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
-    number = text[:-1] if text[-1] in "KMG" else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a byte count; use e.g. 268435456 or 256M.") from None
-    if value < 1:
-        raise ValueError(f"{ENV} must be >= 1 byte, got {os.environ[ENV]!r}.")
-    return value
-
-
 def memory_budget(device: torch.device | str | None = None) -> int | None:
     """Bytes of transient scores one piece may hold on `device`; None means unbounded (meta tensors)."""
     if _budget is not None:
         return _budget
-    env = _from_env()
+    env = attention_budget()
     if env is not None:
         return env
     kind = torch.device(device).type if device is not None else "cpu"
@@ -94,7 +78,7 @@ def target_budget(device: str = "mps") -> int:
     setting or the environment variable, the device's own figure where it is this machine's, else the
     GPU default's cap (what a Mac with 4 GiB or more free gets)."""
     found = memory_budget(device)
-    if _budget is not None or _from_env() is not None:
+    if _budget is not None or attention_budget() is not None:
         return found
     here = device == "mps" and torch.backends.mps.is_available() or device == "cuda" and torch.cuda.is_available()
     return found if here and found is not None else DEVICE_CAP

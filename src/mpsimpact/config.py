@@ -4,6 +4,7 @@ the same way, before anything is loaded. Options several commands share are defi
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ class Check:
     choices: tuple[str, ...] | None = None
     hint: str = ""
     parse: Callable[[Any], Any] | None = None  # raises ValueError on a bad value
+    ceiling: float | None = None  # past any real value (INT_MAX texts): said only to a value above it
 
     def __call__(self, value: Any) -> None:
         if value is None:
@@ -46,18 +48,37 @@ class Check:
                                      option=self.flag)
             return
         if not self._in_range(value):
-            raise UsageError(f"{self.flag} must be {self._expected()}{self.hint}, got {value}.",
+            finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+            raise UsageError(f"{self.flag} must be {finite}{self._expected()}{self.hint}, got {_shown(value)}.",
+                             option=self.flag)
+        if self.ceiling is not None and value > self.ceiling:
+            raise UsageError(f"{self.flag} must be <= {_number(self.ceiling)}{self.hint}, got {_shown(value)}.",
                              option=self.flag)
 
     def _in_range(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # nan compares false, inf passes an open bound: neither is a setting
         if self.inclusive:
             return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
         return (self.low is None or value > self.low) and (self.high is None or value < self.high)
 
     def _expected(self) -> str:
+        low, high = _number(self.low), _number(self.high)
         if self.high is None:
-            return f"{'>=' if self.inclusive else '>'} {self.low:g}"
-        return f"in {self.low:g}..{self.high:g}" if self.inclusive else f"in ({self.low:g}, {self.high:g})"
+            return f"{'>=' if self.inclusive else '>'} {low}"
+        return f"in {low}..{high}" if self.inclusive else f"in ({low}, {high})"
+
+
+def _number(value: float | None) -> str:
+    """A bound as the messages write it: 32, 0.001, 2,147,483,647 (not 2.14748e+09)."""
+    if isinstance(value, int) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return f"{value:g}" if value is not None else ""
+
+
+def _shown(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}…{text[-8:]} ({len(text):,} characters)"
 
 
 def option(default: Any, check: Check) -> Any:
@@ -82,8 +103,14 @@ class Validated:
         validate(self)
 
 
-BATCH_SIZE = Check("--batch-size", low=1)
-MAX_LENGTH = Check("--max-length", low=1)
+# Counts (texts, tokens) stop at INT_MAX: past it no run, trace or disk could hold one text's activations, and the
+# numbers stay within what torch's shapes and int64 products take. A seed is what torch.manual_seed takes.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**64 - 1
+MAX_STEPS = 1000  # optimiser steps on one oversized batch (the demo takes 1; each is a full pass)
+SEED = Check("--seed", low=0, ceiling=MAX_SEED, hint=" (what torch.manual_seed takes)")
+BATCH_SIZE = Check("--batch-size", low=1, ceiling=MAX_COUNT)
+MAX_LENGTH = Check("--max-length", low=1, ceiling=MAX_COUNT)
 INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} is MPS)")
 DEVICE = Check("--device", choices=DEVICES)
 
@@ -132,25 +159,31 @@ class RunConfig(Validated):
 
     scenario: str = "sentiment"
     batch_size: int | None = option(None, BATCH_SIZE)
-    steps: int = option(1, Check("--steps", low=1))
+    steps: int = option(1, Check("--steps", low=1, ceiling=MAX_STEPS))
     lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
     max_length: int | None = option(None, MAX_LENGTH)
     device: str = option("auto", DEVICE)
     emulate: bool | None = None
     guard: str = option("all", Check("--guard", choices=(*GUARDS, "all")))
     out: str | None = None
-    seed: int = 0
+    seed: int = option(0, SEED)
     expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
     model: str | None = None
     dataset: str | None = None
     threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False))
     reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
-    run_length: int | None = option(None, Check("--run-length", low=1))
+    run_length: int | None = option(None, Check("--run-length", low=1, ceiling=MAX_COUNT))
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
     memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded: each field, then --run-length
+        against --max-length."""
+        validate(self)
+        check_run_length(self.run_length, self.max_length)
 
     @property
     def corruption_threshold(self) -> float:
@@ -172,6 +205,15 @@ class RunConfig(Validated):
         0.5 KiB measured; TEXT_BYTES). A batch size left to the scenario counts as the largest default."""
         conditions = len(self.guards) * len(self.attentions)
         return REPORT_BYTES + (self.batch_size or DEFAULT_BATCH_CEILING) * conditions * TEXT_BYTES
+
+
+def check_run_length(run_length: int | None, max_length: int | None) -> None:
+    """Raises UsageError when --run-length passes the length asked (--max-length, or the scenario's default):
+    the device passes would run longer texts than the plan they are checked against; nothing is clamped."""
+    if run_length is not None and max_length is not None and run_length > max_length:
+        raise UsageError(f"--run-length {run_length:,} is more than the length asked ({max_length:,}, "
+                         f"--max-length or the scenario's); give at most {max_length:,}: the device passes run at "
+                         "--run-length, the plan at --max-length.", option="--run-length")
 
 
 # What a run's report folder holds at most (RunConfig.written_bytes): 0.16 MB for 16 texts, measured.
@@ -208,7 +250,13 @@ NEWER = "unmeasured newer"  # the releases after the newest measured one, as tab
 EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"  # the embedded default model, as reports name it
 # Searched up to here when the config states no position limit (relative positions, e.g. T5).
 LENGTH_CEILING = 1 << 20
-BATCH_CEILING = 1 << 24
+BATCH_CEILING = 1 << 24  # the largest safe batch is searched up to here, or up to the batch asked if larger
+
+
+def batch_ceiling(batch: int) -> int:
+    """Where the largest-safe-batch search of `plan` and `check` stops: BATCH_CEILING, or the batch asked when
+    that is larger. An answer at the ceiling is a lower bound, and the reports say "at least"."""
+    return max(BATCH_CEILING, batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +265,8 @@ class CheckConfig(Validated):
 
     model: str
     batch_size: int = option(1, BATCH_SIZE)
-    seq_len: int | None = option(None, Check("--seq-len", low=1))
-    target_len: int | None = option(None, Check("--target-len", low=1))
+    seq_len: int | None = option(None, Check("--seq-len", low=1, ceiling=MAX_COUNT))
+    target_len: int | None = option(None, Check("--target-len", low=1, ceiling=MAX_COUNT))
     task: str = option("auto", Check("--task", choices=("auto", *CHECK_TASKS)))
     attention: str = option("default", Check("--attention", choices=CHECK_ATTENTIONS))
     phase: str = option("inference", Check("--phase", choices=PHASES))
@@ -227,6 +275,22 @@ class CheckConfig(Validated):
     cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
     out: str | None = None
     memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): its largest buffer decides too
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainHeadConfig(Validated):
+    """What `mpsimpact train-head` was asked: a folder to write the head to (a new one by default), or
+    `install`: replace the installed package's head, which only an explicit --install does."""
+
+    out: str | None = None
+    limit: int | None = option(None, Check("--limit", low=1, ceiling=MAX_COUNT))
+    install: bool = False
+
+    def validate(self) -> None:
+        validate(self)
+        if self.install and self.out is not None:
+            raise UsageError("--install replaces the installed head in place; it takes no --out. Pass one of "
+                             "them.", option="--install")
 
 
 # `sweep --dtypes` and `--layouts`: the keys of runs.sweep.DTYPES and its LAYOUTS.

@@ -21,6 +21,16 @@ class UsageError(MpsImpactError):
     """Bad user input: a flag value, a scenario name, a missing file."""
 
 
+class EnvironmentVariableError(UsageError, ValueError):
+    """An environment variable mpsimpact reads holds a value it cannot use: one line naming the variable, its
+    value (cut past 80 characters), what is wrong and what is accepted. A ValueError too, as a bad value is."""
+
+    def __init__(self, variable: str, value: str, problem: str, accepted: str) -> None:
+        shown = value if len(value) <= 80 else f"{value[:60]}… ({len(value):,} characters)"
+        super().__init__(f"{variable}={shown!r} {problem}; {accepted}, or unset it.", variable=variable,
+                         value=value[:200])
+
+
 class DeviceError(MpsImpactError):
     """A requested device is missing or cannot hold the run."""
 

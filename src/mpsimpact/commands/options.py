@@ -70,6 +70,16 @@ def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> 
         print_tables()
 
 
+def check_environment() -> None:
+    """Every environment variable mpsimpact reads (variables.py, and the cache's: engine.release.cache_root),
+    checked before a command does any work: a bad one is one line naming it, its value and what is accepted."""
+    from mpsimpact.engine.release import cache_root
+    from mpsimpact.variables import check_variables
+
+    check_variables()
+    cache_root()
+
+
 def config_from(config: type, **given: Any) -> Any:
     """The command's config from its options, by keyword; an option not given (None) keeps the config's
     default. Validated here, and its scenario's name checked, before the command imports torch or anything

@@ -60,50 +60,19 @@ def main(
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
         steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory,
     )
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from mpsimpact.output.files import claimed_out_dir
+    from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.kinds import kind_of
     from mpsimpact.runs.runner import run_scenario
 
     with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
-        console = Console(stderr=True)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-            advance = _rich_progress(progress) if console.is_terminal else _log_progress(console)
-            report, arrays = run_scenario(run_config, advance)
+        with progress_steps() as steps:
+            report, arrays = run_scenario(run_config, steps)
         kind = kind_of(report)
         write_run_folder(folder, report, arrays, kind)
     _print_summary(report, folder, kind, verbose)
     _check_expectation(report, expect, kind)
-
-
-def _log_progress(console: Any) -> Any:
-    """Progress for a log (CI, nohup, a pipe): a line when a step starts, at each quarter and at its end."""
-    import time
-
-    def make(description: str, total: int):
-        done, marks, start = [0], {max(1, total * q // 4) for q in (1, 2, 3, 4)}, time.perf_counter()
-        console.print(f"{description}: started ({total} steps)", soft_wrap=True)
-
-        def advance(n: int) -> None:
-            before, done[0] = done[0], done[0] + n
-            if any(before < mark <= done[0] for mark in marks):
-                console.print(f"{description}: {done[0]}/{total} ({time.perf_counter() - start:.0f} s)", soft_wrap=True)
-
-        return advance
-
-    return make
-
-
-def _rich_progress(progress: Any) -> Any:
-    def make(description: str, total: int):
-        task = progress.add_task(description, total=total)
-        return lambda n: progress.advance(task, n)
-
-    return make
 
 
 def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) -> None:

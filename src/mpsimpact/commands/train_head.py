@@ -1,25 +1,39 @@
-"""`mpsimpact train-head`: the embedded classifier's head retrained reproducibly."""
+"""`mpsimpact train-head`: the embedded classifier's head retrained reproducibly, into a folder of its own;
+replacing the installed head takes --install."""
 
 import typer
 
 from mpsimpact.commands import options
 
 
+def config() -> type:
+    from mpsimpact.config import TrainHeadConfig
+    return TrainHeadConfig
+
+
 def main(
-    out: str | None = options.out("Write sentiment_head.npz/.json",
-                                  "the installed package's data folder: overwrites the installed head",
-                                  fresh=False),
+    out: str | None = options.out("Write sentiment_head.npz/.json", "outputs/train-head-<time>/"),
     limit: int | None = options.option(
         "--limit", "Use only the first N texts of each split (quick checks).", "every text"),
+    install: bool = typer.Option(False, "--install", help="Replace the installed package's head with the new one "
+                                 "(its data folder) instead of writing a folder. Off unless given."),
 ) -> None:
     """Retrain the embedded classifier's head reproducibly (logistic regression on MiniLM embeddings)."""
-    from pathlib import Path
+    head_config = options.config_from(config(), out=out, limit=limit, install=install)
+    from mpsimpact.output.files import claimed_out_dir, folder_written_atomically
+    from mpsimpact.output.progress import progress_steps
+    from mpsimpact.runs.head import installed_head_folder, train_head
 
-    from mpsimpact.errors import UsageError
-    from mpsimpact.runs.head import train_head
-
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {limit}.")
-    metadata = train_head(Path(out) if out else None, limit=limit)
+    if install:
+        with progress_steps() as steps:
+            metadata = train_head(None, limit=limit, steps=steps)
+        where = f"Replaced the installed head in {installed_head_folder()}/"
+    else:
+        with claimed_out_dir(head_config.out, "train-head") as folder:
+            with folder_written_atomically(folder) as partial, progress_steps() as steps:
+                metadata = train_head(partial, limit=limit, steps=steps)
+        where = (f"Written to {folder}/ (sentiment_head.npz, sentiment_head.json); the installed head is "
+                 "unchanged (--install replaces it)")
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts "
                f"(trained on {metadata['train_texts']})")
+    typer.echo(where)

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import FileProblemError, parse_json, read_file_bytes, shown_path
 from mpsimpact.errors import UsageError
-
-
 
 PROFILE_KIND = "mpsimpact-fault-profile"
 PROFILE_SCHEMA = 1
@@ -26,6 +25,9 @@ BMM_CHOICES = {"output_rule": ("strides-ignored", "fp32-wrong", "correct"),
 FAMILY_CODES = ("ok", "abort", "error", "wrong", "wrap", "unmeasured", "sum-64-bit", "masked-fill-numel",
                 "int32-kernel", "int32-offsets")
 _RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
+# Bounds on a profile.json: a sweep writes about 11 kB and a few notes of a few hundred characters.
+MAX_PROFILE_BYTES = 1 << 20
+MAX_NOTES, MAX_NOTE_CHARS = 100, 2000
 
 
 class ProfileFileError(UsageError, ValueError):
@@ -44,7 +46,7 @@ class _Reader:
         self.path, self.data = path, data
 
     def bad(self, field: str, expected: str, got: Any) -> ProfileFileError:
-        message = (f"Profile '{self.path}': '{field}' must be {expected}, got {json.dumps(got)}; derive it "
+        message = (f"Profile '{self.path}': '{field}' must be {expected}, got {_shown(got)}; derive it "
                    "again with `mpsimpact sweep`, or correct that field.")
         return ProfileFileError(message, self.path, field)
 
@@ -58,28 +60,35 @@ class _Reader:
         return value
 
 
+def _shown(value: Any, room: int = 80) -> str:
+    """A field's value as JSON, cut past `room` characters (a list of 10,000 notes in one line)."""
+    text = json.dumps(value)
+    return text if len(text) <= room else f"{text[:room]}… ({len(text):,} characters)"
+
+
 def _is_str(value: Any) -> bool:
     return isinstance(value, str)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
 def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
-    """The FaultProfile fields a profile.json holds (`families`: the family names a file may use).
+    """The FaultProfile fields a profile.json holds (`families`: the family names a file may use); the file
+    is read only when it is a regular file of at most MAX_PROFILE_BYTES (see Note [Only regular files]).
 
     Raises:
         ProfileFileError: unreadable, not a profile, a newer schema, or a field of the wrong type or value.
     """
     try:
-        # No NaN or Infinity in a profile; a file nested past Python's own limit is refused in one line too (the
-        # engine imports nothing outside itself, so not bounds.parse_json).
-        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise ProfileFileError(f"Cannot read the profile '{path}': nested too deep; pass a profile.json written by "
+        text = read_file_bytes(path, MAX_PROFILE_BYTES, "a profile").decode("utf-8")
+    except FileProblemError as error:
+        raise ProfileFileError(f"Profile '{shown_path(path)}' {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except UnicodeDecodeError as error:
+        raise ProfileFileError(f"Cannot read the profile '{path}': not UTF-8 ({error.reason} at byte "
+                               f"{error.start}); pass a profile.json written by `mpsimpact sweep`.",
+                               path) from None
+    try:
+        data = parse_json(text)  # no NaN or Infinity in a profile, nor nesting past MAX_JSON_DEPTH
+    except ValueError as error:
         raise ProfileFileError(f"Cannot read the profile '{path}': {error}; pass a profile.json written by "
                                "`mpsimpact sweep`.", path) from None
     return profile_fields(data, path, families)
@@ -105,14 +114,19 @@ def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str,
     unmeasured = tuple(a for a in ASPECTS if rules[a] is None or rules[a] == [])
     read.get("unmeasured", lambda v: v == list(unmeasured),
              f"{json.dumps(list(unmeasured))} (its null rules)")
-    notes = read.get("notes", lambda v: v is None or (isinstance(v, list) and all(map(_is_str, v))),
-                     "a list of texts")
+    notes = read.get("notes", _are_notes, f"a list of at most {MAX_NOTES} texts of at most {MAX_NOTE_CHARS:,} "
+                     "characters each")
     on_mac = measured_on.get("device") == "mps" and not emulated
     return fields | {
         "release": release, "group": release, "measured": on_mac, "source": str(path),
         "measured_on": describe_measurement(measured_on), "unmeasured": unmeasured,
         "notes": tuple(notes or ()),
     }
+
+
+def _are_notes(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and len(value) <= MAX_NOTES
+                             and all(_is_str(note) and len(note) <= MAX_NOTE_CHARS for note in value))
 
 
 def _bmm_fields(read: _Reader) -> dict[str, Any]:

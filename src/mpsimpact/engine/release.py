@@ -15,13 +15,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from mpsimpact.bounds import kind_problem, name_problem, path_problem, shown_path
 from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
-from mpsimpact.errors import UsageError
+from mpsimpact.errors import EnvironmentVariableError, UsageError
 
 # What every console line, report and figure says when no Apple GPU was used.
 MEASURED_RELEASES = ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0",
                      "2.14.0")
 CONSERVATIVE = "conservative"
+CACHE_VARIABLE = "MPSIMPACT_CACHE"  # the cache folder (`cache_root`)
 STUDY = "study"  # the source of the profiles encoded here; a profile read from a file names that file
 
 INT_MAX_MESSAGE = "MPSGraph does not support tensor dims larger than INT_MAX"
@@ -330,18 +332,33 @@ def _family_column(version: tuple[int, int, int]) -> tuple[tuple[str, str, str],
 
 
 def cache_root() -> Path:
-    """The mpsimpact cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact, else
-    ~/.cache/mpsimpact. Everything kept between runs lives under it: profiles in its `profiles/`, references
-    in its `reference/`, transformers environments in its `envs/`, datasets in its `datasets/`."""
+    """The mpsimpact cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact (an absolute path: the XDG
+    specification says a relative one is ignored), else ~/.cache/mpsimpact. Everything kept between runs lives
+    under it: profiles in its `profiles/`, references in its `reference/`, transformers environments in its
+    `envs/`, datasets in its `datasets/`. What is found there is checked by whoever reads it.
+
+    Raises:
+        EnvironmentVariableError: the variable that names it gives a name this system cannot take.
+    """
     environ = os.environ
-    return _cache_root(environ.get("MPSIMPACT_CACHE"), environ.get("XDG_CACHE_HOME"), environ.get("HOME"))
+    return _cache_root(environ.get(CACHE_VARIABLE), environ.get("XDG_CACHE_HOME"), environ.get("HOME"))
 
 
 @functools.lru_cache(maxsize=16)
 def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
-    if root:
-        return Path(root)
-    return Path(xdg or Path.home() / ".cache") / "mpsimpact"
+    if root and root.strip():
+        return _checked_root(CACHE_VARIABLE, root, Path(root))
+    if xdg and os.path.isabs(xdg):
+        return _checked_root("XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact")
+    return _checked_root("HOME", home or "", Path.home() / ".cache" / "mpsimpact")
+
+
+def _checked_root(variable: str, value: str, root: Path) -> Path:
+    problem = name_problem(root)
+    if problem is not None:
+        raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}",
+                                       "point it at a shorter path")
+    return root
 
 
 def cached_profile_path(release: str) -> Path:
@@ -365,12 +382,12 @@ def installed_profile() -> FaultProfile:
     parsed = parse_version(torch.__version__)
     cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
     path = str(cached) if cached is not None else None
-    if path is None or not os.path.isfile(path):  # no exception raised for the usual case: no file
+    if path is None or not os.path.lexists(path):  # no exception raised for the usual case: no file
         return profile_for(torch.__version__)
     try:
         stat = os.stat(path)
-    except OSError:
-        return profile_for(torch.__version__)
+    except OSError:  # a dangling link, a path too long: said in one line
+        return load_profile(cached)
     key = (path, stat.st_mtime_ns, stat.st_size)
     if _LOADED.get("key") != key:  # every guard asks: the file read again only when it changed
         _LOADED.update(key=key, profile=load_profile(cached))
@@ -440,11 +457,18 @@ def load_profile(path: str | Path) -> FaultProfile:
         ProfileFileError: the file is missing, unreadable or malformed; one line naming the file and field.
     """
     path = Path(path).expanduser().absolute()
+    problem = name_problem(path)
     try:
-        stat = path.stat()
+        stat = None if problem else path.stat()
     except OSError as error:
-        raise ProfileFileError(f"Cannot read the profile '{path}': {error.strerror}; pass a profile.json "
-                               "written by `mpsimpact sweep`.", path) from None
+        problem = path_problem(path) if path.is_symlink() else None  # dangling, or looping
+        if problem is None:
+            raise ProfileFileError(f"Cannot read the profile '{path}': {error.strerror}; pass a profile.json "
+                                   "written by `mpsimpact sweep`.", path) from None
+    problem = problem or kind_problem(stat.st_mode)  # a FIFO is never opened: see Note [Only regular files]
+    if problem is not None:
+        raise ProfileFileError(f"Profile '{shown_path(path)}' {problem}; pass a profile.json written by "
+                               "`mpsimpact sweep`.", path)
     return _load_profile(path, stat.st_mtime_ns, stat.st_size)
 
 
@@ -464,8 +488,10 @@ def profile_from_json(data: Any, origin: str | Path) -> FaultProfile:
 
 
 def is_profile_path(text: str) -> bool:
-    """Whether a --torch-profile value names a profile file rather than a release."""
-    return text.endswith(".json") or "/" in text or os.sep in text or Path(text).is_file()
+    """Whether a --torch-profile value names a profile file rather than a release: a .json name, a path, or
+    anything but a folder of that name here (a FIFO named 'p' is refused as one, not taken for a release)."""
+    return (text.endswith(".json") or "/" in text or os.sep in text
+            or (os.path.lexists(text) and not os.path.isdir(text)))
 
 
 def resolve_profile(profile: str | FaultProfile | None) -> FaultProfile:

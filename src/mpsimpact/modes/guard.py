@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import math
 import operator
-import os
 import threading
 import traceback
 import warnings
@@ -45,8 +44,8 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Prof
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
+from mpsimpact.variables import GUARD_MODES, guard_mode
 
-GUARD_MODES = ("raise", "warn", "chunk")
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
 # can meet a rule; einsum, tensordot and bilinear are always decomposed.
 _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
@@ -728,7 +727,7 @@ def install_thread_guard(mode: str | None = None, **options: Any) -> GuardMode |
     Returns:
         The installed mode, or None for "off".
     """
-    mode = mode or os.environ.get("MPSIMPACT_GUARD", "raise")
+    mode = mode or guard_mode() or "raise"
     if mode == "off":
         return None
     mode_obj = GuardMode(mode, **options)

@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from mpsimpact.bounds import kind_of, name_problem, shown_path
 from mpsimpact.errors import DiskFullError, UsageError
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
@@ -43,19 +45,52 @@ def is_process_alive(pid: int) -> bool:
     return True
 
 
+def target_problem(path: str | Path) -> str | None:
+    """What keeps a file from being written at `path`, as a predicate, or None: a name the system cannot take,
+    or anything there but a regular file (a folder, a FIFO, a socket, a device node, a symbolic link, dangling
+    or not). Opens nothing; see Note [Only regular files] in bounds."""
+    problem = name_problem(path)
+    if problem is not None:
+        return problem
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # nothing there (creating it may fail, as its own error)
+    except OSError as error:
+        return f"cannot be looked at ({error.strerror})"
+    if stat.S_ISLNK(mode):
+        return f"is a symbolic link (to '{shown_path(os.readlink(path), 60)}'), not a regular file"
+    return None if stat.S_ISREG(mode) else f"is {kind_of(mode)}, not a regular file"
+
+
+def refuse_target(path: str | Path, flag: str = "") -> None:
+    """Raises UsageError unless a file may be written at `path` (`target_problem`): a new name or a regular
+    file. `flag` names the option it came from ("--figure"), if any."""
+    problem = target_problem(path)
+    if problem is not None:
+        named = f"{flag} '{shown_path(path)}'" if flag else f"'{shown_path(path)}'"
+        raise UsageError(f"{named} {problem}; mpsimpact writes a file only where there is none or over a regular "
+                         "file, so it was left as it is: move it away or write elsewhere.", option=flag or None,
+                         path=str(path))
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` through a temporary file and a rename: never half-written. The temporary
+    """Writes `data` to `path` through a temporary file beside it and a rename: never half-written, and never
+    over anything but a regular file (`refuse_target`, checked again just before the rename). The temporary
     file carries this process's id, so `remove_dead_partials` can tell a killed writer's leftovers."""
     path = Path(path)
+    refuse_target(path)
     with disk_full_said(path, len(data)):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".partial")
+        # The name's head only: a name near the file system's limit leaves no room for the suffixes.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.{os.getpid()}.", suffix=".partial")
         try:
             os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are meant to be shared
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
+            refuse_target(path)  # something put there while we wrote stays too
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -103,18 +138,23 @@ def remove_dead_partials(folder: Path) -> int:
 
 
 def check_out_file(path: str | Path, flag: str) -> Path:
-    """A file we will write later (e.g. `--figure`), checked before any work: its folder exists and is
-    writable, and it is not a folder. Creates nothing."""
+    """A file we will write later (e.g. `--figure`), checked before any work: a name the system takes, its
+    folder exists and is writable, and nothing is there but a regular file (`target_problem`). Creates
+    nothing."""
     file = Path(path)
     if not str(path).strip():
         raise UsageError(f"{flag} must name a file, got ''.", option=flag)
-    if file.is_dir():
+    problem = name_problem(file)
+    if problem is not None:
+        raise UsageError(f"{flag} '{shown_path(file)}' {problem}; pass a shorter path.", option=flag)
+    if file.is_dir() and not file.is_symlink():
         raise UsageError(f"{flag} '{file}' is a folder; pass a file name.", option=flag)
     folder = file.parent
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise UsageError(f"{flag} '{file}': '{folder}' {what}; create the folder first or pass another path.",
                          option=flag)
+    refuse_target(file, flag)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} '{file}': cannot write in '{folder}' (permission denied); pass another path.",
                          option=flag)
@@ -125,6 +165,7 @@ def check_out_file(path: str | Path, flag: str) -> Path:
 def check_out_dir(folder: Path, flag: str = "--out", needed: int = MIN_FREE_BYTES) -> None:
     """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with `needed`
     bytes free on its disk: checked before any work, so a run never computes for a folder it cannot write."""
+    refuse_folder_name(folder, flag)
     if folder.is_dir() and not folder.is_symlink():
         entries = os.listdir(folder)
         if CLAIM_MARKER in entries:
@@ -140,19 +181,35 @@ def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES)
     existing parent is a writable folder; not a symbolic link), on a disk with `needed` bytes free. Creates
     nothing."""
     folder = Path(folder)
+    refuse_folder_name(folder, flag)
     if folder.is_symlink():
         raise UsageError(f"{flag} '{folder}' is a symbolic link; pass the folder it points to, or another {flag} "
                          "(mpsimpact never writes through a link).", option=flag)
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{flag} '{folder}' is a file, not a folder; pass another {flag}.", option=flag)
+        raise UsageError(f"{flag} '{folder}' is {kind_of(os.stat(folder).st_mode)}, not a folder; pass another "
+                         f"{flag}.", option=flag)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
-        raise UsageError(f"{flag} '{folder}': '{existing}' is a file, not a folder; pass another {flag}.",
-                         option=flag)
+        raise UsageError(f"{flag} '{folder}': '{existing}' is {kind_of(os.stat(existing).st_mode)}, not a folder; "
+                         f"pass another {flag}.", option=flag)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} '{folder}': cannot write in '{existing}' (permission denied); pass another {flag}.",
                          option=flag)
     check_free_space(existing, needed, f"{flag} '{folder}'", flag)
+
+
+def refuse_folder_name(folder: Path, flag: str) -> None:
+    """Raises UsageError when `folder`, or the hidden partial folder written beside it first, has a name the
+    system cannot take (too long a name or path): said before any work, not by a failed write at the end."""
+    folder = Path(folder)
+    problem = name_problem(folder)
+    if problem is not None:
+        raise UsageError(f"{flag} '{shown_path(folder)}' {problem}; pass a shorter {flag}.", option=flag)
+    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    if name_problem(partial) is not None:
+        raise UsageError(f"{flag} '{shown_path(folder)}': the partial folder written beside it first "
+                         f"('{shown_path(partial.name, 60)}') {name_problem(partial)}; pass a shorter {flag}.",
+                         option=flag)
 
 
 def check_free_space(existing: Path, needed: int, what: str, flag: str) -> None:

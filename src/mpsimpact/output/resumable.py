@@ -83,7 +83,12 @@ class ResumableFolder:
     def append(self, item: dict[str, Any]) -> None:
         line = (json.dumps(item) + "\n").encode("utf-8")
         with disk_full_said(self.log, len(line)):
-            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            # O_NONBLOCK: a FIFO put in the log's place fails at once (ENXIO) instead of waiting for a reader
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise UsageError(f"'{self.log}' is not a regular file; mpsimpact keeps the log of finished items "
+                                 "there: move it away, or pass another --out.")
             with os.fdopen(fd, "ab") as fh:
                 fh.write(line)
                 fh.flush()

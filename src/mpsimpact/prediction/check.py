@@ -5,14 +5,15 @@ longest safe length, the memory a real run needs and which guard makes it safe."
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.errors import UsageError
+from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
     MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, resolve_task,
 )
-from mpsimpact.config import BATCH_CEILING, LENGTH_CEILING, CheckConfig
+from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.safe_size import (
@@ -93,22 +94,27 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     def trace_at(n: int) -> FaultPlan:
         return model.trace(n, length)
 
+    ceiling = batch_ceiling(batch)
     two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
     if not scalable(two, four):
-        return bisect_clean(trace_at, BATCH_CEILING, "the calls change with the batch size")
+        return _capped(bisect_clean(trace_at, ceiling, "the calls change with the batch size"))
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
         scaled = plan_at(calls, batch, model.index_bits, model.profile, model.mac)
         if plan_signature(scaled) != plan_signature(trace_at(batch)):
-            return bisect_clean(trace_at, BATCH_CEILING, f"the scaled calls differ from the trace at batch {batch}")
+            why = f"the scaled calls differ from the trace at batch {batch}"
+            return _capped(bisect_clean(trace_at, ceiling, why))
         basis += f"; the scaling agrees with the trace at batch {batch}"
-    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, BATCH_CEILING, model.profile,
-                               model.mac)
+    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, ceiling, model.profile, model.mac)
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
-    return BoundarySearch(found, BATCH_CEILING, basis)
+    return BoundarySearch(found, ceiling, basis, ceiling=True)
+
+
+def _capped(search: BoundarySearch) -> BoundarySearch:
+    return dataclasses.replace(search, ceiling=True)
 
 
 # The most ops one trace of the length search may hold: a model that runs ops per token (a state-space or
@@ -134,6 +140,28 @@ def affordable_length(model: MetaModel, batch: int, high: int) -> tuple[int, str
                  f"runs ops token by token), and a longer one would hold more than {MAX_TRACE_OPS:,}")
 
 
+def safe_length(model: MetaModel, cfg: CheckConfig, batch: int, length: int, high: int) -> BoundarySearch:
+    """The longest safe length at this batch, searched in 1..high (cut where a trace would grow too large:
+    `affordable_length`); an answer at a bound of the search's own (not the model's positions) is "at least"."""
+    high, cost_note = affordable_length(model, batch, high)
+    by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
+                                    known=length, mac=model.mac)
+    by_length = dataclasses.replace(by_length, ceiling=bool(cost_note) or length_limit(model.config)[0] is None)
+    if cost_note:
+        by_length = dataclasses.replace(by_length, basis=f"{by_length.basis}; {cost_note}")
+    return by_length
+
+
+def searched(high: int, search: Callable[[], BoundarySearch]) -> BoundarySearch:
+    """`search()` (the longest safe length, the largest safe batch); where one of its own traces fails (BigBird
+    at 64 tokens: a sparse attention that becomes full below its blocks), the asked geometry keeps its answer
+    and this part alone says it could not be searched, and why."""
+    try:
+        return search()
+    except ModelLoadError as error:
+        return BoundarySearch(None, high, f"not searched: a trace the search needs failed ({error.message})")
+
+
 def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
     cfg.validate()
@@ -141,13 +169,9 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     release = info.pop("release")
     length, high = geometry(model.config, cfg)
     batch, heads = cfg.batch_size, info["heads"]
-    plan = model.trace(batch, length)
-    high, cost_note = affordable_length(model, batch, high)
-    by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
-                                    known=length, mac=model.mac)
-    if cost_note:
-        by_length = dataclasses.replace(by_length, basis=f"{by_length.basis}; {cost_note}")
-    by_batch = safe_batch(model, batch, length)
+    plan = model.trace(batch, length)  # the asked geometry: where it cannot be traced, that is the answer
+    by_length = searched(high, lambda: safe_length(model, cfg, batch, length, high))
+    by_batch = searched(batch_ceiling(batch), lambda: safe_batch(model, batch, length))
     peak, peak_basis = traced_peak_bytes(plan, info["parameters"], batch, length,
                                          int(getattr(model.config, "hidden_size", 0) or 0), heads,
                                          model.module.dtype, model.backward)

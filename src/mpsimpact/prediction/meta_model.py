@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mpsimpact.bounds import parse_json
+from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_problem, parse_json, path_problem
+from mpsimpact.bounds import read_file_bytes, shown_path
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
@@ -59,10 +61,7 @@ def load_model_config(source: str) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     path = Path(source).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelLoadError(f"Folder '{source}' has no config.json; pass a model folder, a config.json or a hub id.")
-    if not path.exists() and _looks_like_path(source):
-        raise UsageError(f"'{source}' does not exist; pass a model folder, a config.json or a hub id.")
+    _check_local_source(path, source)
     where = "config file" if path.is_file() else "local folder" if path.is_dir() else "Hugging Face cache"
     model_type = _check_model_type(path if path.exists() else _cached_config_file(source), source)
     named = f" (model type '{model_type}')" if model_type else ""
@@ -80,6 +79,30 @@ def load_model_config(source: str) -> tuple[Any, str]:
     except Exception as error:  # a field transformers validates or uses and cannot (any error type)
         raise ModelLoadError(f"Cannot load the config of '{source}'{named}: {type(error).__name__}: "
                              f"{_one_line(error)}") from None
+
+
+def _check_local_source(path: Path, source: str) -> None:
+    """A local model folder or config.json, looked at before anything reads it (Note [Only regular files] in
+    bounds): a folder's config.json, or the file itself, a regular file of at most MAX_CONFIG_BYTES; a name
+    that looks like a path must exist. A hub id (nothing of that name here) passes."""
+    problem = name_problem(path) if _looks_like_path(source) or len(source) > NAME_MAX else None
+    if problem is not None:
+        raise UsageError(f"Model '{shown_path(source)}' {problem}; pass a model folder, a config.json or a hub "
+                         "id.")
+    if path.is_dir():
+        problem = path_problem(path / "config.json", MAX_CONFIG_BYTES, "a config")
+        if problem == "does not exist":
+            raise ModelLoadError(f"Folder '{source}' has no config.json; pass a model folder, a config.json or a "
+                                 "hub id.")
+        if problem is not None:
+            raise ModelLoadError(f"Folder '{source}': its config.json {problem}; pass a model folder, a "
+                                 "config.json or a hub id.")
+    elif os.path.lexists(path):
+        problem = path_problem(path, MAX_CONFIG_BYTES, "a config")
+        if problem is not None:
+            raise UsageError(f"Model '{source}' {problem}; pass a model folder, a config.json or a hub id.")
+    elif _looks_like_path(source):
+        raise UsageError(f"'{source}' does not exist; pass a model folder, a config.json or a hub id.")
 
 
 def _cached_config_file(source: str) -> Path | None:
@@ -103,8 +126,12 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
 
     file = path / "config.json" if path.is_dir() else path
     try:
-        fields = parse_json(file.read_text(encoding="utf-8"), allow_nan=True)  # Mamba-2 configs hold Infinity
-    except (OSError, ValueError) as error:
+        data = read_file_bytes(file, MAX_CONFIG_BYTES, "a config")
+    except FileProblemError as error:
+        raise ModelLoadError(f"Config '{file}' {error}; pass a model folder, a config.json or a hub id.") from None
+    try:
+        fields = parse_json(data, allow_nan=True)  # Mamba-2 configs hold Infinity
+    except ValueError as error:
         raise ModelLoadError(f"Cannot read '{file}' as JSON: {_first_line(error)}") from None
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
     if model_type is None:

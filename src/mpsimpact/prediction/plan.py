@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from mpsimpact.errors import UsageError
-from mpsimpact.config import EMBEDDED_MODEL, PlanConfig
+from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
 from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.prediction.meta_model import trace_meta
@@ -51,9 +51,10 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     plan = plan_at(traced[length], batch, config.index_bits, profile, mac)
-    safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
+    ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
+    safe = {L: largest_safe_batch(c, heads, config.index_bits, ceiling, profile) for L, c in traced.items()}
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
-        L: largest_safe_batch(c, heads, config.index_bits, profile=profile, mac=mac) for L, c in traced.items()}
+        L: largest_safe_batch(c, heads, config.index_bits, ceiling, profile, mac) for L, c in traced.items()}
     parameters, dtype = sum(p.numel() for p in meta.parameters()), next(meta.parameters()).dtype
     peak, peak_basis = traced_peak_bytes(plan, parameters, batch, length, model_config.hidden_size, heads, dtype,
                                          config.backward)
@@ -67,6 +68,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
         "prediction": summarise(plan, batch, heads, training=config.backward),
         "largest_safe_batch": safe_here[length], "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
+        "largest_safe_batch_ceiling": ceiling,
         "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
         "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
     if mac is not None:

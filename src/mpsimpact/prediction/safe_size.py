@@ -166,12 +166,18 @@ class BoundarySearch:
     """The largest n (a length, or a batch size) such that every n' in 1..n is clean, searched in
     1..high, and how it was found (0: even 1 is not clean)."""
 
-    largest_safe: int
+    largest_safe: int | None  # None: not searched (a trace the search needed failed; `basis` says which)
     high: int
     basis: str
+    ceiling: bool = False  # `high` is the search's own bound, not the model's: reaching it says "at least"
+
+    @property
+    def at_least(self) -> bool:
+        """Whether the answer is only a lower bound: every n up to the search's own ceiling is clean."""
+        return self.ceiling and self.largest_safe is not None and self.largest_safe >= self.high
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"at_least": self.at_least}
 
 
 def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:

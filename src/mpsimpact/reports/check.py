@@ -114,10 +114,13 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
         *([("Mac", f"{report['mac']['sentence']}; a tensor that reaches the buffer stops the run with MPS's "
                    "'Invalid buffer size'")] if report.get("mac") else []),
         ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
-        ("largest safe batch", f"{report['largest_safe_batch']} at {g['seq_len']} tokens{on_mac} "
-                               f"({by_batch['basis']})"),
-        ("longest safe length", f"{report['longest_safe_length']} tokens at batch {g['batch_size']}{on_mac} "
-                                f"(searched 1..{by_length['high']}; {by_length['basis']})"),
+        ("largest safe batch", f"{at_least(by_batch)}{report['largest_safe_batch']} at {g['seq_len']} tokens"
+                               f"{on_mac} ({stopped(by_batch)}{by_batch['basis']})" if by_batch["largest_safe"]
+         is not None else by_batch["basis"]),
+        ("longest safe length", f"{at_least(by_length)}{report['longest_safe_length']} tokens at batch "
+                                f"{g['batch_size']}{on_mac} (searched 1..{by_length['high']}; {stopped(by_length)}"
+                                f"{by_length['basis']})" if by_length["largest_safe"] is not None
+         else by_length["basis"]),
         ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
                         f"({report['estimated_peak_basis']})"),
     ]
@@ -125,6 +128,18 @@ def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
     lines += [("generation", report["generation"])] if report.get("generation") else []
     lines += [("note", note) for note in p["notes"]]
     return lines
+
+
+def at_least(search: dict[str, Any]) -> str:
+    """"at least " where a search reached its own ceiling (BoundarySearch.at_least): the answer is a bound."""
+    return "at least " if search.get("at_least") else ""
+
+
+def stopped(search: dict[str, Any]) -> str:
+    """Where a search that reached its own ceiling stopped, said before its basis."""
+    if not search.get("at_least"):
+        return ""
+    return f"every size up to {search['high']:,} is clean; the search stops there: "
 
 
 def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = (), unmeasured: str | None = None) -> str:

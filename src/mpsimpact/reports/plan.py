@@ -41,8 +41,13 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
         console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
     else:
         console.print(f"Predicted: {pred['describe']}.", markup=False)
-    console.print(fitted_table("largest safe batch", ("max length", "texts"),
-                               list(report["largest_safe_batch_by_length"].items())))
+    ceiling = report.get("largest_safe_batch_ceiling")
+    rows = [(length, f"at least {safe}" if ceiling is not None and safe >= ceiling else safe)
+            for length, safe in report["largest_safe_batch_by_length"].items()]
+    console.print(fitted_table("largest safe batch", ("max length", "texts"), rows))
+    if any(isinstance(safe, str) for _, safe in rows):
+        console.print(f"at least: every batch up to {ceiling:,} is clean there; the search stops at {ceiling:,}.",
+                      markup=False)
     console.print(f"Estimated peak memory of a real run: {report['estimated_peak_gib']} GiB.")
     for line in report["guard_advice"]:
         console.print(line, markup=False)

@@ -15,7 +15,7 @@ import torch
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import BUFFER_RULE
-from mpsimpact.config import GIB
+from mpsimpact.config import GIB, check_run_length
 from mpsimpact.runs.device import check_memory, device_memory, resolve_emulation
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MemoryPreflightError, NotEmulatedError, OversizedOpError, UsageError
@@ -128,7 +128,8 @@ def _run_length(config: Any, device: str, emulated: bool, full: int, max_length:
     """--run-length if given; the full length where it fits on a GPU; else the reduced length, where
     the plan replays (refused on MPS and on an unemulated GPU, which must run at full scale)."""
     if config.run_length:
-        return min(config.run_length, max_length)
+        check_run_length(config.run_length, max_length)  # refused past the length asked, never clamped
+        return config.run_length
     if device != "cpu" and full <= device_memory(device):
         return max_length
     if device == "mps" or (not emulated and device != "cpu"):

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.bounds import parse_json
+from mpsimpact.bounds import FileProblemError, parse_json, read_file_bytes
 from mpsimpact.engine.release import cache_root
-from mpsimpact.output.files import atomic_write_bytes, remove_dead_partials, warn
+from mpsimpact.output.files import atomic_write_bytes, remove_dead_partials, target_problem, warn
 
 CHUNK = 64
 # A cache entry: MAGIC, a JSON header line, the float32 array's bytes; see encode_entry.
 MAGIC = b"MPSIMPACT-REFERENCE 1\n"
 MAX_HEADER = 4096
+MAX_ENTRY_BYTES = 4 << 30  # one cached reference: 65,536 texts x a 384-wide fp32 embedding is 100 MB
 SUFFIX = ".ref"
 
 
@@ -140,17 +142,19 @@ def cached_reference(key: str, rows: int | None = None, shape: tuple[int, ...] |
     or unusable, which one line on stderr says (the bad entry is removed and the caller recomputes it). Never
     raises for the cache's sake: it is only an optimisation."""
     path = entry_path(key)
-    if path.is_dir():
-        warn(f"the cached reference '{path}' is a folder, not a file; computing the reference without the "
-             "cache (remove the folder to cache it again).")
+    if not os.path.lexists(path):
+        return None
+    # a folder, a FIFO, a link: never read, never replaced (Note [Only regular files])
+    problem = target_problem(path)
+    if problem is not None:
+        problem, it = ("is a folder, not a file", "the folder") if path.is_dir() else (problem, "it")
+        warn(f"the cached reference '{path}' {problem}; computing the reference without the cache (remove {it} to "
+             "cache it again).")
         return None
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as error:  # unreadable, or the cache folder is a file
-        if path.exists():
-            warn(f"the cached reference '{path}' cannot be read ({error.strerror or error}); recomputing it.")
+        data = read_file_bytes(path, MAX_ENTRY_BYTES, "a cached reference")
+    except FileProblemError as error:  # unreadable, too big, or the cache folder is a file
+        warn(f"the cached reference '{path}' {error}; recomputing it.")
         return None
     try:
         return decode_entry(data, key, rows, shape)
@@ -165,7 +169,7 @@ def store_reference(key: str, logits: np.ndarray) -> bool:
     """Caches `logits` under `key`, atomically; returns whether it did. A cache folder that cannot be
     written means no cache, said in one line on stderr, never a failure."""
     path = entry_path(key)
-    if path.is_dir():
+    if target_problem(path) is not None:
         return False  # said when it was read
     if not np.isfinite(logits).all():
         warn("the reference holds NaN or infinite values; it is not cached.")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.bounds import parse_json
+from mpsimpact.bounds import FileProblemError, name_problem, parse_json, path_problem, read_file_bytes
+from mpsimpact.bounds import shown_path
 from mpsimpact.config import CORRUPTION_THRESHOLD, DEFAULT_ATTENTION
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.release import FaultProfile
@@ -34,6 +36,7 @@ RUN_ENVIRONMENT = (
     ("rules used", ("geometry", "profile")), ("--torch-profile", ("config", "torch_profile")),
     ("machine", ("environment", "machine")))
 WHAT_TO_PASS = "pass a folder written by `mpsimpact run` or `mpsimpact sweep`"
+MAX_FILE_BYTES = 1 << 30  # one file of a folder: samples.jsonl of 65,536 texts x 3 conditions is about 100 MB
 
 
 def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -49,18 +52,25 @@ def _read_json(path: Path, allow_nan: bool = False) -> Any:
     """Parsed JSON (bounded: bounds.parse_json; NaN refused unless `allow_nan`), or a UsageError naming the
     file."""
     try:
-        return parse_json(path.read_text(encoding="utf-8"), allow_nan=allow_nan)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return parse_json(_read_text(path), allow_nan=allow_nan)
+    except ValueError as error:
+        raise UsageError(f"Cannot read '{path}': {error}; {WHAT_TO_PASS}.") from None
+
+
+def _read_text(path: Path) -> str:
+    """A folder's file as UTF-8 text: a regular file of at most MAX_FILE_BYTES (Note [Only regular files])."""
+    try:
+        return read_file_bytes(path, MAX_FILE_BYTES, "a report's file").decode("utf-8")
+    except FileProblemError as error:
+        raise UsageError(f"'{shown_path(path)}' {error}; {WHAT_TO_PASS}.") from None
+    except UnicodeDecodeError as error:
         raise UsageError(f"Cannot read '{path}': {error}; {WHAT_TO_PASS}.") from None
 
 
 def _read_jsonl(path: Path, allow_nan: bool = False) -> list[dict[str, Any]]:
     """One parsed object per non-empty line (bounded as `_read_json`), or a UsageError naming the file and
     line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"Cannot read '{path}': {error}.") from None
+    lines = _read_text(path).splitlines()
     rows = []
     for number, line in enumerate(lines, 1):
         try:
@@ -143,9 +153,9 @@ def load_run(path: Path) -> RunFolder:
                          f"geometry); {WHAT_TO_PASS}.")
     _check_schema(path / "report.json", report, None)
     _check_run_report(path / "report.json", report)
-    if (path / "samples.jsonl").is_file():
+    if os.path.lexists(path / "samples.jsonl"):  # a FIFO or a dangling link there is refused, not skipped
         corrupted = _corrupted_from_samples(path / "samples.jsonl")
-    elif (path / "logits.npz").is_file():
+    elif os.path.lexists(path / "logits.npz"):
         corrupted = _corrupted_from_logits(path / "logits.npz", report)
     else:
         corrupted = {}
@@ -194,7 +204,7 @@ def _check_corrupted_sets(path: Path, report: dict[str, Any], corrupted: dict[tu
     """samples.jsonl or logits.npz must be this report's: positions within the batch, and for every completed
     condition the corrupted set the report counts (count and first position)."""
     batch = report["geometry"]["batch_size"]
-    where = path / ("samples.jsonl" if (path / "samples.jsonl").is_file() else "logits.npz")
+    where = path / ("samples.jsonl" if os.path.lexists(path / "samples.jsonl") else "logits.npz")
     conditions = {condition_key(c): c for c in report["conditions"]}
     for key, positions in corrupted.items():
         condition = conditions.get(key)
@@ -259,6 +269,9 @@ def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str
 
     if any(c.get("attention") for c in report["conditions"]):
         return {}  # logits.npz is keyed by guard alone: ambiguous when attention varies
+    problem = path_problem(path, MAX_FILE_BYTES, "a report's file")
+    if problem is not None:
+        raise UsageError(f"'{shown_path(path)}' {problem}; {WHAT_TO_PASS}.")
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
@@ -323,7 +336,7 @@ class SweepFolder:
 
         path = self.path / "profile.json"
         try:
-            if path.is_file():
+            if os.path.lexists(path):
                 return load_profile(path)
             if not self.rows:
                 return None
@@ -352,7 +365,7 @@ def load_sweep(path: Path) -> SweepFolder:
                          "by_class).")
     _check_schema(path / "summary.json", summary, SCHEMA_VERSION)
     _check_summary(path / "summary.json", summary)
-    rows = _read_jsonl(path / "sweep.jsonl") if (path / "sweep.jsonl").is_file() else None
+    rows = _read_jsonl(path / "sweep.jsonl") if os.path.lexists(path / "sweep.jsonl") else None
     if rows is not None:
         _check_sweep_rows(path / "sweep.jsonl", rows, summary)
     return SweepFolder(path, summary, rows)
@@ -437,13 +450,16 @@ def _sweep_row_problem(row: Any) -> str | None:
 def load_folder(folder: str | Path) -> RunFolder | SweepFolder:
     """A run folder (report.json) or a sweep folder (summary.json); UsageError for anything else."""
     path = Path(folder)
+    problem = name_problem(path)
+    if problem is not None:
+        raise UsageError(f"Folder '{shown_path(path)}' {problem}; {WHAT_TO_PASS}.")
     if not path.exists():
         raise UsageError(f"Folder '{path}' does not exist; {WHAT_TO_PASS}.")
     if not path.is_dir():
         raise UsageError(f"'{path}' is not a folder; {WHAT_TO_PASS}.")
-    if (path / "report.json").is_file():
+    if os.path.lexists(path / "report.json"):  # read as a regular file, or refused in one line
         return load_run(path)
-    if (path / "summary.json").is_file():
+    if os.path.lexists(path / "summary.json"):
         return load_sweep(path)
     raise UsageError(f"'{path}' holds neither report.json (a run) nor summary.json (a sweep); "
                      f"{WHAT_TO_PASS}.")

@@ -20,21 +20,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.bounds import parse_json
+from mpsimpact.bounds import parse_json, read_file_bytes
+from mpsimpact.variables import is_offline
 from mpsimpact.errors import OverlayError, UsageError
 from mpsimpact.engine.release import cache_root
 from mpsimpact.output.files import is_process_alive, warn
 from mpsimpact.output.signals import end_with_parent
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
+MAX_MARKER_BYTES = 1 << 20
 EXCLUDED = frozenset({"torch"})  # must come from the running interpreter, never from an overlay
 INSTALL_TIMEOUT_S = 900
 PROBE_TIMEOUT_S = 600
 # How long a build waits for another process building or probing the same environment (it holds the
 # environment's lock file): two installs and a probe.
 LOCK_TIMEOUT_S = 2 * INSTALL_TIMEOUT_S + PROBE_TIMEOUT_S
-# Package-index offline switches (HF_HUB_OFFLINE is about models, not packages: overlays ignore it).
-OFFLINE_VARIABLES = ("UV_OFFLINE", "PIP_NO_INDEX")
 
 Builder = Callable[[str, Path], dict[str, Any]]
 
@@ -51,9 +51,10 @@ class Overlay:
 
 
 def is_offline_env() -> bool:
-    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX)."""
-    values = (os.environ.get(name, "").strip().lower() for name in OFFLINE_VARIABLES)
-    return any(value not in ("", "0", "false", "no") for value in values)
+    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX; a value that is
+    neither true nor false is refused in one line: variables.is_offline). HF_HUB_OFFLINE is about models, not
+    packages: overlays ignore it."""
+    return is_offline()
 
 
 def normalize(name: str) -> str:
@@ -194,8 +195,9 @@ class OverlayCache:
     def read_marker(self, version: str) -> dict[str, Any] | None:
         """The marker of a complete overlay, or None (absent, interrupted, unreadable or damaged)."""
         try:
-            marker = parse_json((self.path_for(version) / MARKER).read_text())
-        except (OSError, ValueError):
+            # never a FIFO opened: Note [Only regular files]; a marker is a few kB
+            marker = parse_json(read_file_bytes(self.path_for(version) / MARKER, MAX_MARKER_BYTES, "a marker"))
+        except ValueError:  # FileProblemError among them
             return None
         fields_ok = isinstance(marker, dict) and isinstance(marker.get("reused", {}), dict) and isinstance(
             marker.get("installed", []), list) and marker.get("transformers", version) == version

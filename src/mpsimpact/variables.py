@@ -1,0 +1,108 @@
+"""The environment variables mpsimpact reads, each parsed and checked where it is read: a bad value is one
+line naming the variable, its value and what is accepted (EnvironmentVariableError, exit 2 from the CLI).
+The cache's own (MPSIMPACT_CACHE, XDG_CACHE_HOME) live with the cache, in engine.release."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from mpsimpact.bounds import name_problem
+from mpsimpact.errors import EnvironmentVariableError
+
+ATTENTION_BUDGET = "MPSIMPACT_ATTENTION_BUDGET"  # bytes of one attention piece: Note [Attention memory budget]
+GUARD = "MPSIMPACT_GUARD"  # install_thread_guard()'s mode when none is given
+EMBEDDED_MODEL = "MPSIMPACT_EMBEDDED_MODEL"  # a local all-MiniLM-L6-v2 folder in place of the package's
+OFFLINE = ("UV_OFFLINE", "PIP_NO_INDEX")  # package-index switches: the package index is off limits (matrix)
+# Recorded in run reports as they are, never acted on: nothing to check.
+RECORDED = ("PYTORCH_ENABLE_MPS_FALLBACK",)
+
+GUARD_MODES = ("raise", "warn", "chunk")  # the guard's modes (modes.guard); MPSIMPACT_GUARD may also say off
+MAX_BUDGET = 1 << 50  # bytes (1 PiB): more than any machine's memory, less than a float's exact integers
+_BYTES = re.compile(r"(\d+(?:\.\d+)?)([KMG]?)(?:I?B)?")
+_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _value(name: str) -> str | None:
+    """The variable's value, None where it is unset or blank (both mean: not given)."""
+    value = os.environ.get(name)
+    return value if value is not None and value.strip() else None
+
+
+def attention_budget() -> int | None:
+    """MPSIMPACT_ATTENTION_BUDGET in bytes (suffixes K, M, G for KiB, MiB, GiB), or None where unset.
+
+    Raises:
+        EnvironmentVariableError: not a byte count, or outside 1 .. MAX_BUDGET (nan, inf, -1, 1e400 among them).
+    """
+    value = _value(ATTENTION_BUDGET)
+    if value is None:
+        return None
+    accepted = (f"give a whole number of bytes from 1 to 2**{MAX_BUDGET.bit_length() - 1}, or a number with K, M "
+                "or G (KiB, MiB, GiB), e.g. 268435456 or 256M")
+    match = _BYTES.fullmatch(value.strip().upper())
+    if match is None:
+        raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is not a byte count", accepted)
+    digits, suffix = match.groups()
+    number = float(digits) * _SCALE[suffix] if len(digits) <= 20 else float("inf")
+    if not 1 <= number <= MAX_BUDGET:
+        raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is out of range", accepted)
+    return int(number)
+
+
+def guard_mode() -> str | None:
+    """MPSIMPACT_GUARD: one of GUARD_MODES or off, or None where unset.
+
+    Raises:
+        EnvironmentVariableError: any other value.
+    """
+    value = _value(GUARD)
+    if value is None:
+        return None
+    modes = (*GUARD_MODES, "off")
+    if value.strip() not in modes:
+        raise EnvironmentVariableError(GUARD, value, "is not a guard mode", f"give one of {', '.join(modes)}")
+    return value.strip()
+
+
+def embedded_model_folder() -> Path | None:
+    """MPSIMPACT_EMBEDDED_MODEL as a path, or None where unset. Only its name is checked here; what the folder
+    holds is checked by models.classifier before anything reads it.
+
+    Raises:
+        EnvironmentVariableError: a name this system cannot take.
+    """
+    value = _value(EMBEDDED_MODEL)
+    if value is None:
+        return None
+    problem = name_problem(value)
+    if problem is not None:
+        raise EnvironmentVariableError(EMBEDDED_MODEL, value, problem, "point it at a model folder")
+    return Path(value).expanduser()
+
+
+def is_offline() -> bool:
+    """Whether UV_OFFLINE or PIP_NO_INDEX says the package index is off limits.
+
+    Raises:
+        EnvironmentVariableError: a value that is neither true (1, true, yes, on) nor false (0, false, no, off).
+    """
+    said = False
+    for name in OFFLINE:
+        value = os.environ.get(name, "").strip().lower()
+        if value not in _TRUE + _FALSE:
+            raise EnvironmentVariableError(name, os.environ[name], "is neither true nor false",
+                                           f"give one of {', '.join(_TRUE)} (on) or {', '.join(_FALSE[1:])} (off)")
+        said = said or value in _TRUE
+    return said
+
+
+def check_variables() -> None:
+    """Checks every variable this module reads (cheaply: no folder is opened), so that a command refuses a bad
+    one before any work. Raises EnvironmentVariableError on the first bad one."""
+    attention_budget()
+    guard_mode()
+    embedded_model_folder()
+    is_offline()
