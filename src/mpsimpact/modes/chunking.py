@@ -2,7 +2,7 @@
 where one batch alone would still fault, a bmm along its output rows and columns; SDPA over batch and
 heads, then along query rows (a causal mask placed at each block's offset); cat by copying into
 place. Each result equals the unsplit correct one; a call no split makes safe is refused, never
-computed. Also: running a call with its backward pass under a dispatch mode (for the guard's big calls)."""
+computed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.modes.base import MATMUL_OPS, active_emulator, sdpa_arguments
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, rows_per_safe_chunk, limits
@@ -324,40 +323,6 @@ def _extent(t: torch.Tensor) -> int:
     # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's
     # numel; neither exceeds this.
     return t.storage_offset() + t.numel()
-
-
-def run_with_backward_under(mode: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """`fn(*args, **kwargs)` under the dispatch `mode`, and its backward pass under `mode` too (autograd
-    runs backward from C++, past every Python entry point): a nested graph whose gradients are
-    taken under the mode."""
-    leaves, spec = tree_flatten((args, kwargs))
-    grad_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-
-    def inner(*grad_leaves: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for i, tensor in zip(grad_at, grad_leaves):
-            filled[i] = tensor
-        call_args, call_kwargs = tree_unflatten(filled, spec)
-        return fn(*call_args, **call_kwargs)
-
-    return _UnderMode.apply(mode, inner, *[leaves[i] for i in grad_at])
-
-
-class _UnderMode(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, mode, inner, *inputs):
-        detached = [x.detach().requires_grad_() for x in inputs]
-        with torch.enable_grad(), mode:
-            out = inner(*detached)
-        ctx.mode, ctx.inputs, ctx.out = mode, detached, out
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        with ctx.mode:
-            grads = torch.autograd.grad(ctx.out, ctx.inputs, grad, allow_unused=True)
-        del ctx.out, ctx.inputs
-        return (None, None, *grads)
 
 
 def emulated_index_bits() -> int:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
@@ -32,10 +34,10 @@ from mpsimpact.modes.base import (
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, product_elements, run_in_pieces, run_sdpa_chunked,
-    run_with_backward_under, split_bmm,
-    split_sdpa,
+    split_bmm, split_sdpa,
 )
-from mpsimpact.modes.entrypoint import FACTORIES, push_handler, remove_handler
+from mpsimpact.modes.backward import needs_derivatives, run_with_backward_under
+from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES, push_handler, remove_handler
 from mpsimpact.modes.op_size import (
     SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
@@ -53,6 +55,10 @@ _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear
                      aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 _PRODUCTS = frozenset({"matmul", "bmm", "mm"})
+# The entry points whose calls vmap batches into one bigger call of the same kind (SDPA's fused kernels are
+# not judged at the dispatch level: it is judged at its entry).
+_PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
+_transforming = torch._C._are_functorch_transforms_active
 _Tensor = torch.Tensor
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
@@ -258,6 +264,8 @@ class GuardMode(MatmulMode):
             return True
         if _tracing_state() is not None:
             return self._passes_untraced(name, args, kwargs)
+        if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
+            return self._passes_transformed(name, args, kwargs)
         if name == "sdpa":
             return self._sdpa_is_plain(args, kwargs)
         if not self.everywhere:
@@ -277,6 +285,19 @@ class GuardMode(MatmulMode):
             return self.passes(name, args, kwargs)
         finally:
             torch._C._set_tracing_state(state)
+
+    def _passes_transformed(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """`passes` under torch.func's transforms, whose tensors show their logical sizes: under vmap the
+        calls that run are batched, so a product's bound is taken that many times over (See Note [A call's
+        derivatives under a mode] for the route of one that may cross a limit). SDPA is judged on the sizes
+        it shows."""
+        first = next((x for x in flat_arguments(args, kwargs) if isinstance(x, _Tensor)), None)
+        if first is None or not self._applies(first):
+            return True
+        scale = math.prod(level.batch_size() for level in retrieve_all_functorch_interpreters()
+                          if level.key() == TransformType.Vmap)
+        passing = entry_bound(name, args, kwargs) * scale < self._view_limit
+        return passing or self.everywhere and self._watch()
 
     def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
         """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
@@ -316,8 +337,8 @@ class GuardMode(MatmulMode):
         return entry_bound(name, args, kwargs) < self._view_limit
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A call that may cross a limit: its bmm/mm calls, and its backward's, decided one by one."""
-        if needs_grad(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+        """A call that may cross a limit: its bmm/mm calls, and its derivatives', decided one by one."""
+        if needs_derivatives(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
             return run_with_backward_under(self, fn, args, kwargs)
         with self:
             return fn(*args, **kwargs)

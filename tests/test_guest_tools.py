@@ -1,0 +1,147 @@
+"""The guard as a guest of the tools around a model (issue 46), as a differential suite: each case runs
+without a guard and under each mode on the same inputs, and compares values, graphs (node targets in
+order) and tables.
+
+- torch.func's transforms (grad, vjp, jacrev, jacfwd, jvp, vmap, hessian, functional_call) and eager
+  double backward through every entry-point kind, at MPS's width (the guard's slow path: einsum always,
+  SDPA's math path) and at a narrow width, where raise stops and chunk splits under the transform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpsimpact.errors import OversizedOpError
+from mpsimpact.modes.guard import guard
+
+MODES = {  # name -> guard()'s arguments (CPU tensors guarded as MPS ones on a Mac)
+    "raise": dict(mode="raise"), "chunk": dict(mode="chunk"),
+    "strict raise": dict(mode="raise", strict=True), "strict chunk": dict(mode="chunk", strict=True),
+}
+NARROW = 6  # LIMIT 64, VIEW_LIMIT 32: the cases' operands and outputs cross a limit
+PROFILE = "2.13.0"  # rule set B; cat past the limit silently wrong
+
+
+def entered(name: str | None, **options):
+    """The condition `name` (None: no guard) on CPU tensors."""
+    if name is None:
+        return contextlib.nullcontext()
+    return guard(**MODES[name], devices=("cpu",), **options)
+
+
+# Each entry-point kind (modes.entrypoint.ENTRY_POINTS) as a function of one input x of shape (4, 4, 12)
+# (a sample: vmap adds a batch), its other operands fixed. At NARROW bits x (192 elements) and the outputs
+# (96) pass LIMIT. Float64: a split's other order of sums stays far below the tolerance, second derivatives
+# too.
+DTYPE = torch.float64
+_make = torch.Generator().manual_seed(0)
+W = torch.randn(12, 6, generator=_make, dtype=DTYPE)  # (K, N)
+W3 = torch.randn(4, 6, 12, generator=_make, dtype=DTYPE).transpose(1, 2)  # (B, K, N), a transposed view
+BIAS = torch.randn(6, generator=_make, dtype=DTYPE)
+KEYS = torch.randn(4, 8, 12, generator=_make, dtype=DTYPE)  # (B, Lk, D)
+ENTRIES = {
+    "matmul": lambda x: torch.matmul(x, W),
+    "bmm": lambda x: x.bmm(W3),
+    "baddbmm": lambda x: torch.baddbmm(BIAS, x, W3),
+    "mm": lambda x: torch.mm(x.flatten(0, 1), W),
+    "addmm": lambda x: torch.addmm(BIAS, x.flatten(0, 1), W),
+    "linear": lambda x: F.linear(x, W.T, W[0]),
+    "einsum": lambda x: torch.einsum("bmk,bkn->bmn", x, W3),
+    "sdpa": lambda x: F.scaled_dot_product_attention(x.repeat(1, 4, 1), KEYS, KEYS),  # 4 * 16 * 8 scores
+    "cat": lambda x: torch.cat([x, x.sin()], dim=1),
+}
+
+
+class Entry(nn.Module):
+    """An entry-point call whose fixed operand is a parameter (for functional_call)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.scale = name, nn.Parameter(torch.ones(12, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ENTRIES[self.name](x * self.scale)
+
+
+def scalar(f):
+    return lambda x: f(x).sin().sum()
+
+
+def functional_grad(name: str, x: torch.Tensor) -> torch.Tensor:
+    module = Entry(name)
+    params = {key: value.detach() * 1.5 for key, value in module.named_parameters()}
+    return torch.func.grad(lambda p: torch.func.functional_call(module, p, (x,)).sin().sum())(params)["scale"]
+
+
+def double_backward(f, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_()
+    (g,) = torch.autograd.grad(scalar(f)(x), x, create_graph=True)
+    return torch.autograd.grad(g.pow(2).sum(), x)[0]
+
+
+TRANSFORMS = {  # name -> (entry name, x) -> value
+    "grad": lambda n, x: torch.func.grad(scalar(ENTRIES[n]))(x),
+    "vjp": lambda n, x: torch.func.vjp(ENTRIES[n], x)[1](torch.ones_like(ENTRIES[n](x)))[0],
+    "jacrev": lambda n, x: torch.func.jacrev(ENTRIES[n])(x),
+    "jacfwd": lambda n, x: torch.func.jacfwd(ENTRIES[n])(x),
+    "jvp": lambda n, x: torch.func.jvp(ENTRIES[n], (x,), (torch.ones_like(x),))[1],
+    "vmap": lambda n, x: torch.func.vmap(ENTRIES[n])(torch.stack([x, x.cos(), -x])),
+    "vmap(grad)": lambda n, x: torch.func.vmap(torch.func.grad(scalar(ENTRIES[n])))(torch.stack([x, -x])),
+    "hessian": lambda n, x: torch.func.hessian(scalar(ENTRIES[n]))(x[:, :1]),
+    "functional_call": functional_grad,
+    "double backward": lambda n, x: double_backward(ENTRIES[n], x),
+}
+SMALL = {"hessian"}  # on a (2, 1, 12) slice: its (24 x 24) Hessian; the others take x whole
+
+
+def sample(name: str) -> torch.Tensor:
+    return torch.randn(4, 4, 12, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+
+
+def transformed(transform: str, entry: str, condition: str | None, **options):
+    with entered(condition, **options) as g:
+        value = TRANSFORMS[transform](entry, sample(entry))
+    return value, g
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_transforms_at_mps_width_give_the_unguarded_values_in_every_mode(entry, transform):
+    want, _ = transformed(transform, entry, None)
+    for condition in MODES:
+        got, g = transformed(transform, entry, condition)
+        assert not g.stopped and not g.chunked, condition
+        if condition.startswith("strict"):  # a dispatch mode on every op: torch's subclass branches
+            torch.testing.assert_close(got, want, msg=condition)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=condition)
+
+
+# At NARROW bits under chunk the calls that fault are split (forward, backward, the transforms' batched
+# calls): the values are the plain ones within the tolerance of sums in another order; raise stops.
+SPLIT = ("grad", "vjp", "jacrev", "jvp", "vmap", "hessian", "double backward")
+# SDPA at 8 bits (LIMIT 256): a piece keeps one key head whole (8 * 12 < VIEW_LIMIT 128), the 512 scores
+# cross; on 2.12.1, whose fused SDPA is wrong past LIMIT scores (without gradients: jvp, vmap).
+OPTIONS = {"sdpa": dict(index_bits=8, profile="2.12.1")}
+# vmap's batch rule for bmm copies the transposed W3 into one contiguous batch: no rule applies to what runs.
+NOTHING_TO_SPLIT = {("bmm", "vmap"), ("baddbmm", "vmap"), ("einsum", "vmap")}
+
+
+@pytest.mark.parametrize("transform", SPLIT)
+@pytest.mark.parametrize("entry", ["matmul", "bmm", "baddbmm", "addmm", "linear", "einsum", "sdpa", "cat"])
+def test_transforms_at_a_narrow_width_chunk_to_the_unguarded_values_and_raise_stops(entry, transform):
+    options = OPTIONS.get(entry, dict(index_bits=NARROW, profile=PROFILE))
+    want, _ = transformed(transform, entry, None)
+    got, g = transformed(transform, entry, "chunk", **options)
+    torch.testing.assert_close(got, want)
+    if (entry, transform) in NOTHING_TO_SPLIT:
+        assert not g.chunked
+        return
+    assert g.chunked, "nothing was split: the case does not test the guard"
+    with pytest.raises(OversizedOpError):
+        transformed(transform, entry, "raise", **options)
