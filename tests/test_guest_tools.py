@@ -10,6 +10,8 @@ order) and tables.
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 import pytest
 import torch
@@ -145,3 +147,71 @@ def test_transforms_at_a_narrow_width_chunk_to_the_unguarded_values_and_raise_st
     assert g.chunked, "nothing was split: the case does not test the guard"
     with pytest.raises(OversizedOpError):
         transformed(transform, entry, "raise", **options)
+
+
+# torch.jit.trace: the graph torch records without a guard (nodes, their order, source lines and value
+# names), jit.trace's own check passing (it traces again under no_grad, where SDPA's route differs), and
+# torch.jit.save of the result.
+class LinearEinsum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)  # (B, L, 12), needs gradients
+        return torch.einsum("bld,bmd->blm", h, x * 2.0)  # (B, L, L)
+
+
+class LinearCausal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.linear(x)[:, None]  # (B, 1, L, 12)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+class EveryEntry(nn.Module):
+    """Every entry-point kind, as the methods and operators a model writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(12, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        h = torch.matmul(x, w) + x @ w + x.matmul(w) + F.linear(x, w)  # (B, L, 12)
+        h = torch.bmm(h, x.transpose(1, 2)) + torch.baddbmm(h[..., :1], x, x.mT)  # (B, L, L)
+        rows = h.flatten(0, 1)  # (B*L, L)
+        flat = torch.mm(rows, x[0]) + torch.addmm(x.flatten(0, 1), rows, x[0])  # (B*L, 12)
+        s = F.scaled_dot_product_attention(x, x, x) + torch.einsum("bld,de->ble", x, w)
+        return torch.cat([flat.flatten(), s.flatten(), torch.concat([w.flatten()])])
+
+
+TRACED = {"linear, einsum of a scaled input": LinearEinsum, "linear, causal SDPA": LinearCausal,
+          "every entry point": EveryEntry}
+_MANGLED = re.compile(r"___torch_mangle_\d+\.")
+
+
+def traced(model: str, condition: str | None, path) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(the traced graph as text, its output, the output of what torch.jit.save wrote and load read)."""
+    torch.manual_seed(3)
+    module, x = TRACED[model](), torch.randn(2, 4, 12)
+    with entered(condition), warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)  # the guard adds nothing to warn of
+        graph_module = torch.jit.trace(module, (x,))  # check_trace: traced again and compared
+        torch.jit.save(graph_module, path)
+        out = graph_module(x)
+    return _MANGLED.sub("", str(graph_module.inlined_graph)), out, torch.jit.load(path)(x)
+
+
+@pytest.mark.parametrize("model", TRACED)
+def test_jit_trace_records_torchs_graph_in_every_mode_and_saves(model, tmp_path):
+    want, out, _ = traced(model, None, tmp_path / "plain.pt")
+    assert "prim::PythonOp" not in want and "mpsimpact" not in want
+    for condition in MODES:
+        got, got_out, loaded = traced(model, condition, tmp_path / "guarded.pt")
+        assert got == want, condition  # node kinds in order, source lines (the test's), value names
+        torch.testing.assert_close(got_out, out, msg=condition)
+        torch.testing.assert_close(loaded, out, msg=condition)

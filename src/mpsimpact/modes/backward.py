@@ -31,8 +31,8 @@ from mpsimpact.modes.base import needs_grad
 # - vmap: functorch runs forward, backward and jvp on batched tensors (generate_vmap_rule), so the mode
 #   sees the calls MPS would run: the physical, batched ones.
 # Every tensor of the call is an input of the Function, not captured by it (functorch cannot lift a
-# captured tensor of a transform's level). While torch.jit.trace records, no Function is used (the trace
-# would hold a prim::PythonOp where torch records the aten op): the call runs under the mode, and a
+# captured tensor of a transform's level). While torch.jit.trace records, the guard takes no Function (the
+# trace would hold a prim::PythonOp where torch records the aten op): the call runs under the mode, and a
 # backward of the traced graph runs unjudged, as the traced graph's later runs do.
 
 
@@ -45,9 +45,6 @@ def needs_derivatives(tensors: Iterable[Any]) -> bool:
 def run_with_backward_under(mode: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """`fn(*args, **kwargs)` under the dispatch `mode`, with its derivatives under `mode` too (See Note
     [A call's derivatives under a mode]). `fn` returns one tensor."""
-    if torch._C._get_tracing_state() is not None:
-        with mode:
-            return fn(*args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from types import CodeType, FrameType
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -153,6 +155,8 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = _LOCAL.__dict__.get("handlers")
+        if _tracing_state() is not None:  # See Note [Calls torch.jit.trace records]
+            return _traced(name, original, handlers or [], sys._getframe(1), args, kwargs)
         # Not for arguments that are not tensors (an FX proxy: symbolic tracing records torch's own callable);
         # a factory's are sizes (a handler passes what it cannot read as numbers).
         if not handlers or not (sizes or args and isinstance(args[0], _Tensor)
@@ -172,6 +176,43 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
     wrapped.__module__, wrapped.__qualname__ = _public_path(owner, attribute)
     wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]
     return wrapped
+
+
+# Note [Calls torch.jit.trace records]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.jit.trace gives each node the source line of the innermost Python frame when torch's op runs, and
+# each value the name of a local variable of that frame. A wrapper (or, on the guard's slow path, a frame of
+# the guard's) would be that frame: nodes named the wrapper's line, and the guard's routes, which differ with
+# and without gradients, gave other graphs when jit.trace's check traced again under no_grad
+# (TracingCheckError). So while a trace records, a wrapped call goes to the handlers whatever its size, and
+# torch's callable is run from a frame that reads as the caller's: the caller's file, line and function
+# name, and a copy of its locals (`_as_caller`: a code object made once per call site, run by exec). The
+# graph is torch's own: the same nodes, lines and names as without a guard.
+_CALL = compile("_mpsimpact_out = _mpsimpact_call(*_mpsimpact_args, **_mpsimpact_kwargs)", "<call>", "exec")
+_SITES: dict[tuple[str, int, str], CodeType] = {}
+_tracing_state = torch._C._get_tracing_state
+
+
+def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: FrameType,
+            args: tuple, kwargs: dict) -> Any:
+    """A wrapped call while torch.jit.trace records: See Note [Calls torch.jit.trace records]."""
+    proceed = functools.partial(_as_caller, caller, original)
+    if not handlers or not any(isinstance(x, _Tensor) for x in (*args, _first_operand(args, kwargs))):
+        return proceed(*args, **kwargs)
+    return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
+
+
+def _as_caller(caller: FrameType, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`original(*args, **kwargs)` run from a frame that reads as `caller` (file, line, name, locals)."""
+    code = caller.f_code
+    site = (code.co_filename, caller.f_lineno, code.co_name)
+    made = _SITES.get(site)
+    if made is None:
+        made = _SITES[site] = _CALL.replace(co_filename=site[0], co_firstlineno=site[1], co_name=site[2])
+    names = dict(caller.f_locals)
+    names.update(_mpsimpact_call=original, _mpsimpact_args=args, _mpsimpact_kwargs=kwargs)
+    exec(made, caller.f_globals, names)
+    return names["_mpsimpact_out"]
 
 
 def _first_operand(args: tuple, kwargs: dict) -> Any:

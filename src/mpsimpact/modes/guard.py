@@ -29,7 +29,7 @@ from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     ACTIVE, COMPOSITE, DECOMPOSED_OPS, OTHER, PRODUCT, aten, route, check_index_bits,
-    MatmulMode, active_emulator, current_phase, innermost, needs_grad, op_name,
+    MatmulMode, active_emulator, current_phase, innermost, needs_grad, numbers_as_tensors, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
@@ -154,6 +154,7 @@ class GuardMode(MatmulMode):
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self._warned: set[tuple[str, int]] = set()
         self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
+        self._paused_trace: Any = None  # torch.jit.trace's state, paused while the guard decides a call
 
     @functools.cached_property
     def profile(self) -> FaultProfile:
@@ -250,6 +251,8 @@ class GuardMode(MatmulMode):
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if _tracing_state() is not None:
+            return self._on_traced_entry(name, proceed, args, kwargs)
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         if name == "sdpa":
@@ -262,8 +265,6 @@ class GuardMode(MatmulMode):
         guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
         if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
             return True
-        if _tracing_state() is not None:
-            return self._passes_untraced(name, args, kwargs)
         if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
             return self._passes_transformed(name, args, kwargs)
         if name == "sdpa":
@@ -276,15 +277,38 @@ class GuardMode(MatmulMode):
             return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
         return self._quick_pass(name, args, kwargs) or self._watch()
 
-    def _passes_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """`passes` while torch.jit.trace records: sizes read with tracing paused (a traced size is a tensor,
-        whose reading would warn and be recorded), so the trace holds nothing of the guard."""
-        state = _tracing_state()
+    # Note [The guard under torch.jit.trace]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The trace records every op that runs while it is on: the guard's reading of sizes would add aten::size
+    # nodes, name values after the guard's locals and warn (a traced size is a tensor). So while a trace
+    # records, the guard decides a call with tracing paused, and resumes it for what the call computes:
+    # torch's callable (run as the caller: Note [Calls torch.jit.trace records] in modes/entrypoint.py) and a
+    # split SDPA's pieces. A product's route through the dispatch mode is not recorded (the trace holds the
+    # op as the caller called it) and takes no autograd.Function (See Note [A call's derivatives under a
+    # mode]). The graph is the one torch records without a guard, with and without gradients (jit.trace's
+    # check traces again under no_grad, where SDPA takes another route).
+
+    def _on_traced_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """on_entry while torch.jit.trace records: See Note [The guard under torch.jit.trace]."""
+        state, paused = _tracing_state(), self._paused_trace
+        self._paused_trace = state
         torch._C._set_tracing_state(None)
         try:
-            return self.passes(name, args, kwargs)
+            return self.on_entry(name, functools.partial(self._recorded, proceed), args, kwargs)
         finally:
             torch._C._set_tracing_state(state)
+            self._paused_trace = paused
+
+    def _recorded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` recorded by the trace the guard paused, if any."""
+        if self._paused_trace is None:
+            return fn(*args, **kwargs)
+        previous = _tracing_state()
+        torch._C._set_tracing_state(self._paused_trace)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_tracing_state(previous)
 
     def _passes_transformed(self, name: str, args: tuple, kwargs: dict) -> bool:
         """`passes` under torch.func's transforms, whose tensors show their logical sizes: under vmap the
@@ -338,7 +362,8 @@ class GuardMode(MatmulMode):
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A call that may cross a limit: its bmm/mm calls, and its derivatives', decided one by one."""
-        if needs_derivatives(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        if self._paused_trace is None and needs_derivatives(tensors):
             return run_with_backward_under(self, fn, args, kwargs)
         with self:
             return fn(*args, **kwargs)
@@ -374,7 +399,8 @@ class GuardMode(MatmulMode):
         copies = self._copies(active)
         why_not = f"its dropout_p={dropout} draws one random mask, which no split reproduces" if dropout else None
         return self._act(record, fault, split and split.rows,
-                         lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, copies),
+                         lambda: self._recorded(self._as_one_op, run_sdpa_chunked, proceed, args, kwargs,
+                                                split, copies),
                          lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
 
     def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -409,21 +435,27 @@ class GuardMode(MatmulMode):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`_plain_check`)."""
-        check = _PLAIN.get(id(func))
-        if check is None:
-            check = _plain_check(func)
-        if check is not _FULL and not ACTIVE.stacks["emulator"]:
-            kwargs = kwargs or {}
-            if check is _NO_KERNEL:
-                return func(*args, **kwargs)
-            if check is _SIZED or check is _COMPOSITE_SIZED:
-                most, full_most = judged_at(self.index_bits)
-                if (check is _SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
-                        and size_call(func, args, kwargs, most, full_most) is None:
+        try:
+            check = _PLAIN.get(id(func))
+            if check is None:
+                check = _plain_check(func)
+            if check is not _FULL and not ACTIVE.stacks["emulator"]:
+                kwargs = kwargs or {}
+                if check is _NO_KERNEL:
                     return func(*args, **kwargs)
-            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
-                return func(*args, **kwargs)
-        return self.dispatch(func, args, kwargs or {})
+                if check is _SIZED or check is _COMPOSITE_SIZED:
+                    most, full_most = judged_at(self.index_bits)
+                    if (check is _SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
+                            and size_call(func, args, kwargs, most, full_most) is None:
+                        return func(*args, **kwargs)
+                elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
+                    return func(*args, **kwargs)
+            return self.dispatch(func, args, kwargs or {})
+        except RuntimeError:
+            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
+            if fixed is None:
+                raise
+        return self.__torch_dispatch__(func, types, fixed, kwargs)
 
     # One bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
