@@ -10,15 +10,22 @@ order) and tables.
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import re
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.errors import OversizedOpError
+from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORY_POINTS
 from mpsimpact.modes.guard import guard
 
 MODES = {  # name -> guard()'s arguments (CPU tensors guarded as MPS ones on a Mac)
@@ -215,3 +222,187 @@ def test_jit_trace_records_torchs_graph_in_every_mode_and_saves(model, tmp_path)
         assert got == want, condition  # node kinds in order, source lines (the test's), value names
         torch.testing.assert_close(got_out, out, msg=condition)
         torch.testing.assert_close(loaded, out, msg=condition)
+
+
+# What torch and libraries build while a guard is active keeps working as torch's own, inside and after it:
+# tables keyed by torch's callables (the __torch_function__ idiom), names bound to them, torch's own tables
+# of its callables, pickles of them.
+class Logged:
+    """A tensor-like with __torch_function__ and its handler table: the idiom of torch's docs."""
+
+    def __init__(self, value: torch.Tensor, table: dict) -> None:
+        self.value, self.table = value, table
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        leaves, spec = tree_flatten(args)
+        table = next(a.table for a in leaves if isinstance(a, Logged))
+        if func not in table:
+            return NotImplemented
+        plain = tree_unflatten([a.value if isinstance(a, Logged) else a for a in leaves], spec)
+        return table[func](*plain, **(kwargs or {}))
+
+
+def handler_table() -> dict:
+    """Handlers keyed by the public callables, as a library writes them (evaluated where it is built)."""
+    return {torch.matmul: lambda a, b: ("matmul", a @ b), F.linear: lambda x, w: ("linear", x @ w.T),
+            torch.bmm: lambda a, b: ("bmm", a @ b), torch.einsum: lambda eq, *ts: ("einsum", len(ts)),
+            torch.cat: lambda ts, dim=0: ("cat", torch.tensor(len(ts))),
+            torch.Tensor.matmul: lambda a, b: ("Tensor.matmul", a.as_subclass(torch.Tensor) @ b)}
+
+
+class LoggedTensor(torch.Tensor):
+    """A tensor subclass whose __torch_function__ reads the same kind of table (torch passes a Tensor method
+    as the attribute of torch.Tensor)."""
+
+    table: dict = {}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.table:
+            return cls.table[func](*args, **(kwargs or {}))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def use_table(table: dict) -> list:
+    a, w = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(4)), torch.eye(3)
+    x = Logged(a, table)
+    LoggedTensor.table = table
+    method = a.as_subclass(LoggedTensor).matmul(w)
+    return [torch.matmul(x, w), F.linear(x, w), torch.bmm(x, a), torch.einsum("bij,jk->bik", x, w),
+            torch.cat([x, x]), method]
+
+
+def same_values(got, want) -> None:
+    for (name, value), (want_name, want_value) in zip(got, want, strict=True):
+        assert name == want_name
+        torch.testing.assert_close(value, want_value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("condition", MODES)
+def test_a_handler_table_built_inside_a_guard_dispatches_inside_and_after_it(condition):
+    outside = handler_table()  # a library imported before the guard
+    want = use_table(outside)
+    with entered(condition):
+        inside = handler_table()
+        same_values(use_table(inside), want)
+        same_values(use_table(outside), want)
+    same_values(use_table(inside), want)
+
+
+LATE_MODULE = """
+import torch
+from torch import bmm, cat, einsum, matmul
+from torch.nn.functional import linear, scaled_dot_product_attention
+
+
+def uses_names(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = linear(matmul(a, b), b[0]) + einsum("bij,bjk->bik", a, b)
+    return cat([bmm(h, b), scaled_dot_product_attention(h, h, h)])
+"""
+
+
+def plain_uses_names(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = F.linear(torch.matmul(a, b), b[0]) + torch.einsum("bij,bjk->bik", a, b)
+    return torch.cat([torch.bmm(h, b), F.scaled_dot_product_attention(h, h, h)])
+
+
+@pytest.mark.parametrize("condition", MODES)
+def test_names_bound_inside_a_guard_work_after_it_scripted_traced_and_pickled(condition, tmp_path,
+                                                                                monkeypatch):
+    # A library imported inside a guard: its names are the wrappers. After the guard they call torch, script
+    # to torch's graph, trace to torch's callables and pickle as torch's.
+    (tmp_path / "late_library.py").write_text(LATE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with entered(condition):
+        import late_library
+    try:
+        a, b = torch.randn(2, 3, 3), torch.randn(2, 3, 3)
+        want = plain_uses_names(a, b)
+        torch.testing.assert_close(late_library.uses_names(a, b), want, rtol=0, atol=0)
+        scripted = torch.jit.script(late_library.uses_names)
+        plain_kinds = [n.kind() for n in torch.jit.script(plain_uses_names).graph.nodes()]
+        assert [n.kind() for n in scripted.graph.nodes()] == plain_kinds
+        torch.testing.assert_close(scripted(a, b), want, rtol=0, atol=0)
+        fx_targets = call_targets(torch.fx.symbolic_trace(late_library.uses_names).graph)
+        assert fx_targets == call_targets(torch.fx.symbolic_trace(plain_uses_names).graph)
+        assert torch.bmm in fx_targets  # torch's own callable, by identity
+        for name in ("bmm", "cat", "matmul"):
+            assert pickle.dumps(getattr(late_library, name)) == pickle.dumps(getattr(torch, name))
+    finally:
+        del sys.modules["late_library"]
+
+
+def call_targets(graph) -> list:
+    return [node.target for node in graph.nodes if node.op == "call_function"]
+
+
+# Pickle: every wrapped callable, entry points and factories (wrapped for a gated strict guard).
+PLACES = [(owner, attribute) for group in (ENTRY_POINTS, FACTORY_POINTS) for places in group.values()
+          for owner, attribute in places]
+# See Note [Wrappers as good guests]: these three pickle by a path (torch._C._nn.linear,
+# torch.functional.einsum) that does not lead to the wrapper, so the wrapper pickles by its public path, which
+# loads the same callable.
+BY_PUBLIC_PATH = {(F, "linear"): b"torch.nn.functional", (torch, "einsum"): b"torch",
+                  (F, "scaled_dot_product_attention"): b"torch.nn.functional"}
+
+
+def pickled() -> dict:
+    return {(owner, attribute): pickle.dumps(getattr(owner, attribute)) for owner, attribute in PLACES}
+
+
+def test_every_wrapped_callable_pickles_as_torchs_own():
+    want = pickled()
+    with guard("raise", strict=True, devices=("cuda",)):  # gated (CUDA counts bytes): factories wrapped too
+        wrappers = {place: getattr(*place) for place in PLACES}
+        got = pickled()
+        loaded = {place: pickle.loads(data) for place, data in got.items()}
+        copies = {place: copy.deepcopy(wrapper) for place, wrapper in wrappers.items()}
+    for place, wrapper in wrappers.items():
+        assert wrapper is not getattr(*place)  # it was a wrapper
+        assert loaded[place] == wrapper == getattr(*place) and copies[place] is wrapper
+        if place in BY_PUBLIC_PATH:
+            assert got[place] != want[place] and BY_PUBLIC_PATH[place] in got[place], place
+            assert pickle.loads(pickle.dumps(wrapper)) is getattr(*place)  # after: torch's own
+        else:
+            assert got[place] == want[place] == pickle.dumps(wrapper), place  # inside and after
+
+
+def test_torchs_tables_first_built_inside_a_guard_list_torchs_own_callables():
+    # In a fresh process (torch builds them once): torch.overrides' tables, which TorchDynamo reads, first
+    # asked for inside a guard, equal the same tables computed again after it; Dynamo first imported inside a
+    # guard compiles the same graph there and after. The wrappers' first installation, whatever the mode,
+    # builds them first.
+    out = run_python("""
+        import torch, torch.nn.functional as F
+        import torch.overrides as overrides
+        from mpsimpact.modes.guard import guard
+
+        def f(x, w):
+            return torch.matmul(x, w) + x.matmul(w) + F.linear(x, w) + x @ w + torch.cat([x, w]).sum()
+
+        x, w = torch.randn(4, 4), torch.randn(4, 4)
+        with guard("chunk", devices=("cpu",), strict=True):
+            tables = overrides.get_overridable_functions()
+            names = [overrides.resolve_name(f) for f in (torch.matmul, F.linear, torch.Tensor.matmul)]
+        print(tables == overrides._get_overridable_functions.__wrapped__()[0])
+        print(torch.matmul in tables[torch], F.linear in tables[F], names)
+        with guard("raise", devices=("cpu",)):
+            from torch._dynamo.testing import CompileCounter
+            inside = CompileCounter()
+            torch.compile(f, backend=inside, fullgraph=True)(x, w)
+        torch._dynamo.reset()
+        after = CompileCounter()
+        torch.compile(f, backend=after, fullgraph=True)(x, w)
+        print(inside.frame_count, inside.op_count == after.op_count, after.frame_count)
+    """)
+    assert out.split("\n")[:3] == [
+        "True", "True True ['torch.matmul', 'torch.nn.functional.linear', 'torch.Tensor.matmul']", "1 True 1"]
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pydoc
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
-from types import CodeType, FrameType
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -43,33 +44,40 @@ from torch.jit import _builtins as jit_builtins
 # Note [Wrappers as good guests]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # While a handler is active, the wrappers replace torch's callables for the whole process, also for
-# code on other threads that never enters a guard, so everything but the guard must take them for
-# torch's own:
+# code on other threads that never enters a guard, and whatever is made meanwhile (a table keyed by
+# torch.matmul, `from torch import bmm` in a library imported then, a pickle) outlives them. So each
+# wrapper is an `EntryPoint` that everything but the guard takes for torch's own, inside a guard and after:
+# - it equals and hashes as the callable it stands for, so a table keyed by torch's callables (the
+#   `__torch_function__` idiom) finds its handlers whichever of the two keyed it and whichever looks it
+#   up (torch passes its builtin to `__torch_function__`; a Tensor method as the attribute of
+#   torch.Tensor, the wrapper while it is in place). `is` tells them apart: `func is torch.matmul`
+#   evaluated inside a guard is False for torch's builtin.
+# - pickle: torch's builtins pickle as getattr(their class, name), and so does the wrapper: the same bytes,
+#   inside a guard and after, loading torch's own callable. F.linear, F.scaled_dot_product_attention and
+#   torch.einsum pickle by a path (torch._C._nn.linear, torch.functional.einsum) whose identity check
+#   finds torch's callable, not the wrapper: the wrapper pickles by its public path (torch.nn.functional.
+#   linear), which loads the same callable everywhere (other bytes than torch's own: tests pin it).
+#   copy and deepcopy give the wrapper itself, as for a function.
 # - TorchScript resolves a Python callable it meets in scripted code through
 #   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
 #   source; each wrapper is entered there under the aten op of the callable it replaces
-#   (torch.matmul -> aten::matmul), so scripted code compiles to the same graph as without
-#   mpsimpact. The originals stay in the table too (names bound before installation).
-# - pickle stores a function as `__module__` + `__qualname__` and checks that this path leads back
-#   to the same object. Each wrapper carries the public path of what it replaces
-#   (torch.matmul, torch.nn.functional.linear, torch.Tensor.bmm), which leads to the wrapper
-#   while it is installed; unpickling gives whatever that path holds in the loading process:
-#   the wrapper here, torch's own callable in a process without mpsimpact.
-# - torch.compile: Dynamo traces the callable a function names in `_torchdynamo_inline` (its own
-#   protocol, used for torch.jit.script's results), so compiled graphs call torch's builtins
-#   whichever of Dynamo and mpsimpact was loaded first; `_compiling()` folds the wrapper away for a
-#   Dynamo that ignores the attribute.
-# - `__name__`, `__doc__`, annotations and `__wrapped__` (so inspect.signature) are torch's.
-# - They stay plain functions: a callable object with `__reduce__`/`__eq__` would pickle and compare
-#   more freely, but costs a slot call more on every call. Identity that holds: `torch.matmul is
-#   torch.matmul` everywhere, also after a pickle round trip. Identity that cannot: the `func` a
-#   `__torch_function__` override receives is torch's builtin (the C++ side passes it), not the
-#   wrapper now at torch.matmul, and FX graphs record torch's builtins (a wrapper called with a
-#   proxy hands it to the original at once), so while a handler is active an FX pass comparing
-#   `node.target is torch.bmm` compares a builtin with the wrapper. Once the last handler has left,
-#   torch.bmm is torch's own again and the same pass finds its nodes; `isinstance(torch.matmul,
-#   types.BuiltinFunctionType)` is False while installed, so torch.fx.operator_schemas.
-#   normalize_function(torch.matmul, ...) raises then (FX passes meet the builtins, not the wrappers).
+#   (torch.matmul -> aten::matmul), and stays there after the guard (wrappers are made once and kept
+#   alive, so the id stays theirs): a name bound to a wrapper scripts as torch's, also later.
+# - torch's tables of its own callables that are built on first use and kept (torch.overrides'
+#   get_overridable_functions, which Dynamo reads, and its kin) are built before the wrappers are first
+#   in place, from torch's own callables.
+# - torch.compile: Dynamo traces the callable named in `__original_fn` (its protocol for wrappers of
+#   torch.jit._script_if_tracing) in the wrapper's place, and a Tensor method's bound function through
+#   `_torchdynamo_inline`, so compiled graphs call torch's builtins whichever of Dynamo and mpsimpact was
+#   loaded first; `_compiling()` folds the wrapper away for a Dynamo that ignores both.
+# - `__name__`, `__doc__`, annotations and `__wrapped__` (so inspect.signature) are torch's; a Tensor
+#   method's wrapper binds to its tensor as a method does.
+# - The cost: a call of an object, not of a function (about 0.1 us; a Tensor method's binding 0.2 us more).
+# Identity that cannot hold while a handler is active: FX graphs record torch's builtins (a wrapper called
+# with a proxy hands it to the original at once), so an FX pass comparing `node.target is torch.bmm` then
+# compares a builtin with the wrapper (`==` holds); `isinstance(torch.matmul, types.BuiltinFunctionType)`
+# is False, so torch.fx.operator_schemas.normalize_function(torch.matmul, ...) raises then (FX passes meet
+# the builtins, not the wrappers).
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -126,6 +134,9 @@ class _Installed(NamedTuple):
 _INSTALLED: dict[tuple[Any, str], _Installed] = {}
 # Each place's wrapper, kept across uninstall with the original it wraps (functools.update_wrapper costs).
 _MADE: dict[tuple[Any, str], _Installed] = {}
+# Wrappers made for an original that was replaced since (kept alive: a name may hold them, the builtin table
+# lists them); its first entry marks torch's tables as built (_torch_tables).
+_RETIRED: list[Any] = []
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
 _BIRTHS = 0  # of them, those that see factories (sees_births)
@@ -150,7 +161,7 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
     return proceed
 
 
-def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> Callable[..., Any]:
+def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> EntryPoint:
     sizes = name in FACTORIES
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -169,13 +180,73 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
             return handlers[0].on_entry(name, original, args, kwargs)
         return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
-    # Torch's name, doc, annotations and __wrapped__ (so inspect.signature), the public path (not
-    # torch._C._nn.linear) for pickle, and the original for torch.compile to trace: see
-    # Note [Wrappers as good guests].
-    functools.update_wrapper(wrapped, original)
-    wrapped.__module__, wrapped.__qualname__ = _public_path(owner, attribute)
-    wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]
-    return wrapped
+    return _stand_in(wrapped, original, owner, attribute)
+
+
+class EntryPoint:
+    """What stands at one of torch's callables while the wrappers are in place: a call goes to the handlers,
+    and the object is compared, hashed, copied and pickled as the callable it stands for. Each is the one
+    instance of its own class, whose `__call__` is the wrapper function itself (no bound method on the hot
+    path). See Note [Wrappers as good guests]."""
+
+    __wrapped__: Any
+
+    def __eq__(self, other: object) -> bool:
+        return self.__wrapped__ == (other.__wrapped__ if isinstance(other, EntryPoint) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+    def __copy__(self) -> EntryPoint:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> EntryPoint:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """The original's own reduction (torch's builtins pickle as getattr(their class, name)); F.linear,
+        F.scaled_dot_product_attention and torch.einsum, which pickle by a path that does not lead here, by
+        their public one."""
+        reduced = _reduction(self.__wrapped__, protocol)
+        if reduced is not None:
+            return reduced
+        path = f"{self.__module__}.{self.__qualname__}"
+        return self.__qualname__ if pydoc.locate(path) is self else (pydoc.locate, (path,))
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
+
+
+def _bound(self: EntryPoint, instance: Any, owner: Any = None) -> Any:
+    """`__get__` of a Tensor method's EntryPoint: bound to the tensor, as the method it stands for."""
+    return self if instance is None else types.MethodType(type(self).__call__, instance)
+
+
+def _reduction(original: Any, protocol: Any) -> tuple | None:
+    """How pickle stores `original` where that is a (callable, arguments) pair (no path to look up)."""
+    try:
+        reduced = original.__reduce_ex__(protocol)
+    except TypeError:  # a Python function: pickle stores it by its path
+        return None
+    return reduced if isinstance(reduced, tuple) else None
+
+
+def _stand_in(wrapped: Callable[..., Any], original: Callable[..., Any], owner: Any,
+              attribute: str) -> EntryPoint:
+    """The EntryPoint calling `wrapped` for `original` at `owner.attribute`: torch's name, doc, annotations
+    and __wrapped__ (so inspect.signature), its public path, and the original for torch.compile to trace
+    (Note [Wrappers as good guests])."""
+    functools.update_wrapper(wrapped, original)  # a bound method's name is its function's: Dynamo reads it
+    members = {"__call__": staticmethod(wrapped), "__doc__": original.__doc__}
+    if isinstance(owner, type):
+        members["__get__"] = _bound
+    stand_in = type(attribute, (EntryPoint,), members)()
+    functools.update_wrapper(stand_in, original)  # type: ignore[arg-type]
+    stand_in.__module__, stand_in.__qualname__ = _public_path(owner, attribute)
+    setattr(stand_in, "__script_if_tracing_wrapper", True)  # Dynamo traces `__original_fn` in its place
+    setattr(stand_in, "__original_fn", original)
+    wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]  # and a bound method's function
+    return stand_in
 
 
 # Note [Calls torch.jit.trace records]
@@ -189,11 +260,11 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
 # name, and a copy of its locals (`_as_caller`: a code object made once per call site, run by exec). The
 # graph is torch's own: the same nodes, lines and names as without a guard.
 _CALL = compile("_mpsimpact_out = _mpsimpact_call(*_mpsimpact_args, **_mpsimpact_kwargs)", "<call>", "exec")
-_SITES: dict[tuple[str, int, str], CodeType] = {}
+_SITES: dict[tuple[str, int, str], types.CodeType] = {}
 _tracing_state = torch._C._get_tracing_state
 
 
-def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: FrameType,
+def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: types.FrameType,
             args: tuple, kwargs: dict) -> Any:
     """A wrapped call while torch.jit.trace records: See Note [Calls torch.jit.trace records]."""
     proceed = functools.partial(_as_caller, caller, original)
@@ -202,7 +273,7 @@ def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler
     return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
 
-def _as_caller(caller: FrameType, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _as_caller(caller: types.FrameType, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`original(*args, **kwargs)` run from a frame that reads as `caller` (file, line, name, locals)."""
     code = caller.f_code
     site = (code.co_filename, caller.f_lineno, code.co_name)
@@ -254,29 +325,44 @@ def install() -> None:
 def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
     if (places[0][1], places[0][2]) in _INSTALLED:
         return  # a group is in place as a whole or not at all
-    table = jit_builtins._get_builtin_table()  # built now, if not yet, from torch's own callables
+    table = _torch_tables()
     for name, owner, attribute in places:
         original = getattr(owner, attribute)
         own = attribute in owner.__dict__
         made = _MADE.get((owner, attribute))
         if made is None or made.original is not original or made.own is not own:
             # made once per original: entering a guard is cheap
+            if made is not None:
+                _RETIRED.append(made.wrapper)  # alive, so that its id in the builtin table stays its own
             made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
         _INSTALLED[(owner, attribute)] = made
         setattr(owner, attribute, made.wrapper)
         if id(original) in table:
-            table[id(made.wrapper)] = table[id(original)]
+            table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
+
+
+def _torch_tables() -> dict[int, str]:
+    """TorchScript's builtin table (by id); before it returns it the first time, torch's other tables of
+    its callables, built on first use and kept (torch.overrides'), are built from torch's own callables:
+    See Note [Wrappers as good guests]."""
+    if not _RETIRED:
+        torch.overrides.get_overridable_functions()  # also resolve_name's index
+        torch.overrides.get_ignored_functions()
+        torch.overrides.get_default_nowrap_functions()
+        torch.overrides._get_tensor_methods()
+        _RETIRED.append(None)
+    return jit_builtins._get_builtin_table()
 
 
 def uninstall() -> None:
     """Restores torch exactly as `install()` found it.
 
     Every wrapped attribute is the original callable again (an inherited one, such as
-    `Tensor.__matmul__` from `TensorBase`, inherited again), and TorchScript's builtin table no
-    longer lists the wrappers. An attribute another library replaced after us keeps that library's
-    callable. A wrapper someone kept a reference to still works, but no longer pickles (its public
-    path leads to the original now). Entering a guard, emulator or tracer installs the wrappers
-    again.
+    `Tensor.__matmul__` from `TensorBase`, inherited again). An attribute another library replaced
+    after us keeps that library's callable. A wrapper someone kept a reference to (`from torch import
+    bmm` inside a guard) still works as torch's callable: it calls it, TorchScript's builtin table
+    keeps listing it, and it equals, hashes and pickles as it. Entering a guard, emulator or tracer
+    installs the wrappers again.
     """
     _uninstall(_INSTALLED)
     _INSTALLED.clear()
@@ -284,10 +370,8 @@ def uninstall() -> None:
 
 def _uninstall(places: Iterable[tuple[Any, str]]) -> None:
     """Takes the wrappers of `places` away (each must be in place)."""
-    table = jit_builtins._get_builtin_table()
     for owner, attribute in places:
         original, own, wrapper = _INSTALLED[(owner, attribute)]
-        table.pop(id(wrapper), None)  # the wrapper is alive until here, so no other object has its id
         if getattr(owner, attribute) is not wrapper:
             continue  # replaced again since: not ours to undo
         if own:
