@@ -22,9 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.errors import OversizedOpError
+from mpsimpact.modes import backward as backward_module
 from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORY_POINTS
 from mpsimpact.modes.guard import guard
 
@@ -155,6 +158,39 @@ def test_transforms_at_a_narrow_width_chunk_to_the_unguarded_values_and_raise_st
     with pytest.raises(OversizedOpError):
         transformed(transform, entry, "raise", **options)
 
+
+# The slow path that judges and lets the call run: at NARROW bits x (4, 12) has 48 >= VIEW_LIMIT 32 elements,
+# so each call goes through the dispatch mode (an autograd.Function with gradients), yet every 2-D product
+# stays below LIMIT 64, where mm is right whatever its layouts: raise stops nothing. (Under vmap the batched
+# products pass LIMIT: the narrow test above covers those.)
+W2 = torch.randn(12, 2, generator=_make, dtype=DTYPE)  # (K, N)
+SLOW = {
+    "matmul": lambda x: torch.matmul(x, W2), "mm": lambda x: torch.mm(x, W2),
+    "addmm": lambda x: torch.addmm(W2[0], x, W2), "linear": lambda x: F.linear(x, W2.T, W2[0]),
+    "einsum": lambda x: torch.einsum("ik,kn->in", x, W2),
+}
+UNBATCHED = {
+    "grad": lambda f, x: torch.func.grad(scalar(f))(x),
+    "vjp": lambda f, x: torch.func.vjp(f, x)[1](torch.ones(4, 2, dtype=DTYPE))[0],
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+    "double backward": double_backward,
+}
+
+
+@pytest.mark.parametrize("transform", UNBATCHED)
+@pytest.mark.parametrize("entry", SLOW)
+def test_the_slow_path_under_raise_gives_the_unguarded_values(entry, transform, monkeypatch):
+    import mpsimpact.modes.guard as guard_module
+
+    slow = []
+    monkeypatch.setattr(guard_module, "run_with_backward_under",
+                        lambda *a: slow.append(1) or backward_module.run_with_backward_under(*a))
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(5), dtype=DTYPE)
+    want = UNBATCHED[transform](SLOW[entry], x)
+    with entered("raise", index_bits=NARROW, profile=PROFILE) as g:
+        got = UNBATCHED[transform](SLOW[entry], x)
+    assert slow and not g.stopped, "the call did not take the slow path"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 # torch.jit.trace: the graph torch records without a guard (nodes, their order, source lines and value
 # names), jit.trace's own check passing (it traces again under no_grad, where SDPA's route differs), and
@@ -406,3 +442,53 @@ def run_python(code: str) -> str:
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+# Other modes: a user's TorchFunctionMode or TorchDispatchMode, entered outside or inside the guard, logs the
+# calls it logs without one (the guard's reads of sizes, its Function's detaches and its decompositions of
+# calls it lets run are its own).
+class FunctionLog(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__qualname__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class DispatchLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def model_step(x: torch.Tensor, w: torch.Tensor) -> None:
+    h = F.linear(torch.matmul(x, w), w) + torch.einsum("bij,jk->bik", x, w) + x @ w + x.bmm(w.expand(2, 8, 8))
+    out = torch.cat([F.scaled_dot_product_attention(h, h, h), h], dim=1).sum()
+    if out.requires_grad:
+        out.backward()
+
+
+def logged(log_class, where: str, condition: str | None, grad_mode) -> list[str]:
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    log = log_class()
+    outer, inner = (log, entered(condition)) if where == "outside" else (entered(condition), log)
+    with grad_mode(), outer, inner:
+        model_step(x, w)
+    return log.seen
+
+
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("log_class", [FunctionLog, DispatchLog])
+def test_a_users_mode_sees_the_calls_it_sees_without_a_guard(log_class, where, grad_mode):
+    want = logged(log_class, where, None, grad_mode)
+    assert want
+    for condition in MODES:
+        assert logged(log_class, where, condition, grad_mode) == want, condition

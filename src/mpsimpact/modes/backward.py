@@ -30,6 +30,8 @@ from mpsimpact.modes.base import needs_grad
 #   gradients): `jvp` computes the call's tangent under the mode;
 # - vmap: functorch runs forward, backward and jvp on batched tensors (generate_vmap_rule), so the mode
 #   sees the calls MPS would run: the physical, batched ones.
+# The Function's own detaches run unseen by other dispatch modes (See Note [Calls other modes see] in
+# modes/entrypoint.py); where a derivative computes the call again, they see that computation.
 # Every tensor of the call is an input of the Function, not captured by it (functorch cannot lift a
 # captured tensor of a transform's level). While torch.jit.trace records, the guard takes no Function (the
 # trace would hold a prim::PythonOp where torch records the aten op): the call runs under the mode, and a
@@ -78,11 +80,11 @@ class _UnderMode(torch.autograd.Function):
         if kept is None:
             with mode:
                 return inner(*tensors)
-        detached = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+        detached = [_detached(x).requires_grad_(x.requires_grad) for x in tensors]
         with torch.enable_grad(), mode:
             out = inner(*detached)
         kept.recorded = detached, out
-        return out.detach()
+        return _detached(out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -113,6 +115,15 @@ class _UnderMode(torch.autograd.Function):
                 filled = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
                 return torch.func.jvp(ctx.inner, tuple(primals), filled)[1]
             return _eager_tangent(ctx.inner, primals, tangents)
+
+
+def _detached(x: torch.Tensor) -> torch.Tensor:
+    """`x.detach()`, unseen by the dispatch modes active (a user's): the Function's own plumbing, not a call
+    of the model. A tensor subclass (FakeTensor, a wrapper subclass) detaches as it would anyway."""
+    if type(x) is not torch.Tensor:
+        return x.detach()
+    with torch._C._DisableTorchDispatch():
+        return x.detach()
 
 
 def _vjp(inner: Callable[..., Any], tensors: tuple, needs: tuple, grad: torch.Tensor) -> tuple:

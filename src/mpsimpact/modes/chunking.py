@@ -290,13 +290,41 @@ def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
     bound = max(map(_extent, tensors), default=0)
     if name == "cat":
         return max(bound, sum(t.numel() for t in tensors))
-    if name == "einsum" or len(tensors) < 2:
-        return math.inf  # its bmm operands are not known here: always look closer
+    if name == "einsum":
+        return max(bound, einsum_elements(args))
+    if len(tensors) < 2:
+        return math.inf  # not a product this reads: look closer
     if name == "linear":
         x, w = tensors[0], tensors[1]
         return max(bound, x.numel() // max(x.shape[-1], 1) * w.shape[0])
     a, b = tensors[-2], tensors[-1]  # the two matrix operands (baddbmm/addmm: after the input)
     return max(bound, product_elements(a.shape, b.shape))
+
+
+def einsum_elements(args: tuple) -> float:
+    """The most elements any tensor of an einsum's contraction holds past its operands: the product of every
+    subscript's size (each pairwise intermediate, bmm operand and output of torch's contraction is indexed by
+    some of the subscripts, an ellipsis by the broadcast dims). inf where the call is not (equation,
+    *operands) with one subscript per dim (the sublist form, a malformed call: torch says what is wrong)."""
+    operands = args[1:] if len(args) != 2 or not isinstance(args[1], (list, tuple)) else args[1]
+    if not args or not isinstance(args[0], str) or not all(isinstance(t, torch.Tensor) for t in operands):
+        return math.inf
+    subscripts = args[0].replace(" ", "").split("->")[0].split(",")
+    if len(subscripts) != len(operands):
+        return math.inf
+    sizes: dict[str, int] = {}
+    ellipses: list[tuple[int, ...]] = []
+    for letters, operand in zip(subscripts, operands):
+        head, dots, tail = letters.partition("...")
+        dims = operand.dim() - len(head) - len(tail)
+        if dims < 0 or (not dots and dims):
+            return math.inf
+        shape = tuple(operand.shape)
+        ellipses.append(shape[len(head):len(head) + dims])
+        for letter, size in zip(head + tail, shape[:len(head)] + shape[len(head) + dims:]):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+    broadcast = (max(sizes_at) for sizes_at in itertools.zip_longest(*map(reversed, ellipses), fillvalue=1))
+    return math.prod(sizes.values()) * math.prod(broadcast)
 
 
 def product_elements(sa: tuple[int, ...], sb: tuple[int, ...]) -> int:

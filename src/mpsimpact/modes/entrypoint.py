@@ -173,6 +173,8 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
         if not handlers or not (sizes or args and isinstance(args[0], _Tensor)
                                 or isinstance(_first_operand(args, kwargs), _Tensor)):
             return original(*args, **kwargs)
+        if _has_torch_function(args):  # See Note [Calls other modes see]
+            return _beside_torch_function(name, original, handlers, args, kwargs)
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.
         if len(handlers) == 1 and handlers[0].passes(name, args, kwargs) or _compiling():
             return original(*args, **kwargs)  # nor while torch.compile traces: the wrapper folds away there
@@ -210,7 +212,7 @@ class EntryPoint:
         reduced = _reduction(self.__wrapped__, protocol)
         if reduced is not None:
             return reduced
-        path = f"{self.__module__}.{self.__qualname__}"
+        path = f"{self.__module__}.{self.__qualname__}"  # its public path (_stand_in)
         return self.__qualname__ if pydoc.locate(path) is self else (pydoc.locate, (path,))
 
     def __repr__(self) -> str:
@@ -242,7 +244,9 @@ def _stand_in(wrapped: Callable[..., Any], original: Callable[..., Any], owner: 
         members["__get__"] = _bound
     stand_in = type(attribute, (EntryPoint,), members)()
     functools.update_wrapper(stand_in, original)  # type: ignore[arg-type]
-    stand_in.__module__, stand_in.__qualname__ = _public_path(owner, attribute)
+    stand_in.__module__ = getattr(original, "__module__", None)  # a method descriptor has none: not ours either
+    if _reduction(original, 2) is None:  # pickled by path: the public one (See EntryPoint.__reduce_ex__)
+        stand_in.__module__, stand_in.__qualname__ = _public_path(owner, attribute)
     setattr(stand_in, "__script_if_tracing_wrapper", True)  # Dynamo traces `__original_fn` in its place
     setattr(stand_in, "__original_fn", original)
     wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]  # and a bound method's function
@@ -284,6 +288,45 @@ def _as_caller(caller: types.FrameType, original: Callable[..., Any], *args: Any
     names.update(_mpsimpact_call=original, _mpsimpact_args=args, _mpsimpact_kwargs=kwargs)
     exec(made, caller.f_globals, names)
     return names["_mpsimpact_out"]
+
+
+# Note [Calls other modes see]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A user's TorchFunctionMode, or a tensor subclass's __torch_function__, sees every torch call made while it
+# is active, the handlers' own too: the sizes, strides and storage offsets a guard reads (each a
+# `Tensor.shape.__get__`, `storage_offset` call), the slices and copies of a split. So where torch function
+# handling would see the call, the handlers decide it with torch function off, and torch's callable runs
+# with it as the caller had it: such a mode sees the call once, with the caller's arguments, as without a
+# guard (torch hands a Tensor method's `func` as the attribute of torch.Tensor: the wrapper, equal to it).
+# A user's TorchDispatchMode sees no guard's reads (they dispatch nothing), nor its Function's detaches
+# (modes/backward.py), and a product reaching the guard's dispatch mode whole (under inference_mode) runs
+# whole where its bound is below every limit (einsum's too: chunking.einsum_elements). A call a guard
+# computes another way (a split, SDPA's math path, a call near a limit that it decomposes to judge, a
+# derivative computed again) shows such modes the calls that run.
+_has_torch_function = torch._C._has_torch_function
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
+
+
+def _beside_torch_function(name: str, original: Callable[..., Any], handlers: list[EntryHandler], args: tuple,
+                           kwargs: dict) -> Any:
+    """A wrapped call that torch function handling would see: See Note [Calls other modes see]."""
+    state = torch._C._get_torch_function_state()
+    proceed = functools.partial(_in_function_state, state, original)
+    torch._C._set_torch_function_state(_ALL_DISABLED)
+    try:
+        return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
+    finally:
+        torch._C._set_torch_function_state(state)
+
+
+def _in_function_state(state: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`original(*args, **kwargs)` with torch function handling in `state` (the caller's)."""
+    previous = torch._C._get_torch_function_state()
+    torch._C._set_torch_function_state(state)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        torch._C._set_torch_function_state(previous)
 
 
 def _first_operand(args: tuple, kwargs: dict) -> Any:

@@ -50,8 +50,9 @@ from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_pr
 
 GUARD_MODES = ("raise", "warn", "chunk")
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
-# can meet a rule; einsum, tensordot and bilinear are always decomposed.
-_DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
+# can meet a rule (below it they run whole, so a dispatch mode beneath sees them as without a guard);
+# tensordot and bilinear are always decomposed.
+_DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear", aten.einsum.default: "einsum",
                      aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 _PRODUCTS = frozenset({"matmul", "bmm", "mm"})
