@@ -108,7 +108,6 @@ TRANSFORMS = {  # name -> (entry name, x) -> value
     "functional_call": functional_grad,
     "double backward": lambda n, x: double_backward(ENTRIES[n], x),
 }
-SMALL = {"hessian"}  # on a (2, 1, 12) slice: its (24 x 24) Hessian; the others take x whole
 
 
 def sample(name: str) -> torch.Tensor:
@@ -121,7 +120,12 @@ def transformed(transform: str, entry: str, condition: str | None, **options):
     return value, g
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
+# At MPS's width every call of these takes the fast path; the transforms that vmap (jacrev, jacfwd, hessian)
+# are run where the guard acts on them, at a narrow width below.
+UNSPLIT = ("grad", "vjp", "jvp", "vmap", "vmap(grad)", "functional_call", "double backward")
+
+
+@pytest.mark.parametrize("transform", UNSPLIT)
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_transforms_at_mps_width_give_the_unguarded_values_in_every_mode(entry, transform):
     want, _ = transformed(transform, entry, None)
@@ -136,7 +140,7 @@ def test_transforms_at_mps_width_give_the_unguarded_values_in_every_mode(entry, 
 
 # At NARROW bits under chunk the calls that fault are split (forward, backward, the transforms' batched
 # calls): the values are the plain ones within the tolerance of sums in another order; raise stops.
-SPLIT = ("grad", "vjp", "jacrev", "jvp", "vmap", "hessian", "double backward")
+SPLIT = ("grad", "vjp", "jacrev", "jacfwd", "jvp", "vmap", "hessian", "functional_call", "double backward")
 # SDPA at 8 bits (LIMIT 256): a piece keeps one key head whole (8 * 12 < VIEW_LIMIT 128), the 512 scores
 # cross; on 2.12.1, whose fused SDPA is wrong past LIMIT scores (without gradients: jvp, vmap).
 OPTIONS = {"sdpa": dict(index_bits=8, profile="2.12.1")}
@@ -492,3 +496,51 @@ def test_a_users_mode_sees_the_calls_it_sees_without_a_guard(log_class, where, g
     assert want
     for condition in MODES:
         assert logged(log_class, where, condition, grad_mode) == want, condition
+
+
+# torch.export with a dynamic batch dim: every op family the guard judges keeps it dynamic under each mode,
+# strict too (See Note [Symbolic sizes] in modes/guard.py): the same graph, the same range, the same values.
+class EveryFamily(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.embedding, self.norm = nn.Linear(8, 8), nn.Embedding(10, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x) + self.embedding(ids)  # (B, L, 8): addmm/linear, embedding, elementwise
+        h = self.norm(torch.cat([h, x], dim=1))  # (B, 2L, 8): cat, layer norm
+        scores = torch.matmul(h, h.transpose(1, 2)).softmax(-1)  # (B, 2L, 2L): matmul/bmm, softmax
+        h = torch.bmm(scores, h) + torch.einsum("bld,de->ble", h, self.linear.weight)
+        h = torch.baddbmm(h, scores, h) + F.scaled_dot_product_attention(h, h, h)
+        flat = torch.addmm(self.linear.bias, h.flatten(0, 1), self.linear.weight) + torch.mm(h.flatten(0, 1), h[0, :8])
+        masked = flat.masked_fill(flat > 0, 0.0) + torch.zeros_like(flat) + torch.full_like(flat, 0.5)
+        return masked.sum(-1) + masked.amax(-1) + masked.mean()  # (B*2L,): reductions
+
+
+def exported(condition: str | None, strict_export: bool):
+    torch.manual_seed(8)
+    module, x, ids = EveryFamily(), torch.randn(3, 5, 8), torch.randint(0, 10, (3, 5))
+    batch = torch.export.Dim("batch")
+    with entered(condition):
+        program = torch.export.export(module, (x, ids), dynamic_shapes=({0: batch}, {0: batch}),
+                                      strict=strict_export)
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    other = (torch.randn(7, 5, 8), torch.randint(0, 10, (7, 5)))  # another batch size: still dynamic
+    return targets, str(program.range_constraints), program.module()(*other), module(*other)
+
+
+def same_export(conditions, strict_export: bool) -> None:
+    want_targets, want_ranges, _, _ = exported(None, strict_export)
+    for condition in conditions:
+        targets, ranges, got, plain = exported(condition, strict_export)
+        assert (targets, ranges) == (want_targets, want_ranges), condition
+        torch.testing.assert_close(got, plain, msg=condition)
+
+
+def test_export_keeps_dynamic_dims_dynamic_under_raise_and_strict():
+    same_export(("raise", "strict chunk"), strict_export=False)  # an export costs a second: the rest is slow
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strict_export", [False, True], ids=["non-strict export", "strict export"])
+def test_export_keeps_dynamic_dims_dynamic_under_every_mode(strict_export):
+    same_export(MODES, strict_export)

@@ -244,7 +244,7 @@ def _stand_in(wrapped: Callable[..., Any], original: Callable[..., Any], owner: 
         members["__get__"] = _bound
     stand_in = type(attribute, (EntryPoint,), members)()
     functools.update_wrapper(stand_in, original)  # type: ignore[arg-type]
-    stand_in.__module__ = getattr(original, "__module__", None)  # a method descriptor has none: not ours either
+    stand_in.__module__ = getattr(original, "__module__", None)  # a method descriptor has none: nor do we
     if _reduction(original, 2) is None:  # pickled by path: the public one (See EntryPoint.__reduce_ex__)
         stand_in.__module__, stand_in.__qualname__ = _public_path(owner, attribute)
     setattr(stand_in, "__script_if_tracing_wrapper", True)  # Dynamo traces `__original_fn` in its place

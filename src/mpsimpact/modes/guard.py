@@ -39,7 +39,8 @@ from mpsimpact.modes.chunking import (
 from mpsimpact.modes.backward import needs_derivatives, run_with_backward_under
 from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES, push_handler, remove_handler
 from mpsimpact.modes.op_size import (
-    SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+    SKIPPED, SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call,
+    tensors_of,
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
@@ -52,14 +53,15 @@ GUARD_MODES = ("raise", "warn", "chunk")
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
 # can meet a rule (below it they run whole, so a dispatch mode beneath sees them as without a guard);
 # tensordot and bilinear are always decomposed.
-_DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear", aten.einsum.default: "einsum",
-                     aten._scaled_dot_product_attention_math.default: "sdpa"}
+_DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
+                     aten.einsum.default: "einsum", aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 _PRODUCTS = frozenset({"matmul", "bmm", "mm"})
 # The entry points whose calls vmap batches into one bigger call of the same kind (SDPA's fused kernels are
 # not judged at the dispatch level: it is judged at its entry).
 _PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
 _transforming = torch._C._are_functorch_transforms_active
+_fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
@@ -329,8 +331,8 @@ class GuardMode(MatmulMode):
         gradients), too small to meet a rule; fused, decided safe (outside a dispatch mode, which would
         otherwise judge the kernel that runs it here)."""
         query, key, value = sdpa_operands(args, kwargs)
-        if not self._applies(query):
-            return True
+        if not self._applies(query) or _fake_mode(_FAKE) is not None and has_symbolic_sizes((query, key, value)):
+            return True  # not guarded here; symbolic sizes: See Note [Symbolic sizes]
         if active_emulator() is not None:
             return False  # the emulator decides every SDPA call: see _on_sdpa
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
@@ -349,8 +351,8 @@ class GuardMode(MatmulMode):
                 key = (name == "linear", a.shape, b.shape)
                 try:
                     top = _LARGEST.get(key) or _largest_count(key)
-                except TypeError:  # symbolic sizes (torch.export with dynamic shapes): no arithmetic on them
-                    return False  # here (it would add guards to the export); the caller looks closer
+                except TypeError:  # symbolic sizes: See Note [Symbolic sizes]
+                    return True
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         if name in _FACTORY_SIZES:
@@ -359,6 +361,8 @@ class GuardMode(MatmulMode):
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
             return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes(flat_arguments(args, kwargs)):
+            return True  # See Note [Symbolic sizes]
         return entry_bound(name, args, kwargs) < self._view_limit
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -431,12 +435,23 @@ class GuardMode(MatmulMode):
         most = self._most
         return any(t.numel() > most for t in tensors_of(args, kwargs))
 
+    # Note [Symbolic sizes]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # Under torch.export with dynamic dims (and any fake tensors of a ShapeEnv) a tensor's sizes are symbols,
+    # not numbers: every comparison on one records a guard in the export (`8*batch <= 2147483647`), which
+    # then refuses the dims the user marked dynamic ("Constraints violated"). The guard judges no call whose
+    # sizes are symbolic, at its entry or in its dispatch mode: the exported program keeps every dim dynamic,
+    # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
+    # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
+
     # Dispatch level.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`_plain_check`)."""
         try:
+            if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs or {})):
+                return func(*args, **(kwargs or {}))  # See Note [Symbolic sizes]
             check = _PLAIN.get(id(func))
             if check is None:
                 check = _plain_check(func)
