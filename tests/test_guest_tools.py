@@ -511,7 +511,8 @@ class EveryFamily(nn.Module):
         scores = torch.matmul(h, h.transpose(1, 2)).softmax(-1)  # (B, 2L, 2L): matmul/bmm, softmax
         h = torch.bmm(scores, h) + torch.einsum("bld,de->ble", h, self.linear.weight)
         h = torch.baddbmm(h, scores, h) + F.scaled_dot_product_attention(h, h, h)
-        flat = torch.addmm(self.linear.bias, h.flatten(0, 1), self.linear.weight) + torch.mm(h.flatten(0, 1), h[0, :8])
+        rows = h.flatten(0, 1)  # (B*2L, 8)
+        flat = torch.addmm(self.linear.bias, rows, self.linear.weight) + torch.mm(rows, h[0, :8])
         masked = flat.masked_fill(flat > 0, 0.0) + torch.zeros_like(flat) + torch.full_like(flat, 0.5)
         return masked.sum(-1) + masked.amax(-1) + masked.mean()  # (B*2L,): reductions
 

@@ -331,8 +331,10 @@ class GuardMode(MatmulMode):
         gradients), too small to meet a rule; fused, decided safe (outside a dispatch mode, which would
         otherwise judge the kernel that runs it here)."""
         query, key, value = sdpa_operands(args, kwargs)
-        if not self._applies(query) or _fake_mode(_FAKE) is not None and has_symbolic_sizes((query, key, value)):
-            return True  # not guarded here; symbolic sizes: See Note [Symbolic sizes]
+        if not self._applies(query):
+            return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes((query, key, value)):
+            return True  # See Note [Symbolic sizes]
         if active_emulator() is not None:
             return False  # the emulator decides every SDPA call: see _on_sdpa
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
