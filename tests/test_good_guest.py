@@ -1,7 +1,7 @@
 """The entry-point wrappers are good guests: while a guard is installed, TorchScript, pickle, FX, export and
 torch.compile treat torch.matmul, F.linear, torch.bmm, torch.cat and friends as torch's own; without a
 guard torch is untouched; and the guard (strict too) stays out of program transforms' way.
-See Note [Wrappers as good guests] in mpsimpact/entrypoint.py."""
+See Note [Wrappers as good guests] in mpsimpact/modes/stand_in.py."""
 
 import copy
 import functools

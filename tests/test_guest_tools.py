@@ -381,9 +381,9 @@ def call_targets(graph) -> list:
 # Pickle: every wrapped callable, entry points and factories (wrapped for a gated strict guard).
 PLACES = [(owner, attribute) for group in (ENTRY_POINTS, FACTORY_POINTS) for places in group.values()
           for owner, attribute in places]
-# See Note [Wrappers as good guests]: these three pickle by a path (torch._C._nn.linear,
-# torch.functional.einsum) that does not lead to the wrapper, so the wrapper pickles by its public path, which
-# loads the same callable.
+# See Note [Wrappers as good guests] (modes/stand_in.py): these three pickle by a path (torch._C._nn.linear,
+# torch.functional.einsum) that does not lead to the wrapper, so the wrapper pickles by its public path,
+# which loads the same callable.
 BY_PUBLIC_PATH = {(F, "linear"): b"torch.nn.functional", (torch, "einsum"): b"torch",
                   (F, "scaled_dot_product_attention"): b"torch.nn.functional"}
 

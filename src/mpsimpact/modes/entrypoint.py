@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pydoc
 import sys
 import threading
 import types
@@ -19,6 +18,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch.jit import _builtins as jit_builtins
+
+from mpsimpact.modes.stand_in import EntryPoint, make_stand_in
 
 # Note [Entry points and the dispatch mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -39,45 +40,7 @@ from torch.jit import _builtins as jit_builtins
 # TorchFunctionMode would see those too without replacing anything, but it runs Python on every torch
 # call, not only these (about 220 per forward of the encoder): measured 1.14x to 1.16x at 1 x 16 on
 # this project's CPU against 1.03x for the wrappers (benchmarks/README.md). See Note [Wrappers as good
-# guests] for what the rest of the process sees of them while they are in place.
-
-# Note [Wrappers as good guests]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# While a handler is active, the wrappers replace torch's callables for the whole process, also for
-# code on other threads that never enters a guard, and whatever is made meanwhile (a table keyed by
-# torch.matmul, `from torch import bmm` in a library imported then, a pickle) outlives them. So each
-# wrapper is an `EntryPoint` that everything but the guard takes for torch's own, inside a guard and after:
-# - it equals and hashes as the callable it stands for, so a table keyed by torch's callables (the
-#   `__torch_function__` idiom) finds its handlers whichever of the two keyed it and whichever looks it
-#   up (torch passes its builtin to `__torch_function__`; a Tensor method as the attribute of
-#   torch.Tensor, the wrapper while it is in place). `is` tells them apart: `func is torch.matmul`
-#   evaluated inside a guard is False for torch's builtin.
-# - pickle: torch's builtins pickle as getattr(their class, name), and so does the wrapper: the same bytes,
-#   inside a guard and after, loading torch's own callable. F.linear, F.scaled_dot_product_attention and
-#   torch.einsum pickle by a path (torch._C._nn.linear, torch.functional.einsum) whose identity check
-#   finds torch's callable, not the wrapper: the wrapper pickles by its public path (torch.nn.functional.
-#   linear), which loads the same callable everywhere (other bytes than torch's own: tests pin it).
-#   copy and deepcopy give the wrapper itself, as for a function.
-# - TorchScript resolves a Python callable it meets in scripted code through
-#   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
-#   source; each wrapper is entered there under the aten op of the callable it replaces
-#   (torch.matmul -> aten::matmul), and stays there after the guard (wrappers are made once and kept
-#   alive, so the id stays theirs): a name bound to a wrapper scripts as torch's, also later.
-# - torch's tables of its own callables that are built on first use and kept (torch.overrides'
-#   get_overridable_functions, which Dynamo reads, and its kin) are built before the wrappers are first
-#   in place, from torch's own callables.
-# - torch.compile: Dynamo traces the callable named in `__original_fn` (its protocol for wrappers of
-#   torch.jit._script_if_tracing) in the wrapper's place, and a Tensor method's bound function through
-#   `_torchdynamo_inline`, so compiled graphs call torch's builtins whichever of Dynamo and mpsimpact was
-#   loaded first; `_compiling()` folds the wrapper away for a Dynamo that ignores both.
-# - `__name__`, `__doc__`, annotations and `__wrapped__` (so inspect.signature) are torch's; a Tensor
-#   method's wrapper binds to its tensor as a method does.
-# - The cost: a call of an object, not of a function (about 0.1 us; a Tensor method's binding 0.2 us more).
-# Identity that cannot hold while a handler is active: FX graphs record torch's builtins (a wrapper called
-# with a proxy hands it to the original at once), so an FX pass comparing `node.target is torch.bmm` then
-# compares a builtin with the wrapper (`==` holds); `isinstance(torch.matmul, types.BuiltinFunctionType)`
-# is False, so torch.fx.operator_schemas.normalize_function(torch.matmul, ...) raises then (FX passes meet
-# the builtins, not the wrappers).
+# guests] in modes/stand_in.py for what the rest of the process sees of them.
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -135,8 +98,9 @@ _INSTALLED: dict[tuple[Any, str], _Installed] = {}
 # Each place's wrapper, kept across uninstall with the original it wraps (functools.update_wrapper costs).
 _MADE: dict[tuple[Any, str], _Installed] = {}
 # Wrappers made for an original that was replaced since (kept alive: a name may hold them, the builtin table
-# lists them); its first entry marks torch's tables as built (_torch_tables).
-_RETIRED: list[Any] = []
+# lists them by id).
+_RETIRED: list[EntryPoint] = []
+_TABLES_BUILT = False  # torch's tables of its callables (_torch_tables)
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
 _BIRTHS = 0  # of them, those that see factories (sees_births)
@@ -162,17 +126,20 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 
 
 def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> EntryPoint:
+    """The EntryPoint standing at `owner.attribute` for `original`, whose calls go to the handlers."""
     sizes = name in FACTORIES
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = _LOCAL.__dict__.get("handlers")
-        if _tracing_state() is not None:  # See Note [Calls torch.jit.trace records]
-            return _traced(name, original, handlers or [], sys._getframe(1), args, kwargs)
         # Not for arguments that are not tensors (an FX proxy: symbolic tracing records torch's own callable);
         # a factory's are sizes (a handler passes what it cannot read as numbers).
         if not handlers or not (sizes or args and isinstance(args[0], _Tensor)
                                 or isinstance(_first_operand(args, kwargs), _Tensor)):
-            return original(*args, **kwargs)
+            if _tracing_state() is None:
+                return original(*args, **kwargs)
+            return _as_caller(sys._getframe(1), original, *args, **kwargs)  # Note [Calls jit.trace records]
+        if _tracing_state() is not None:  # See Note [Calls jit.trace records]
+            return _traced(name, original, handlers, sys._getframe(1), args, kwargs)
         if _has_torch_function(args):  # See Note [Calls other modes see]
             return _beside_torch_function(name, original, handlers, args, kwargs)
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.
@@ -182,79 +149,11 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
             return handlers[0].on_entry(name, original, args, kwargs)
         return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
-    return _stand_in(wrapped, original, owner, attribute)
+    return make_stand_in(wrapped, original, owner, attribute)
 
 
-class EntryPoint:
-    """What stands at one of torch's callables while the wrappers are in place: a call goes to the handlers,
-    and the object is compared, hashed, copied and pickled as the callable it stands for. Each is the one
-    instance of its own class, whose `__call__` is the wrapper function itself (no bound method on the hot
-    path). See Note [Wrappers as good guests]."""
-
-    __wrapped__: Any
-
-    def __eq__(self, other: object) -> bool:
-        return self.__wrapped__ == (other.__wrapped__ if isinstance(other, EntryPoint) else other)
-
-    def __hash__(self) -> int:
-        return hash(self.__wrapped__)
-
-    def __copy__(self) -> EntryPoint:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> EntryPoint:
-        return self
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """The original's own reduction (torch's builtins pickle as getattr(their class, name)); F.linear,
-        F.scaled_dot_product_attention and torch.einsum, which pickle by a path that does not lead here, by
-        their public one."""
-        reduced = _reduction(self.__wrapped__, protocol)
-        if reduced is not None:
-            return reduced
-        path = f"{self.__module__}.{self.__qualname__}"  # its public path (_stand_in)
-        return self.__qualname__ if pydoc.locate(path) is self else (pydoc.locate, (path,))
-
-    def __repr__(self) -> str:
-        return repr(self.__wrapped__)
-
-
-def _bound(self: EntryPoint, instance: Any, owner: Any = None) -> Any:
-    """`__get__` of a Tensor method's EntryPoint: bound to the tensor, as the method it stands for."""
-    return self if instance is None else types.MethodType(type(self).__call__, instance)
-
-
-def _reduction(original: Any, protocol: Any) -> tuple | None:
-    """How pickle stores `original` where that is a (callable, arguments) pair (no path to look up)."""
-    try:
-        reduced = original.__reduce_ex__(protocol)
-    except TypeError:  # a Python function: pickle stores it by its path
-        return None
-    return reduced if isinstance(reduced, tuple) else None
-
-
-def _stand_in(wrapped: Callable[..., Any], original: Callable[..., Any], owner: Any,
-              attribute: str) -> EntryPoint:
-    """The EntryPoint calling `wrapped` for `original` at `owner.attribute`: torch's name, doc, annotations
-    and __wrapped__ (so inspect.signature), its public path, and the original for torch.compile to trace
-    (Note [Wrappers as good guests])."""
-    functools.update_wrapper(wrapped, original)  # a bound method's name is its function's: Dynamo reads it
-    members = {"__call__": staticmethod(wrapped), "__doc__": original.__doc__}
-    if isinstance(owner, type):
-        members["__get__"] = _bound
-    stand_in = type(attribute, (EntryPoint,), members)()
-    functools.update_wrapper(stand_in, original)  # type: ignore[arg-type]
-    stand_in.__module__ = getattr(original, "__module__", None)  # a method descriptor has none: nor do we
-    if _reduction(original, 2) is None:  # pickled by path: the public one (See EntryPoint.__reduce_ex__)
-        stand_in.__module__, stand_in.__qualname__ = _public_path(owner, attribute)
-    setattr(stand_in, "__script_if_tracing_wrapper", True)  # Dynamo traces `__original_fn` in its place
-    setattr(stand_in, "__original_fn", original)
-    wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]  # and a bound method's function
-    return stand_in
-
-
-# Note [Calls torch.jit.trace records]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Calls jit.trace records]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # torch.jit.trace gives each node the source line of the innermost Python frame when torch's op runs, and
 # each value the name of a local variable of that frame. A wrapper (or, on the guard's slow path, a frame of
 # the guard's) would be that frame: nodes named the wrapper's line, and the guard's routes, which differ with
@@ -270,10 +169,8 @@ _tracing_state = torch._C._get_tracing_state
 
 def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: types.FrameType,
             args: tuple, kwargs: dict) -> Any:
-    """A wrapped call while torch.jit.trace records: See Note [Calls torch.jit.trace records]."""
+    """A wrapped call while torch.jit.trace records: See Note [Calls jit.trace records]."""
     proceed = functools.partial(_as_caller, caller, original)
-    if not handlers or not any(isinstance(x, _Tensor) for x in (*args, _first_operand(args, kwargs))):
-        return proceed(*args, **kwargs)
     return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
 
@@ -340,19 +237,12 @@ def _first_operand(args: tuple, kwargs: dict) -> Any:
     return first
 
 
-def _public_path(owner: Any, attribute: str) -> tuple[str, str]:
-    """(module, qualified name) of `owner.attribute` as reached from outside: ("torch", "matmul"),
-    ("torch.nn.functional", "linear"), ("torch", "Tensor.bmm")."""
-    if isinstance(owner, type):
-        return owner.__module__, f"{owner.__qualname__}.{attribute}"
-    return owner.__name__, attribute
-
-
 def install() -> None:
     """Puts the wrappers in place (idempotent); `push_handler` does it for the first handler.
 
     Each wrapper is also entered in TorchScript's builtin table under its original's aten op, so
-    scripted code that calls it compiles as before (Note [Wrappers as good guests]).
+    scripted code that calls it compiles as before (Note [Wrappers as good guests] in
+    modes/stand_in.py).
 
     Note:
         The wrappers are in place only while some handler is active: a process that imports
@@ -387,13 +277,14 @@ def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
 def _torch_tables() -> dict[int, str]:
     """TorchScript's builtin table (by id); before it returns it the first time, torch's other tables of
     its callables, built on first use and kept (torch.overrides'), are built from torch's own callables:
-    See Note [Wrappers as good guests]."""
-    if not _RETIRED:
+    See Note [Wrappers as good guests] in modes/stand_in.py."""
+    global _TABLES_BUILT
+    if not _TABLES_BUILT:
         torch.overrides.get_overridable_functions()  # also resolve_name's index
         torch.overrides.get_ignored_functions()
         torch.overrides.get_default_nowrap_functions()
         torch.overrides._get_tensor_methods()
-        _RETIRED.append(None)
+        _TABLES_BUILT = True
     return jit_builtins._get_builtin_table()
 
 

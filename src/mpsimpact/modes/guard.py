@@ -285,7 +285,7 @@ class GuardMode(MatmulMode):
     # The trace records every op that runs while it is on: the guard's reading of sizes would add aten::size
     # nodes, name values after the guard's locals and warn (a traced size is a tensor). So while a trace
     # records, the guard decides a call with tracing paused, and resumes it for what the call computes:
-    # torch's callable (run as the caller: Note [Calls torch.jit.trace records] in modes/entrypoint.py) and a
+    # torch's callable (run as the caller: Note [Calls jit.trace records] in modes/entrypoint.py) and a
     # split SDPA's pieces. A product's route through the dispatch mode is not recorded (the trace holds the
     # op as the caller called it) and takes no autograd.Function (See Note [A call's derivatives under a
     # mode]). The graph is the one torch records without a guard, with and without gradients (jit.trace's
