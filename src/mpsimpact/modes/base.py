@@ -50,6 +50,33 @@ def is_composite(func: Any) -> bool:
 # What a dispatch mode does with an op: decompose a product of DECOMPOSED_OPS to see its bmm/mm (PRODUCT),
 # decompose another composite op (COMPOSITE), judge a bmm/mm (MATMUL), or hand it to on_other (OTHER).
 PRODUCT, COMPOSITE, MATMUL, OTHER = "product", "composite", "matmul", "other"
+
+# Note [TorchScript's numbers under a dispatch mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph torch.jit.trace recorded holds a Python number of the traced code (`x * 2.0`) as a wrapped-number
+# tensor constant. Run under any Python dispatch mode, TorchScript hands the mode that tensor as the number
+# itself (torch::jit::toPyObject): `_local_scalar_dense(2.0)`, and `view(2.0, ...)` when the graph is printed
+# (jit.trace's own check prints it), which the op then refuses ("Expected a value of type 'Tensor'"). A no-op
+# TorchDispatchMode fails so too (torch 2.13), and so did jit.trace's check under strict. A mode whose op
+# refuses its arguments calls it again with those numbers as the 0-d tensors they were (`numbers_as_tensors`):
+# no cost until an op refuses.
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def numbers_as_tensors(func: Any, args: tuple) -> tuple | None:
+    """`args` with each Python number that `func` takes as a Tensor made a 0-d tensor again; None where there
+    is none. See Note [TorchScript's numbers under a dispatch mode]."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    at = [i for i, (argument, value) in enumerate(zip(schema.arguments, args))
+          if type(value) in _NUMBER_DTYPES and isinstance(argument.type, torch.TensorType)]
+    if not at:
+        return None
+    fixed = list(args)
+    for i in at:
+        fixed[i] = torch.tensor(args[i], dtype=_NUMBER_DTYPES[type(args[i])])
+    return tuple(fixed)
 # Keyed by id(func): an OpOverload's __hash__ is Python, and a mode asks for every op. The entry keeps
 # the op alive beside its kind (_OPS), so an id is never another op's.
 _ROUTES: dict[int, str] = {}
@@ -197,7 +224,13 @@ class MatmulMode(TorchDispatchMode):
     `on_matmul`; `on_other` sees every other op."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.dispatch(func, args, kwargs or {})
+        try:
+            return self.dispatch(func, args, kwargs or {})
+        except RuntimeError:
+            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
+            if fixed is None:
+                raise
+        return self.dispatch(func, fixed, kwargs or {})
 
     def dispatch(self, func, args: tuple, kwargs: dict):
         """The body of __torch_dispatch__ (which torch wraps to keep Dynamo out: a subclass calls this)."""

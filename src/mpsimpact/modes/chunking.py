@@ -2,7 +2,7 @@
 where one batch alone would still fault, a bmm along its output rows and columns; SDPA over batch and
 heads, then along query rows (a causal mask placed at each block's offset); cat by copying into
 place. Each result equals the unsplit correct one; a call no split makes safe is refused, never
-computed. Also: running a call with its backward pass under a dispatch mode (for the guard's big calls)."""
+computed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.modes.base import MATMUL_OPS, active_emulator, sdpa_arguments
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, rows_per_safe_chunk, limits
@@ -291,13 +290,41 @@ def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
     bound = max(map(_extent, tensors), default=0)
     if name == "cat":
         return max(bound, sum(t.numel() for t in tensors))
-    if name == "einsum" or len(tensors) < 2:
-        return math.inf  # its bmm operands are not known here: always look closer
+    if name == "einsum":
+        return max(bound, einsum_elements(args))
+    if len(tensors) < 2:
+        return math.inf  # not a product this reads: look closer
     if name == "linear":
         x, w = tensors[0], tensors[1]
         return max(bound, x.numel() // max(x.shape[-1], 1) * w.shape[0])
     a, b = tensors[-2], tensors[-1]  # the two matrix operands (baddbmm/addmm: after the input)
     return max(bound, product_elements(a.shape, b.shape))
+
+
+def einsum_elements(args: tuple) -> float:
+    """The most elements any tensor of an einsum's contraction holds past its operands: the product of every
+    subscript's size (each pairwise intermediate, bmm operand and output of torch's contraction is indexed by
+    some of the subscripts, an ellipsis by the broadcast dims). inf where the call is not (equation,
+    *operands) with one subscript per dim (the sublist form, a malformed call: torch says what is wrong)."""
+    operands = args[1:] if len(args) != 2 or not isinstance(args[1], (list, tuple)) else args[1]
+    if not args or not isinstance(args[0], str) or not all(isinstance(t, torch.Tensor) for t in operands):
+        return math.inf
+    subscripts = args[0].replace(" ", "").split("->")[0].split(",")
+    if len(subscripts) != len(operands):
+        return math.inf
+    sizes: dict[str, int] = {}
+    ellipses: list[tuple[int, ...]] = []
+    for letters, operand in zip(subscripts, operands):
+        head, dots, tail = letters.partition("...")
+        dims = operand.dim() - len(head) - len(tail)
+        if dims < 0 or (not dots and dims):
+            return math.inf
+        shape = tuple(operand.shape)
+        ellipses.append(shape[len(head):len(head) + dims])
+        for letter, size in zip(head + tail, shape[:len(head)] + shape[len(head) + dims:]):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+    broadcast = (max(sizes_at) for sizes_at in itertools.zip_longest(*map(reversed, ellipses), fillvalue=1))
+    return math.prod(sizes.values()) * math.prod(broadcast)
 
 
 def product_elements(sa: tuple[int, ...], sb: tuple[int, ...]) -> int:
@@ -324,40 +351,6 @@ def _extent(t: torch.Tensor) -> int:
     # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's
     # numel; neither exceeds this.
     return t.storage_offset() + t.numel()
-
-
-def run_with_backward_under(mode: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """`fn(*args, **kwargs)` under the dispatch `mode`, and its backward pass under `mode` too (autograd
-    runs backward from C++, past every Python entry point): a nested graph whose gradients are
-    taken under the mode."""
-    leaves, spec = tree_flatten((args, kwargs))
-    grad_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-
-    def inner(*grad_leaves: torch.Tensor) -> Any:
-        filled = list(leaves)
-        for i, tensor in zip(grad_at, grad_leaves):
-            filled[i] = tensor
-        call_args, call_kwargs = tree_unflatten(filled, spec)
-        return fn(*call_args, **call_kwargs)
-
-    return _UnderMode.apply(mode, inner, *[leaves[i] for i in grad_at])
-
-
-class _UnderMode(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, mode, inner, *inputs):
-        detached = [x.detach().requires_grad_() for x in inputs]
-        with torch.enable_grad(), mode:
-            out = inner(*detached)
-        ctx.mode, ctx.inputs, ctx.out = mode, detached, out
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        with ctx.mode:
-            grads = torch.autograd.grad(ctx.out, ctx.inputs, grad, allow_unused=True)
-        del ctx.out, ctx.inputs
-        return (None, None, *grads)
 
 
 def emulated_index_bits() -> int:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.jit import _builtins as jit_builtins
+
+from mpsimpact.modes.stand_in import EntryPoint, make_stand_in
 
 # Note [Entry points and the dispatch mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,38 +40,7 @@ from torch.jit import _builtins as jit_builtins
 # TorchFunctionMode would see those too without replacing anything, but it runs Python on every torch
 # call, not only these (about 220 per forward of the encoder): measured 1.14x to 1.16x at 1 x 16 on
 # this project's CPU against 1.03x for the wrappers (benchmarks/README.md). See Note [Wrappers as good
-# guests] for what the rest of the process sees of them while they are in place.
-
-# Note [Wrappers as good guests]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# While a handler is active, the wrappers replace torch's callables for the whole process, also for
-# code on other threads that never enters a guard, so everything but the guard must take them for
-# torch's own:
-# - TorchScript resolves a Python callable it meets in scripted code through
-#   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
-#   source; each wrapper is entered there under the aten op of the callable it replaces
-#   (torch.matmul -> aten::matmul), so scripted code compiles to the same graph as without
-#   mpsimpact. The originals stay in the table too (names bound before installation).
-# - pickle stores a function as `__module__` + `__qualname__` and checks that this path leads back
-#   to the same object. Each wrapper carries the public path of what it replaces
-#   (torch.matmul, torch.nn.functional.linear, torch.Tensor.bmm), which leads to the wrapper
-#   while it is installed; unpickling gives whatever that path holds in the loading process:
-#   the wrapper here, torch's own callable in a process without mpsimpact.
-# - torch.compile: Dynamo traces the callable a function names in `_torchdynamo_inline` (its own
-#   protocol, used for torch.jit.script's results), so compiled graphs call torch's builtins
-#   whichever of Dynamo and mpsimpact was loaded first; `_compiling()` folds the wrapper away for a
-#   Dynamo that ignores the attribute.
-# - `__name__`, `__doc__`, annotations and `__wrapped__` (so inspect.signature) are torch's.
-# - They stay plain functions: a callable object with `__reduce__`/`__eq__` would pickle and compare
-#   more freely, but costs a slot call more on every call. Identity that holds: `torch.matmul is
-#   torch.matmul` everywhere, also after a pickle round trip. Identity that cannot: the `func` a
-#   `__torch_function__` override receives is torch's builtin (the C++ side passes it), not the
-#   wrapper now at torch.matmul, and FX graphs record torch's builtins (a wrapper called with a
-#   proxy hands it to the original at once), so while a handler is active an FX pass comparing
-#   `node.target is torch.bmm` compares a builtin with the wrapper. Once the last handler has left,
-#   torch.bmm is torch's own again and the same pass finds its nodes; `isinstance(torch.matmul,
-#   types.BuiltinFunctionType)` is False while installed, so torch.fx.operator_schemas.
-#   normalize_function(torch.matmul, ...) raises then (FX passes meet the builtins, not the wrappers).
+# guests] in modes/stand_in.py for what the rest of the process sees of them.
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -124,6 +97,10 @@ class _Installed(NamedTuple):
 _INSTALLED: dict[tuple[Any, str], _Installed] = {}
 # Each place's wrapper, kept across uninstall with the original it wraps (functools.update_wrapper costs).
 _MADE: dict[tuple[Any, str], _Installed] = {}
+# Wrappers made for an original that was replaced since (kept alive: a name may hold them, the builtin table
+# lists them by id).
+_RETIRED: list[EntryPoint] = []
+_TABLES_BUILT = False  # torch's tables of its callables (_torch_tables)
 # Handlers active on all threads: the wrappers are in place while there is one.
 _ACTIVE = 0
 _BIRTHS = 0  # of them, those that see factories (sees_births)
@@ -148,7 +125,8 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
     return proceed
 
 
-def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> Callable[..., Any]:
+def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> EntryPoint:
+    """The EntryPoint standing at `owner.attribute` for `original`, whose calls go to the handlers."""
     sizes = name in FACTORIES
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -157,7 +135,13 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
         # a factory's are sizes (a handler passes what it cannot read as numbers).
         if not handlers or not (sizes or args and isinstance(args[0], _Tensor)
                                 or isinstance(_first_operand(args, kwargs), _Tensor)):
-            return original(*args, **kwargs)
+            if _tracing_state() is None:
+                return original(*args, **kwargs)
+            return _as_caller(sys._getframe(1), original, *args, **kwargs)  # Note [Calls jit.trace records]
+        if _tracing_state() is not None:  # See Note [Calls jit.trace records]
+            return _traced(name, original, handlers, sys._getframe(1), args, kwargs)
+        if _has_torch_function(args):  # See Note [Calls other modes see]
+            return _beside_torch_function(name, original, handlers, args, kwargs)
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.
         if len(handlers) == 1 and handlers[0].passes(name, args, kwargs) or _compiling():
             return original(*args, **kwargs)  # nor while torch.compile traces: the wrapper folds away there
@@ -165,13 +149,81 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
             return handlers[0].on_entry(name, original, args, kwargs)
         return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
-    # Torch's name, doc, annotations and __wrapped__ (so inspect.signature), the public path (not
-    # torch._C._nn.linear) for pickle, and the original for torch.compile to trace: see
-    # Note [Wrappers as good guests].
-    functools.update_wrapper(wrapped, original)
-    wrapped.__module__, wrapped.__qualname__ = _public_path(owner, attribute)
-    wrapped._torchdynamo_inline = original  # type: ignore[attr-defined]
-    return wrapped
+    return make_stand_in(wrapped, original, owner, attribute)
+
+
+# Note [Calls jit.trace records]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.jit.trace gives each node the source line of the innermost Python frame when torch's op runs, and
+# each value the name of a local variable of that frame. A wrapper (or, on the guard's slow path, a frame of
+# the guard's) would be that frame: nodes named the wrapper's line, and the guard's routes, which differ with
+# and without gradients, gave other graphs when jit.trace's check traced again under no_grad
+# (TracingCheckError). So while a trace records, a wrapped call goes to the handlers whatever its size, and
+# torch's callable is run from a frame that reads as the caller's: the caller's file, line and function
+# name, and a copy of its locals (`_as_caller`: a code object made once per call site, run by exec). The
+# graph is torch's own: the same nodes, lines and names as without a guard.
+_CALL = compile("_mpsimpact_out = _mpsimpact_call(*_mpsimpact_args, **_mpsimpact_kwargs)", "<call>", "exec")
+_SITES: dict[tuple[str, int, str], types.CodeType] = {}
+_tracing_state = torch._C._get_tracing_state
+
+
+def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: types.FrameType,
+            args: tuple, kwargs: dict) -> Any:
+    """A wrapped call while torch.jit.trace records: See Note [Calls jit.trace records]."""
+    proceed = functools.partial(_as_caller, caller, original)
+    return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
+
+
+def _as_caller(caller: types.FrameType, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`original(*args, **kwargs)` run from a frame that reads as `caller` (file, line, name, locals)."""
+    code = caller.f_code
+    site = (code.co_filename, caller.f_lineno, code.co_name)
+    made = _SITES.get(site)
+    if made is None:
+        made = _SITES[site] = _CALL.replace(co_filename=site[0], co_firstlineno=site[1], co_name=site[2])
+    names = dict(caller.f_locals)
+    names.update(_mpsimpact_call=original, _mpsimpact_args=args, _mpsimpact_kwargs=kwargs)
+    exec(made, caller.f_globals, names)
+    return names["_mpsimpact_out"]
+
+
+# Note [Calls other modes see]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A user's TorchFunctionMode, or a tensor subclass's __torch_function__, sees every torch call made while it
+# is active, the handlers' own too: the sizes, strides and storage offsets a guard reads (each a
+# `Tensor.shape.__get__`, `storage_offset` call), the slices and copies of a split. So where torch function
+# handling would see the call, the handlers decide it with torch function off, and torch's callable runs
+# with it as the caller had it: such a mode sees the call once, with the caller's arguments, as without a
+# guard (torch hands a Tensor method's `func` as the attribute of torch.Tensor: the wrapper, equal to it).
+# A user's TorchDispatchMode sees no guard's reads (they dispatch nothing), nor its Function's detaches
+# (modes/backward.py), and a product reaching the guard's dispatch mode whole (under inference_mode) runs
+# whole where its bound is below every limit (einsum's too: chunking.einsum_elements). A call a guard
+# computes another way (a split, SDPA's math path, a call near a limit that it decomposes to judge, a
+# derivative computed again) shows such modes the calls that run.
+_has_torch_function = torch._C._has_torch_function
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
+
+
+def _beside_torch_function(name: str, original: Callable[..., Any], handlers: list[EntryHandler], args: tuple,
+                           kwargs: dict) -> Any:
+    """A wrapped call that torch function handling would see: See Note [Calls other modes see]."""
+    state = torch._C._get_torch_function_state()
+    proceed = functools.partial(_in_function_state, state, original)
+    torch._C._set_torch_function_state(_ALL_DISABLED)
+    try:
+        return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
+    finally:
+        torch._C._set_torch_function_state(state)
+
+
+def _in_function_state(state: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`original(*args, **kwargs)` with torch function handling in `state` (the caller's)."""
+    previous = torch._C._get_torch_function_state()
+    torch._C._set_torch_function_state(state)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        torch._C._set_torch_function_state(previous)
 
 
 def _first_operand(args: tuple, kwargs: dict) -> Any:
@@ -185,19 +237,12 @@ def _first_operand(args: tuple, kwargs: dict) -> Any:
     return first
 
 
-def _public_path(owner: Any, attribute: str) -> tuple[str, str]:
-    """(module, qualified name) of `owner.attribute` as reached from outside: ("torch", "matmul"),
-    ("torch.nn.functional", "linear"), ("torch", "Tensor.bmm")."""
-    if isinstance(owner, type):
-        return owner.__module__, f"{owner.__qualname__}.{attribute}"
-    return owner.__name__, attribute
-
-
 def install() -> None:
     """Puts the wrappers in place (idempotent); `push_handler` does it for the first handler.
 
     Each wrapper is also entered in TorchScript's builtin table under its original's aten op, so
-    scripted code that calls it compiles as before (Note [Wrappers as good guests]).
+    scripted code that calls it compiles as before (Note [Wrappers as good guests] in
+    modes/stand_in.py).
 
     Note:
         The wrappers are in place only while some handler is active: a process that imports
@@ -213,29 +258,45 @@ def install() -> None:
 def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
     if (places[0][1], places[0][2]) in _INSTALLED:
         return  # a group is in place as a whole or not at all
-    table = jit_builtins._get_builtin_table()  # built now, if not yet, from torch's own callables
+    table = _torch_tables()
     for name, owner, attribute in places:
         original = getattr(owner, attribute)
         own = attribute in owner.__dict__
         made = _MADE.get((owner, attribute))
         if made is None or made.original is not original or made.own is not own:
             # made once per original: entering a guard is cheap
+            if made is not None:
+                _RETIRED.append(made.wrapper)  # alive, so that its id in the builtin table stays its own
             made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
         _INSTALLED[(owner, attribute)] = made
         setattr(owner, attribute, made.wrapper)
         if id(original) in table:
-            table[id(made.wrapper)] = table[id(original)]
+            table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
+
+
+def _torch_tables() -> dict[int, str]:
+    """TorchScript's builtin table (by id); before it returns it the first time, torch's other tables of
+    its callables, built on first use and kept (torch.overrides'), are built from torch's own callables:
+    See Note [Wrappers as good guests] in modes/stand_in.py."""
+    global _TABLES_BUILT
+    if not _TABLES_BUILT:
+        torch.overrides.get_overridable_functions()  # also resolve_name's index
+        torch.overrides.get_ignored_functions()
+        torch.overrides.get_default_nowrap_functions()
+        torch.overrides._get_tensor_methods()
+        _TABLES_BUILT = True
+    return jit_builtins._get_builtin_table()
 
 
 def uninstall() -> None:
     """Restores torch exactly as `install()` found it.
 
     Every wrapped attribute is the original callable again (an inherited one, such as
-    `Tensor.__matmul__` from `TensorBase`, inherited again), and TorchScript's builtin table no
-    longer lists the wrappers. An attribute another library replaced after us keeps that library's
-    callable. A wrapper someone kept a reference to still works, but no longer pickles (its public
-    path leads to the original now). Entering a guard, emulator or tracer installs the wrappers
-    again.
+    `Tensor.__matmul__` from `TensorBase`, inherited again). An attribute another library replaced
+    after us keeps that library's callable. A wrapper someone kept a reference to (`from torch import
+    bmm` inside a guard) still works as torch's callable: it calls it, TorchScript's builtin table
+    keeps listing it, and it equals, hashes and pickles as it. Entering a guard, emulator or tracer
+    installs the wrappers again.
     """
     _uninstall(_INSTALLED)
     _INSTALLED.clear()
@@ -243,10 +304,8 @@ def uninstall() -> None:
 
 def _uninstall(places: Iterable[tuple[Any, str]]) -> None:
     """Takes the wrappers of `places` away (each must be in place)."""
-    table = jit_builtins._get_builtin_table()
     for owner, attribute in places:
         original, own, wrapper = _INSTALLED[(owner, attribute)]
-        table.pop(id(wrapper), None)  # the wrapper is alive until here, so no other object has its id
         if getattr(owner, attribute) is not wrapper:
             continue  # replaced again since: not ours to undo
         if own:

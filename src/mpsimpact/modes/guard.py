@@ -21,22 +21,25 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     ACTIVE, COMPOSITE, DECOMPOSED_OPS, OTHER, PRODUCT, aten, route, check_index_bits,
-    MatmulMode, active_emulator, current_phase, innermost, needs_grad, op_name,
+    MatmulMode, active_emulator, current_phase, innermost, needs_grad, numbers_as_tensors, op_name,
     push_active, remove_active, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, product_elements, run_in_pieces, run_sdpa_chunked,
-    run_with_backward_under, split_bmm,
-    split_sdpa,
+    split_bmm, split_sdpa,
 )
-from mpsimpact.modes.entrypoint import FACTORIES, push_handler, remove_handler
+from mpsimpact.modes.backward import needs_derivatives, run_with_backward_under
+from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES, push_handler, remove_handler
 from mpsimpact.modes.op_size import (
-    SKIPPED, SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+    SKIPPED, SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call,
+    tensors_of,
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.errors import OversizedOpError, UsageError
@@ -47,11 +50,17 @@ from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_pr
 from mpsimpact.variables import GUARD_MODES, guard_mode
 
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
-# can meet a rule; einsum, tensordot and bilinear are always decomposed.
+# can meet a rule (below it they run whole, so a dispatch mode beneath sees them as without a guard);
+# tensordot and bilinear are always decomposed.
 _DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
-                     aten._scaled_dot_product_attention_math.default: "sdpa"}
+                     aten.einsum.default: "einsum", aten._scaled_dot_product_attention_math.default: "sdpa"}
 _tracing_state = torch._C._get_tracing_state
 _PRODUCTS = frozenset({"matmul", "bmm", "mm"})
+# The entry points whose calls vmap batches into one bigger call of the same kind (SDPA's fused kernels are
+# not judged at the dispatch level: it is judged at its entry).
+_PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
+_transforming = torch._C._are_functorch_transforms_active
+_fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
@@ -148,6 +157,7 @@ class GuardMode(MatmulMode):
         self.warned: list[CallRecord] = []  # mode "warn": the calls it let run (and warned of, once a site)
         self._warned: set[tuple[str, int]] = set()
         self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
+        self._paused_trace: Any = None  # torch.jit.trace's state, paused while the guard decides a call
 
     @functools.cached_property
     def profile(self) -> FaultProfile:
@@ -244,6 +254,8 @@ class GuardMode(MatmulMode):
 
     # Entry points (Python level): see Note [Entry points and the dispatch mode].
     def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if _tracing_state() is not None:
+            return self._on_traced_entry(name, proceed, args, kwargs)
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         if name == "sdpa":
@@ -256,8 +268,8 @@ class GuardMode(MatmulMode):
         guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
         if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
             return True
-        if _tracing_state() is not None:
-            return self._passes_untraced(name, args, kwargs)
+        if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
+            return self._passes_transformed(name, args, kwargs)
         if name == "sdpa":
             return self._sdpa_is_plain(args, kwargs)
         if not self.everywhere:
@@ -268,15 +280,51 @@ class GuardMode(MatmulMode):
             return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
         return self._quick_pass(name, args, kwargs) or self._watch()
 
-    def _passes_untraced(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """`passes` while torch.jit.trace records: sizes read with tracing paused (a traced size is a tensor,
-        whose reading would warn and be recorded), so the trace holds nothing of the guard."""
-        state = _tracing_state()
+    # Note [The guard under torch.jit.trace]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The trace records every op that runs while it is on: the guard's reading of sizes would add aten::size
+    # nodes, name values after the guard's locals and warn (a traced size is a tensor). So while a trace
+    # records, the guard decides a call with tracing paused, and resumes it for what the call computes:
+    # torch's callable (run as the caller: Note [Calls jit.trace records] in modes/entrypoint.py) and a
+    # split SDPA's pieces. A product's route through the dispatch mode is not recorded (the trace holds the
+    # op as the caller called it) and takes no autograd.Function (See Note [A call's derivatives under a
+    # mode]). The graph is the one torch records without a guard, with and without gradients (jit.trace's
+    # check traces again under no_grad, where SDPA takes another route).
+
+    def _on_traced_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """on_entry while torch.jit.trace records: See Note [The guard under torch.jit.trace]."""
+        state, paused = _tracing_state(), self._paused_trace
+        self._paused_trace = state
         torch._C._set_tracing_state(None)
         try:
-            return self.passes(name, args, kwargs)
+            return self.on_entry(name, functools.partial(self._recorded, proceed), args, kwargs)
         finally:
             torch._C._set_tracing_state(state)
+            self._paused_trace = paused
+
+    def _recorded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` recorded by the trace the guard paused, if any."""
+        if self._paused_trace is None:
+            return fn(*args, **kwargs)
+        previous = _tracing_state()
+        torch._C._set_tracing_state(self._paused_trace)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_tracing_state(previous)
+
+    def _passes_transformed(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """`passes` under torch.func's transforms, whose tensors show their logical sizes: under vmap the
+        calls that run are batched, so a product's bound is taken that many times over (See Note [A call's
+        derivatives under a mode] for the route of one that may cross a limit). SDPA is judged on the sizes
+        it shows."""
+        first = next((x for x in flat_arguments(args, kwargs) if isinstance(x, _Tensor)), None)
+        if first is None or not self._applies(first):
+            return True
+        scale = math.prod(level.batch_size() for level in retrieve_all_functorch_interpreters()
+                          if level.key() == TransformType.Vmap)
+        passing = entry_bound(name, args, kwargs) * scale < self._view_limit
+        return passing or self.everywhere and self._watch()
 
     def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
         """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
@@ -285,6 +333,8 @@ class GuardMode(MatmulMode):
         query, key, value = sdpa_operands(args, kwargs)
         if not self._applies(query):
             return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes((query, key, value)):
+            return True  # See Note [Symbolic sizes]
         if active_emulator() is not None:
             return False  # the emulator decides every SDPA call: see _on_sdpa
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
@@ -303,8 +353,8 @@ class GuardMode(MatmulMode):
                 key = (name == "linear", a.shape, b.shape)
                 try:
                     top = _LARGEST.get(key) or _largest_count(key)
-                except TypeError:  # symbolic sizes (torch.export with dynamic shapes): no arithmetic on them
-                    return False  # here (it would add guards to the export); the caller looks closer
+                except TypeError:  # symbolic sizes: See Note [Symbolic sizes]
+                    return True
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         if name in _FACTORY_SIZES:
@@ -313,11 +363,14 @@ class GuardMode(MatmulMode):
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
             return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes(flat_arguments(args, kwargs)):
+            return True  # See Note [Symbolic sizes]
         return entry_bound(name, args, kwargs) < self._view_limit
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A call that may cross a limit: its bmm/mm calls, and its backward's, decided one by one."""
-        if needs_grad(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+        """A call that may cross a limit: its bmm/mm calls, and its derivatives', decided one by one."""
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        if self._paused_trace is None and needs_derivatives(tensors):
             return run_with_backward_under(self, fn, args, kwargs)
         with self:
             return fn(*args, **kwargs)
@@ -353,7 +406,8 @@ class GuardMode(MatmulMode):
         copies = self._copies(active)
         why_not = f"its dropout_p={dropout} draws one random mask, which no split reproduces" if dropout else None
         return self._act(record, fault, split and split.rows,
-                         lambda: self._as_one_op(run_sdpa_chunked, proceed, args, kwargs, split, copies),
+                         lambda: self._recorded(self._as_one_op, run_sdpa_chunked, proceed, args, kwargs,
+                                                split, copies),
                          lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
 
     def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -383,26 +437,43 @@ class GuardMode(MatmulMode):
         most = self._most
         return any(t.numel() > most for t in tensors_of(args, kwargs))
 
+    # Note [Symbolic sizes]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # Under torch.export with dynamic dims (and any fake tensors of a ShapeEnv) a tensor's sizes are symbols,
+    # not numbers: every comparison on one records a guard in the export (`8*batch <= 2147483647`), which
+    # then refuses the dims the user marked dynamic ("Constraints violated"). The guard judges no call whose
+    # sizes are symbolic, at its entry or in its dispatch mode: the exported program keeps every dim dynamic,
+    # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
+    # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
+
     # Dispatch level.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`_plain_check`)."""
-        check = _PLAIN.get(id(func))
-        if check is None:
-            check = _plain_check(func)
-        if check is not _FULL and not ACTIVE.stacks["emulator"]:
-            kwargs = kwargs or {}
-            if check is _NO_KERNEL:
-                return func(*args, **kwargs)
-            if check is _SIZED or check is _COMPOSITE_SIZED:
-                most, full_most = judged_at(self.index_bits)
-                if (check is _SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
-                        and size_call(func, args, kwargs, most, full_most) is None:
+        try:
+            if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs or {})):
+                return func(*args, **(kwargs or {}))  # See Note [Symbolic sizes]
+            check = _PLAIN.get(id(func))
+            if check is None:
+                check = _plain_check(func)
+            if check is not _FULL and not ACTIVE.stacks["emulator"]:
+                kwargs = kwargs or {}
+                if check is _NO_KERNEL:
                     return func(*args, **kwargs)
-            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
-                return func(*args, **kwargs)
-        return self.dispatch(func, args, kwargs or {})
+                if check is _SIZED or check is _COMPOSITE_SIZED:
+                    most, full_most = judged_at(self.index_bits)
+                    if (check is _SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
+                            and size_call(func, args, kwargs, most, full_most) is None:
+                        return func(*args, **kwargs)
+                elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
+                    return func(*args, **kwargs)
+            return self.dispatch(func, args, kwargs or {})
+        except RuntimeError:
+            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
+            if fixed is None:
+                raise
+        return self.__torch_dispatch__(func, types, fixed, kwargs)
 
     # One bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):

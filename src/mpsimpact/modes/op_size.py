@@ -63,6 +63,13 @@ def tensors_of(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
     return found
 
 
+def has_symbolic_sizes(items: Any) -> bool:
+    """Whether a tensor among `items` (lists opened one level) has a symbolic size or storage offset:
+    torch.export's dynamic dims, a ShapeEnv's fake tensors (Note [Symbolic sizes] in modes/guard.py)."""
+    return any(type(t.storage_offset()) is not int or any(type(d) is not int for d in t.shape)
+               for t in tensors_of(items))
+
+
 @functools.lru_cache(maxsize=None)
 def judged_at(index_bits: int) -> tuple[int, int]:
     """(most, full_most): DIM_MAX at this width, for activations, and at MPS's, for parameters."""
