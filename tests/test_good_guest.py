@@ -259,6 +259,7 @@ def test_fx_normalizes_calls_of_the_wrapped_entry_points(after_a_guard):
 
 # Import order: a fresh interpreter each.
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_names_bound_before_installation_still_script_and_compile(tmp_path):
     (tmp_path / "early.py").write_text(textwrap.dedent("""
         import torch

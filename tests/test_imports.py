@@ -176,6 +176,7 @@ def test_no_public_name_is_also_a_submodule_name():
     assert not {f"mpsimpact.{name}" for name in mpsimpact.__all__} & submodules
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_public_names_are_the_documented_objects_in_either_import_order():
     for order in ("submodules-first", "names-first"):
         result = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True, check=True)

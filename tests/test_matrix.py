@@ -239,6 +239,7 @@ def test_unknown_scenario_and_a_used_folder_exit_2(tmp_path):
     assert result.exit_code == 2 and "already exists and is not empty" in err
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_cli_probes_the_running_transformers_and_writes_the_folder(tmp_path):
     out = tmp_path / "out"
     result, text = invoke(["matrix", "sentiment", "--transformers", INSTALLED, "--batch-size", "4096", "--out", str(out)],

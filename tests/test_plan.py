@@ -54,6 +54,7 @@ print('peak RSS KiB', status['VmHWM'].split()[0])
 """
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from Linux's /proc")
 def test_plan_runs_in_a_small_process():
     # The child reports VmHWM, the peak RSS of its own address space: ru_maxrss would carry over

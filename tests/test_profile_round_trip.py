@@ -67,6 +67,7 @@ def test_the_rules_round_trip_through_a_profile_file_on_the_whole_quick_grid(tmp
         (r["observed"], r["prediction"]["kind"], r["prediction"]["message"]) for r in by_name]
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 @pytest.mark.parametrize("release", ["2.5.1", "2.13.0"])
 def test_a_sweep_writes_a_profile_that_a_second_sweep_agrees_with_on_every_cell(tmp_path, release):
     # 16 bits, fp32, every layout: 120 cells of each sweep, emulated on the CPU.

@@ -86,6 +86,7 @@ def test_the_junit_xml_carries_each_tests_call_sites(suite):
     assert xml.count('<property name="mpsimpact"') >= len(CROSSING) and "input-wrap" in xml
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_xdist_workers_each_get_the_plugin_and_the_summary_collects_them(suite):
     # Without the BERT test (each worker would import transformers): five tests over two workers.
     result = suite.runpytest_subprocess("-n", "2", "-k", "not bert", "--mps-emulate", *NARROW, "--mps-json",

@@ -59,6 +59,7 @@ def test_unknown_layout_is_refused(tmp_path):
     assert result.exit_code == 2 and "--layouts must be one of contiguous, a_transposed, b_transposed, both_sliced; got 'diagonal'." in result.output
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_real_cpu_cells_run_in_a_worker_and_are_clean():
     # The CPU without emulation is a control: every cell is expected ok, whatever MPS would do
     # (the model's MPS prediction is kept beside it). Runs through the crash-isolating worker.
@@ -68,6 +69,7 @@ def test_real_cpu_cells_run_in_a_worker_and_are_clean():
     assert [r["prediction"]["kind"] for r in rows] == ["ok", "wrong_all"]
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_real_cpu_family_cells_run_in_a_worker_and_a_crash_is_recorded(monkeypatch):
     # The control again, for the family cells at 16 bits: every one ok against the CPU (2.13.0's predictions
     # kept beside them: its scale aborts). Then a worker that dies on its second cell: that cell is a crash

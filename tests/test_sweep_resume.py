@@ -125,6 +125,7 @@ def kill_a_slowed_sweep(kind: str, delay: float, log: str, out: Path) -> Path:
     return partial
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeypatch):
     out = tmp_path / "s"
     partial = kill_a_slowed_sweep("Cell", 0.3, "sweep.jsonl", out)
@@ -149,6 +150,7 @@ def test_a_killed_sweep_resumes_without_redoing_finished_cells(tmp_path, monkeyp
     assert json.loads((out / "summary.json").read_text())["resumed_cells"] == len(finished)
 
 
+@pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)
 def test_a_sweep_killed_among_its_family_cells_resumes_without_redoing_any_finished_cell(tmp_path, monkeypatch):
     out = tmp_path / "s"
     partial = kill_a_slowed_sweep("FamilyCell", 0.5, "families.jsonl", out)
