@@ -74,6 +74,7 @@ def test_list_names_every_scenario_with_its_description():
     assert sum(not line.startswith(" ") for line in lines) == 3
 
 
+@pytest.mark.ci  # whole commands end to end: CI runs it after the default selection (pytest -m ci)
 def test_train_head_writes_the_head_and_its_metadata(tmp_path):
     packaged = [path.read_bytes() for path in head_files(None)]
     out = tmp_path / "head"

@@ -367,6 +367,7 @@ def test_interrupted_write_leaves_no_folder(tmp_path, monkeypatch):
     assert not out.exists() and not list(tmp_path.glob(".cmp*"))
 
 
+@pytest.mark.ci  # whole commands end to end: CI runs it after the default selection (pytest -m ci)
 def test_two_real_small_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
     small = ["run", "sentiment", "--max-length", "256", "--index-bits", "23", "--guard", "all",

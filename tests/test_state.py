@@ -171,6 +171,7 @@ def corrupted_off(folder):
     return off["corrupted_count"], off["first_corrupted_index"]
 
 
+@pytest.mark.ci  # whole commands end to end: CI runs it after the default selection (pytest -m ci)
 def test_a_damaged_cache_changes_no_result(tmp_path):
     """A reference cached once, then damaged two ways (values that would change the result if used, and
     another model's width): every rerun reports the same 6 texts from text 10. Each damage's warning and
