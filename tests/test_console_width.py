@@ -56,7 +56,7 @@ def assert_fits(text: str, width: int = 80) -> None:
         assert not broken, (name, broken)
 
 
-@pytest.mark.parametrize("args", [QUICK_214, QUICK_213, ["run", "retrieval", "--quick"]],
+@pytest.mark.parametrize("args", [QUICK_214, QUICK_213, pytest.param(["run", "retrieval", "--quick"], marks=pytest.mark.ci)],
                          ids=["silent", "abort", "retrieval"])
 def test_a_quick_run_fits_80_columns_and_says_whether_it_was_silent(args, tmp_path):
     text = invoke(args, tmp_path)

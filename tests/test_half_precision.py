@@ -3,6 +3,7 @@ and `plan --memory` choosing the smallest clear demo that fits a Mac."""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
@@ -12,6 +13,7 @@ from mpsimpact.prediction.demo_size import visible_batch
 runner = CliRunner()
 
 
+@pytest.mark.ci  # whole commands end to end: CI runs it after the default selection (pytest -m ci)
 def test_bfloat16_run_corrupts_the_same_texts_judged_against_a_same_dtype_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"

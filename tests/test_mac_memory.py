@@ -152,6 +152,7 @@ def run_json(tmp_path, name, *args, quick=True):
     return json.loads((out / "report.json").read_text()), result.stdout
 
 
+@pytest.mark.ci  # whole commands end to end: CI runs it after the default selection (pytest -m ci)
 def test_an_emulated_run_on_a_small_mac_stops_with_invalid_buffer_size_and_a_big_one_is_todays(tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
