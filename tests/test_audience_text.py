@@ -63,3 +63,15 @@ def test_a_headline_counts_the_outputs_silently_wrong_before_a_later_error():
     assert "then without a guard the run did not complete (error: sum(...)" in said
     report["conditions"][0]["corrupted_count"] = 0  # nothing wrong before the stop: not silent at all
     assert KINDS["training"].headline(report, plain=True).startswith("EMULATED MPS. Not silent: ")
+
+
+def test_retrieval_lines_say_no_corruption_in_words_never_none():
+    from mpsimpact.runs.embed_kind import retrieval_lines
+
+    clean = {"guard": "chunk", "status": "completed", "corrupted_count": 0, "first_corrupted_index": None,
+             "predicted_first_corrupted_index": 10, "self_retrieval": {"failures": 0, "median_failed_rank": None,
+                                                                     "max_rank": 1},
+             "query_results": {"recall_at_10": 1.0, "top1_changed": 0, "queries": 256}, "hubs": {}, "direction": {}}
+    (line,) = retrieval_lines({"conditions": [clean]})
+    assert line == ("guard chunk: no corrupted vector (predicted 10); self-retrieval: every document is still its "
+                    "own nearest neighbour; queries: mean recall@10 1.0000, top-1 changed for 0 of 256.")

@@ -105,11 +105,8 @@ def retrieval_lines(report: dict) -> list[str]:
         eager = c.get("attention", "eager") == "eager"
         who = f"guard {c['guard']}" if eager else f"{c['attention']}, guard {c['guard']}"
         s, q, h, d = c["self_retrieval"], c["query_results"], c["hubs"], c["direction"]
-        lines.append(f"{who}: {c['corrupted_count']} corrupted vectors (first {c['first_corrupted_index']}, "
-                     f"predicted {c['predicted_first_corrupted_index']}); self-retrieval: {s['failures']} "
-                     f"documents are no longer their own nearest neighbour (median rank "
-                     f"{s['median_failed_rank']}, max {s['max_rank']}); queries: mean recall@10 "
-                     f"{q['recall_at_10']:.4f}, top-1 changed for {q['top1_changed']} of {q['queries']}.")
+        lines.append(f"{who}: {_corrupted_words(c)}; self-retrieval: {_self_retrieval_words(s)}; queries: mean "
+                     f"recall@10 {q['recall_at_10']:.4f}, top-1 changed for {q['top1_changed']} of {q['queries']}.")
         if c["corrupted_count"]:
             lines.append(
                 f"{who}: hubs: corrupted documents fill {h['corrupted_top10_appearances']} top-10 slots "
@@ -119,6 +116,22 @@ def retrieval_lines(report: dict) -> list[str]:
                 f"{_fmt(d['clean_mean_pairwise_cosine'])} (the same documents in the reference: "
                 f"{_fmt(d['corrupted_reference_mean_pairwise_cosine'])}).")
     return lines
+
+
+def _corrupted_words(c: dict) -> str:
+    """'6 corrupted vectors (first 10, predicted 10)', or 'no corrupted vector (none predicted)': no None said."""
+    predicted = c.get("predicted_first_corrupted_index")
+    said = "none predicted" if predicted is None else f"predicted {predicted}"
+    if not c["corrupted_count"]:
+        return f"no corrupted vector ({said})"
+    return f"{c['corrupted_count']} corrupted vectors (first {c['first_corrupted_index']}, {said})"
+
+
+def _self_retrieval_words(s: dict) -> str:
+    if not s["failures"]:
+        return "every document is still its own nearest neighbour"
+    return (f"{s['failures']} documents are no longer their own nearest neighbour (median rank "
+            f"{s['median_failed_rank']}, max {s['max_rank']})")
 
 
 def _fmt(value: float | None) -> str:
