@@ -188,7 +188,7 @@ def largest_batch_under(calls: list, buffer: int, dtype: str, ceiling: int = 1 <
     stays under `buffer` bytes, were its floating tensors in `dtype` (0: not even one text)."""
     largest = ceiling
     for p in calls:
-        one, two = (call_bytes(p.call.evolve(a=a, b=b), DTYPE_BYTES[dtype]) for n in (1, 2) for a, b in [p.at(n)])
+        one, two = p.bytes_at(1, DTYPE_BYTES[dtype]), p.bytes_at(2, DTYPE_BYTES[dtype])
         if one >= buffer:
             return 0
         if two > one:  # bytes(B) = one + (two - one) * (B - 1) < buffer

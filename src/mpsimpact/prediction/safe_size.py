@@ -264,6 +264,12 @@ class PerTextCall:
     def at(self, batch: int) -> tuple[Any, Any]:
         return _scaled(self.call.a, self.a4, batch), _scaled(self.call.b, self.b4, batch)
 
+    def bytes_at(self, batch: int, float_bytes: int | None = None) -> int:
+        """The call's largest allocation at `batch` texts (engine.mac_memory.call_bytes; `float_bytes`: its
+        floating tensors counted at that size)."""
+        a, b = self.at(batch)
+        return call_bytes(self.call.evolve(a=a, b=b), float_bytes)
+
 
 def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
     if two == four:
@@ -347,7 +353,7 @@ def _buffer_batches(calls: list[PerTextCall], buffer: int) -> set[int]:
     batch before each."""
     found = set()
     for p in calls:
-        one, two = (call_bytes(p.call.evolve(a=a, b=b)) for n in (1, 2) for a, b in [p.at(n)])
+        one, two = p.bytes_at(1), p.bytes_at(2)
         if two > one:  # bytes(B) = one + (two - one) * (B - 1)
             first = 1 + max(0, -(-(buffer - one) // (two - one)))
             found.update({first - 1, first})

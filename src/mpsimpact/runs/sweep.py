@@ -11,6 +11,8 @@ import torch
 
 from mpsimpact.config import SWEEP_LAYOUTS
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS, Fault, TensorSpec, classify_bmm
+from mpsimpact.engine.call import CallRecord
+from mpsimpact.engine.mac_memory import call_bytes
 from mpsimpact.output.page import cell_name
 from mpsimpact.runs.cell import (
     CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_allocation_failure, is_error_value, random_tensor,
@@ -172,7 +174,7 @@ class Cell:
         """Bytes of the largest tensor the cell allocates on the device: an operand's storage (a sliced one
         has a batch more) or the output (what a Mac's largest buffer must hold; see `make_operands`)."""
         a, b = self.specs()
-        return max(a.extent, b.extent, self.batch * self.m * self.n) * DTYPES[self.dtype].itemsize
+        return call_bytes(CallRecord(0, "bmm", a, b, Fault()))
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: drawing the operands and the product (SPEEDS)."""
