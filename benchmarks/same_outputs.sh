@@ -27,7 +27,7 @@ one check-llama        check "$here/tests/data/llama-style-32k/config.json" --js
 one check-llama-text   check "$here/tests/data/llama-style-32k/config.json"
 one check-bert         check "$here/tests/data/bert-base/config.json" --batch-size 2048 --torch-profile 2.12.1
 one check-t5           check "$here/tests/data/t5-base/config.json"
-one sweep-emulated     sweep --device cpu --emulate --index-bits 20 --quick --out sweep-emulated
+one sweep-emulated     sweep --device cpu --emulate --index-bits 20 --quick --max-memory 16GiB --out sweep-emulated
 
 # times, dates, durations, free memory and the figures' pixels differ from run to run; nothing else may. A
 # figure is kept as its name (figures.txt); a console's table as its words (a column narrows with a time).
@@ -44,4 +44,5 @@ find "$out" -type f \( -name '*.txt' -o -name '*.json' -o -name '*.md' -o -name 
 find "$out" -name '*.txt' -print0 | xargs -0 sed -i -E -e 's/[─━]+/-/g' -e 's/ +/ /g'
 # progress lines (stderr, "k/n") are sampled by the clock: their count and places vary; the rest of stderr may not
 find "$out" -name '*.err' -print0 | xargs -0 sed -i -E -e '/[0-9]+\/[0-9]+/d' -e '/elapsed|left$/d'
+find "$out" -name 'sweep*.txt' -print0 | xargs -0 sed -i -E -e '/^\[[0-9]+\/[0-9]+\]/d' -e '/elapsed|left$/d'
 echo "written: $out"
