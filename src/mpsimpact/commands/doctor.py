@@ -3,7 +3,7 @@
 
 def main() -> None:
     """Print versions, devices, memory and which MPS fault profile applies here."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
 
     from mpsimpact.engine.release import judge_release
     from mpsimpact.output.page import fitted_table
@@ -54,8 +54,9 @@ def release_rule(release) -> str:
     """The rule every command (run, plan, check, matrix) follows for the release it judges, and its
     outcome here."""
     return ("Which torch release the commands judge: the one --torch-profile names; else on a Mac the "
-            "installed torch; else (no Apple GPU: the installed torch says nothing about a Mac) 2.14.0, the "
-            f"published demo's release, where the bug is silent. Here: {release.sentence()}")
+            "installed torch; else (no Apple GPU: the installed torch says nothing about a Mac) 2.14.0, a "
+            "release measured on Macs where the bug is silent (the published demo's). Here: "
+            f"{release.sentence()}")
 
 
 def profile_sentence(env: dict) -> str:

@@ -423,8 +423,8 @@ class JudgedRelease:
             return f"Judged as {judged}, as --torch-profile asked (torch {self.installed.label} is installed)."
         if self.reason == ON_THIS_MAC:
             return f"Judged as {judged}, the release installed on this Mac."
-        return (f"Judged as {judged}, the published demo's release, where the bug is silent: there is no "
-                f"Apple GPU here, and the installed torch {self.installed.label} says nothing about a Mac.")
+        return (f"Judged as {judged}, a release measured on Macs where the bug is silent: there is no Apple "
+                f"GPU here to run the installed torch {self.installed.label} on.")
 
     def to_json(self) -> dict[str, object]:
         return {"judged": self.profile.ref, "release": self.profile.release, "label": self.profile.label,

@@ -38,7 +38,7 @@ def profile_info(release: JudgedRelease) -> dict[str, Any]:
     """Which release's rules decide, why, and whether that release was measured."""
     profile = release.profile
     source = {ASKED: "--torch-profile", ON_THIS_MAC: f"the installed torch {release.installed.label}"}.get(
-        release.reason, f"the published demo's release ({release.reason})")
+        release.reason, f"a release measured on Macs where the bug is silent ({release.reason})")
     return {"release": profile.release, "label": profile.label, "group": profile.group,
             "measured": profile.measured, "conservative": profile.conservative, "source": source,
             "notes": list(profile.notes)}

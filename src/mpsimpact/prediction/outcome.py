@@ -354,38 +354,40 @@ def _describe(prediction: Any, batch: int) -> str:
 
 
 # An op on attention scores, by what it does there (for the words a speaker reads out).
-_ON_SCORES = {"mul": "scale", "div": "scale", "_softmax": "softmax", "_safe_softmax": "softmax", "softmax": "softmax",
-              "add": "mask", "masked_fill": "mask", "masked_fill_": "mask", "where": "mask", "exp": "softmax",
-              "native_dropout": "dropout", "clone": "copy", "copy_": "copy", "_to_copy": "copy"}
+_ON_SCORES = {"mul": "scaling", "div": "scaling", "_softmax": "softmax", "_safe_softmax": "softmax",
+              "softmax": "softmax", "add": "masking", "masked_fill": "masking", "masked_fill_": "masking",
+              "where": "masking", "exp": "softmax", "native_dropout": "dropout", "clone": "copying",
+              "copy_": "copying", "_to_copy": "copying"}
 
 
-def site(call: CallRecord) -> str:
-    """Where a call is, in words: 'the scale of the attention scores (mul on 16x12x256x256)', 'eager
-    attention's P V product (bmm: 192x256x256 @ 192x256x32)', 'gelu in encoder.layer.0 (...)'."""
+def site(call: CallRecord, shapes: bool = False) -> str:
+    """Where a call is, in a talk's words: 'the scaling of the attention scores', 'eager attention's P V
+    product', 'gelu in encoder.layer.0'; with `shapes`, the op and its shapes after them in brackets
+    ('... (mul on 16x12x256x256)'), for --verbose and the files."""
     from mpsimpact.engine.call import op_cell
 
     if allocates(call.op):  # an empty tensor made whole (blocked_eager's P): where a Mac's buffer refuses it
-        made = "x".join(map(str, call.b.shape))
         square = len(call.b.shape) == 4 and call.b.shape[-1] == call.b.shape[-2]
-        return f"{'the attention probabilities P' if square else 'a tensor'}, allocated whole ({call.op} of {made})"
-    shape = op_cell(call.op, list(call.a.shape), list(call.b.shape))
+        words = f"{'the attention probabilities P' if square else 'a tensor'}, allocated whole"
+        return f"{words} ({call.op} of {'x'.join(map(str, call.b.shape))})" if shapes else words
     a = call.a.shape
     square = len(a) >= 3 and a[-1] == a[-2]
     if call.family == "sdpa":
-        return f"fused attention (SDPA; {shape})"
-    if call.family == "bmm" and square and call.b.shape[-2] == a[-1] and call.b.shape[-1] < a[-1]:
-        return f"eager attention's P V product ({shape})"
-    if call.family == "bmm" and call.out_numel == a[0] * a[-2] * call.b.shape[-1] and call.b.shape[-1] == a[-2]:
-        return f"eager attention's Q K^T product ({shape})"
-    if not call.is_product and square and call.op in _ON_SCORES:
-        return f"the {_ON_SCORES[call.op]} of the attention scores ({shape})"
-    where = f" in {call.module}" if call.module else ""
-    return f"{call.op}{where} ({shape})"
+        words = "fused attention (SDPA)"
+    elif call.family == "bmm" and square and call.b.shape[-2] == a[-1] and call.b.shape[-1] < a[-1]:
+        words = "eager attention's P V product"
+    elif call.family == "bmm" and call.out_numel == a[0] * a[-2] * call.b.shape[-1] and call.b.shape[-1] == a[-2]:
+        words = "eager attention's Q K^T product"
+    elif not call.is_product and square and call.op in _ON_SCORES:
+        words = f"the {_ON_SCORES[call.op]} of the attention scores"
+    else:
+        words = f"{call.op} in {call.module}" if call.module else call.op
+    return f"{words} ({op_cell(call.op, list(a), list(call.b.shape))})" if shapes else words
 
 
 def spoken(prediction: Prediction) -> str:
     """What a release does to the run, as a speaker says it: 'silently returns wrong outputs for 6 of 16
-    texts, from text 10', 'kills the process at the scale of the attention scores (...)', 'raises ...'."""
+    texts, from text 10', 'kills the process at the scaling of the attention scores', 'raises ...'."""
     if prediction.stop is not None:
         stop = prediction.stop
         if stop.fault.kind == "abort":
@@ -428,5 +430,5 @@ def on_a_mac(release: Any, installed: Prediction) -> str | None:
     unknown = undecided_at(profile, installed)
     if unknown is not None:
         return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
-    return (f"On a Mac, the installed torch {profile.label} {spoken(installed)}: --torch-profile "
-            f"{profile.release} shows it.")
+    return (f"On a Mac, the installed torch {profile.label} {spoken(installed)} instead (--torch-profile "
+            f"{profile.release} shows it).")

@@ -118,7 +118,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
         recommendation["why"] = (
             f"Cannot tell on torch {unmeasured.release}: nobody measured it on MPS, so nobody can tell whether any "
             f"run shows the bug there (`mpsimpact sweep` on a Mac measures it). On torch {PUBLISHED_DEMO_RELEASE}, "
-            f"the published demo's release: {recommendation['why']}")
+            f"a release measured on Macs where the bug is silent: {recommendation['why']}")
     return {"budget_gib": in_gib(mac.working_set), "basis": working_set_words(mac),
             "largest_buffer_gib": in_gib(mac.largest_buffer), "buffer_basis": mac.source(), "options": options,
             "judged_on": profile.release, "recommendation": recommendation, "mac_table": table}

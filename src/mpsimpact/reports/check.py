@@ -65,12 +65,16 @@ def _groups(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def outcome_words(row: dict[str, Any]) -> str:
-    """A faulting call's outcome in words: "abort (inferred)", "unmeasured", "silent, every row wrong"."""
+    """A faulting call's outcome in words: "abort (inferred)", "silent, every row wrong"; where nobody measured
+    the call (an op's case, or the whole release) "cannot tell (judged as ...)", in the glossary's words."""
     if row["rule"].startswith("unmeasured"):
-        return "unmeasured (judged wrong)" if row["kind"] == "wrong_other" else f"unmeasured ({row['kind']})"
+        return "cannot tell (judged wrong)" if row["kind"] == "wrong_other" else f"cannot tell (judged {row['kind']})"
     if row["rule"] == BUFFER_RULE:  # the Mac's own refusal: its message says it all
         return f"error: {row['message']}"
-    return FAULT_WORDS.get(row["kind"], row["kind"]) + (" (inferred)" if row["inferred"] else "")
+    words = FAULT_WORDS.get(row["kind"], row["kind"])
+    if row["rule"].startswith("conservative:"):  # a release nobody measured: as the worst measured one
+        return f"cannot tell (judged {words})"
+    return words + (" (inferred)" if row["inferred"] else "")
 
 
 def console_calls(rows: list[dict[str, Any]], verbose: bool = False):
@@ -170,7 +174,7 @@ def unmeasured_release(profile: dict[str, Any]) -> str | None:
 
 def print_check(report: dict[str, Any], verbose: bool = False) -> None:
     """The check as console tables, fitting the terminal's width (a log's: 80 columns)."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     console = Console()
     console.print(headline(report, every_op=True), markup=False)
     for line in release_lines(report):
