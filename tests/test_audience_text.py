@@ -22,13 +22,13 @@ def test_each_guard_mode_gets_one_plain_line_in_the_runs_summary():
     kind = KINDS["inference"]
     conditions = [
         {"guard": "off", "status": "completed", "corrupted_count": 6},
-        {"guard": "raise", "status": "stopped_by_guard", "where": "eager attention's P V product (bmm: 1x2 @ 2x1)"},
+        {"guard": "raise", "status": "stopped_by_guard", "where": "eager attention's P V product"},
         {"guard": "chunk", "status": "completed", "corrupted_count": 0},
         {"guard": "chunk", "status": "error", "buffer_refused": "Invalid buffer size: 8.19 GB",
          "attention": "blocked_eager"},
     ]
     assert kind.guard_lines({"conditions": conditions}) == [
-        "guard raise: stopped before any wrong value, at eager attention's P V product (bmm: 1x2 @ 2x1).",
+        "guard raise: stopped before any wrong value, at eager attention's P V product.",
         "guard chunk: 0 wrong, every output matches the reference.",
         "guard chunk (blocked_eager attention): cannot help: MPS refuses the allocation ('Invalid buffer size: "
         "8.19 GB').",
@@ -75,3 +75,14 @@ def test_retrieval_lines_say_no_corruption_in_words_never_none():
     (line,) = retrieval_lines({"conditions": [clean]})
     assert line == ("guard chunk: no corrupted vector (predicted 10); self-retrieval: every document is still its "
                     "own nearest neighbour; queries: mean recall@10 1.0000, top-1 changed for 0 of 256.")
+
+
+def test_a_site_is_said_in_words_and_its_shapes_only_when_asked():
+    from mpsimpact.engine.call import CallRecord
+    from mpsimpact.engine.faults import OK, TensorSpec
+    from mpsimpact.prediction.outcome import site
+
+    scores = TensorSpec.contiguous((16, 12, 256, 256))
+    call = CallRecord(13, "mul", scores, scores, OK, module="encoder.layer.0.attention.self")
+    assert site(call) == "the scaling of the attention scores"
+    assert site(call, shapes=True) == "the scaling of the attention scores (mul on 16x12x256x256)"

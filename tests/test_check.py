@@ -16,6 +16,7 @@ from mpsimpact.prediction.outcome import summarise
 from mpsimpact.prediction.safe_size import _fit, _value, is_clean, longest_safe_length
 from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert
+from said import one_message
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -38,9 +39,8 @@ def bad_input(*args):
     """Runs a check that must fail: exit 2, one line on stderr, no traceback."""
     result = runner.invoke(app, ["check", *map(str, args)])
     assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.stderr
-    return lines[0]
+    assert "Traceback" not in result.output, result.stderr
+    return one_message(result.stderr)
 
 
 def pick(row, *keys):

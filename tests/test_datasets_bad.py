@@ -13,6 +13,7 @@ from mpsimpact.cli import app
 from mpsimpact.errors import UsageError
 from mpsimpact.models import dataset
 from mpsimpact.models.dataset import load_file
+from said import one_message
 
 runner = CliRunner()
 NAMES = "one of the model's labels (negative, neutral, positive) or an index in 0..2"
@@ -145,5 +146,5 @@ def test_run_with_a_bad_dataset_exits_2_with_one_line_and_writes_nothing(tmp_pat
     result = runner.invoke(app, ["run", "sentiment", "--dataset", str(path), "--batch-size", "16", "--max-length", "64",
                                  "--out", str(out)])
     assert result.exit_code == 2, result.output
-    assert result.stderr == f"error: Dataset file '{path}'{says}\n"
+    assert one_message(result.stderr) == f"error: Dataset file '{path}'{says}"
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no report, no partial, no cache entry

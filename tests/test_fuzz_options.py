@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
+from said import one_message
 
 runner = CliRunner()
 SRC = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ WORK = {
 }
 # Every environment variable mpsimpact reads (test_the_fuzzed_variables_are_every_one_the_code_reads keeps it so).
 VARIABLES = ("MPSIMPACT_ATTENTION_BUDGET", "MPSIMPACT_GUARD", "MPSIMPACT_EMBEDDED_MODEL", "MPSIMPACT_CACHE",
-             "XDG_CACHE_HOME", "HOME", "UV_OFFLINE", "PIP_NO_INDEX", "PYTORCH_ENABLE_MPS_FALLBACK")
+             "XDG_CACHE_HOME", "HOME", "UV_OFFLINE", "PIP_NO_INDEX", "PYTORCH_ENABLE_MPS_FALLBACK", "COLUMNS")
 
 # Things a path may name, made in each case's own folder ("<fifo>" becomes the path of a FIFO, ...).
 THINGS = ("<fifo>", "<socket>", "<dangling>", "<device>", "<folder>", "<file>", "<long-name>", "<long-path>",
@@ -228,7 +229,7 @@ def check_result(result, line: list[str], env: dict[str, str]) -> None:
     assert result.exit_code in (0, 1, 2, 3), (case, result.exit_code, result.output)
     said = result.stderr if result.stderr_bytes else ""
     if result.exit_code == 2 and said.startswith("error: "):
-        assert said.count("\n") == 1, (case, said)  # our refusals are one line (click's usage boxes are its own)
+        assert one_message(said), (case, said)  # our refusals are one paragraph (click's usage boxes are its own)
 
 
 def check_written(before: dict, after: dict, roots: list[str], line: list[str]) -> None:
@@ -266,12 +267,14 @@ def test_wrong_environment_variables_never_end_in_a_traceback_a_hang_or_a_stray_
 def readers() -> dict:
     """Each variable's reader, called as the library calls it (not through the CLI's up-front check)."""
     from mpsimpact.engine.release import cache_root
+    from mpsimpact.errors import said
     from mpsimpact.models.classifier import embedded_model_path
     from mpsimpact.variables import attention_budget, guard_mode, is_offline
 
     return {"MPSIMPACT_ATTENTION_BUDGET": attention_budget, "MPSIMPACT_GUARD": guard_mode,
             "MPSIMPACT_EMBEDDED_MODEL": embedded_model_path, "MPSIMPACT_CACHE": cache_root,
-            "XDG_CACHE_HOME": cache_root, "HOME": cache_root, "UV_OFFLINE": is_offline, "PIP_NO_INDEX": is_offline}
+            "XDG_CACHE_HOME": cache_root, "HOME": cache_root, "UV_OFFLINE": is_offline, "PIP_NO_INDEX": is_offline,
+            "COLUMNS": lambda: said("error", "a message of some words " * 9)}  # any width: never a failure
 
 
 def test_each_variables_reader_returns_or_raises_one_line_naming_it(monkeypatch):

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from mpsimpact.cli import app
 from mpsimpact.engine.mac_memory import MacMemory
 from mpsimpact.prediction.demo_size import visible_batch
+from said import flat
 
 runner = CliRunner()
 
@@ -96,9 +97,9 @@ def test_no_silent_option_says_where_the_run_stops():
 
 def test_bad_memory_and_dtype_are_one_line(tmp_path):
     result = runner.invoke(app, ["plan", "sentiment", "--memory", "lots"])
-    assert result.exit_code == 2 and "--memory: 'lots' is not a Mac's unified memory: give a size such as 16GB" in result.stderr
+    assert result.exit_code == 2 and "--memory: 'lots' is not a Mac's unified memory: give a size such as 16GB" in flat(result.stderr)
     result = runner.invoke(app, ["run", "sentiment", "--dtype", "float8", "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "--dtype must be one of float32, float16, bfloat16; got 'float8'." in result.stderr
+    assert result.exit_code == 2 and "--dtype must be one of float32, float16, bfloat16; got 'float8'." in flat(result.stderr)
 
 
 def test_mps_preflight_counts_the_dtype_and_names_the_plan_command(monkeypatch):

@@ -14,6 +14,7 @@ from mpsimpact.bounds import MAX_JSON_DEPTH, MAX_TEXT_CHARS, json_depth, parse_j
 from mpsimpact.cli import app
 from mpsimpact.errors import UsageError
 from mpsimpact.models.dataset import load_file
+from said import flat, messages, one_message
 
 runner = CliRunner()
 LONG = "x" * (MAX_TEXT_CHARS + 1)
@@ -79,7 +80,7 @@ def test_the_cli_refuses_a_long_text_before_loading_any_model(tmp_path):
     result = runner.invoke(app, ["run", "sentiment", "--quick", "--dataset", str(tmp_path / "long.jsonl"),
                                  "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert result.stderr.count("\n") == 1 and LIMIT_WORDS in result.stderr and "Traceback" not in result.output
+    assert LIMIT_WORDS in one_message(result.stderr) and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -119,7 +120,7 @@ def test_check_refuses_a_config_past_a_bound_before_building(tmp_path, name, mon
     started = time.perf_counter()
     result = runner.invoke(app, ["check", str(tmp_path), "--batch-size", "2"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+    assert words in one_message(result.stderr), result.stderr
     assert "Traceback" not in result.output and time.perf_counter() - started < 30
 
 
@@ -159,8 +160,8 @@ def test_a_full_disk_while_writing_a_figure_is_one_line_and_leaves_nothing(tmp_p
     figure = tmp_path / "fig.png"
     result = runner.invoke(app, ["plan", "sentiment", "--sweep", "--figure", str(figure)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
-    assert f"No space left to write '{figure}'" in result.stderr and "Nothing was left half-written" in result.stderr
+    assert one_message(result.stderr) and "Traceback" not in result.output
+    assert f"No space left to write '{figure}'" in flat(result.stderr) and "Nothing was left half-written" in flat(result.stderr)
     assert os.listdir(tmp_path) == []  # no figure, no temporary file
 
 
@@ -170,8 +171,8 @@ def test_a_full_disk_while_writing_a_run_folder_is_one_line_and_leaves_nothing(t
     out = tmp_path / "run"
     result = runner.invoke(app, ["run", "sentiment", "--quick", "--guard", "off", "--out", str(out)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip().splitlines()[-1].startswith("error: No space left to write ")
-    assert "error_by_position.png" in result.stderr and "Traceback" not in result.output
+    assert messages(result.stderr)[-1].startswith("error: No space left to write ")
+    assert "error_by_position.png" in flat(result.stderr) and "Traceback" not in result.output
     assert sorted(os.listdir(tmp_path)) == ["cache"]  # no report folder, no partial folder, no claim
 
 
@@ -181,7 +182,7 @@ def test_a_disk_without_room_for_the_report_is_refused_before_any_work(tmp_path,
     monkeypatch.setattr(files.shutil, "disk_usage", lambda path: type("U", (), {"free": 20 << 20})())
     result = runner.invoke(app, ["run", "sentiment", "--batch-size", "8192", "--guard", "all",
                                  "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert result.exit_code == 2 and one_message(result.stderr), result.output
     # 4 MiB of pages and figures + 8192 texts x 3 conditions x 1 KiB of samples and logits = 28 MiB
-    assert "is on a disk with 20 MiB free, and this command writes up to 28 MiB there" in result.stderr
+    assert "is on a disk with 20 MiB free, and this command writes up to 28 MiB there" in flat(result.stderr)
     assert not (tmp_path / "out").exists()

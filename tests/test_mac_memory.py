@@ -20,6 +20,7 @@ from mpsimpact.errors import EmulatedMpsError, OversizedOpError
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.modes.guard import guard
 from mpsimpact.modes.tracer import UNDECIDED
+from said import flat, one_message
 
 runner = CliRunner()
 GIB = 1 << 30
@@ -178,10 +179,10 @@ def test_an_emulated_run_on_a_small_mac_stops_with_invalid_buffer_size_and_a_big
 def test_bad_memory_values_are_one_line_everywhere(tmp_path):
     for command in (["plan", "sentiment"], ["check", "bert-base-uncased"], ["run", "sentiment"]):
         result = runner.invoke(app, [*command, "--memory", "16 TB", "--out", str(tmp_path / "never")])
-        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
-        assert "--memory: '16 TB' is not a Mac's unified memory" in result.stderr
+        assert result.exit_code == 2 and one_message(result.stderr), result.output
+        assert "--memory: '16 TB' is not a Mac's unified memory" in flat(result.stderr)
     result = runner.invoke(app, ["plan", "sentiment", "--memory", "auto"])  # no Apple GPU here
-    assert result.exit_code == 2 and "needs a Mac with MPS" in result.stderr
+    assert result.exit_code == 2 and "needs a Mac with MPS" in flat(result.stderr)
     assert not (tmp_path / "never").exists()
 
 

@@ -17,6 +17,7 @@ from mpsimpact.cli import app
 from mpsimpact.config import INDEX_BITS_RANGE, CheckConfig, PlanConfig, RunConfig, SweepConfig
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.matrix import MatrixConfig
+from said import flat, one_message
 
 runner = CliRunner()
 COMMANDS = {
@@ -60,7 +61,7 @@ def test_each_bad_shared_option_is_one_line_and_exit_2(tmp_path, command, flag, 
         args += ["--out", str(tmp_path / "out")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == f"error: {message}"
+    assert one_message(result.stderr) == f"error: {message}"
     assert "Traceback" not in result.output and not list(tmp_path.iterdir())
 
 
@@ -72,7 +73,7 @@ def test_sweep_below_the_smallest_family_says_which_width_works(tmp_path):
     args = ["sweep", "--device", "cpu", "--index-bits", "11", "--out", str(tmp_path / "s")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
-    assert "use a larger --index-bits, e.g. 20" in result.stderr and not (tmp_path / "s").exists()
+    assert "use a larger --index-bits, e.g. 20" in flat(result.stderr) and not (tmp_path / "s").exists()
 
 
 def test_run_only_options_are_checked_too(tmp_path):
@@ -80,7 +81,7 @@ def test_run_only_options_are_checked_too(tmp_path):
             ("--attention", "flash", "--attention must be one of eager, sdpa, both, blocked_eager; got 'flash'."),
             ("--dtype", "int8", "--dtype must be one of float32, float16, bfloat16; got 'int8'.")):
         result = runner.invoke(app, ["run", "sentiment", flag, value, "--out", str(tmp_path / "o")])
-        assert result.exit_code == 2 and result.stderr.strip() == f"error: {message}"
+        assert result.exit_code == 2 and one_message(result.stderr) == f"error: {message}"
     assert not list(tmp_path.iterdir())
 
 
@@ -88,7 +89,7 @@ def test_plan_out_must_be_a_fresh_folder(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("keep me")
     result = runner.invoke(app, ["plan", "sentiment", "--versions", "--out", str(tmp_path / "taken")])
-    assert result.exit_code == 2 and "already exists and is not empty" in result.stderr
+    assert result.exit_code == 2 and "already exists and is not empty" in flat(result.stderr)
     assert (tmp_path / "taken" / "x").read_text() == "keep me"
 
 
@@ -220,7 +221,7 @@ def captured_config(monkeypatch, target: str, args: list[str]):
 
     monkeypatch.setattr(importlib.import_module(module), name, capture)
     result = runner.invoke(app, args)
-    assert result.exit_code == 2 and result.stderr.strip() == "error: captured", result.output
+    assert result.exit_code == 2 and one_message(result.stderr) == "error: captured", result.output
     return seen[0]
 
 

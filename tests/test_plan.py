@@ -16,6 +16,7 @@ from mpsimpact.prediction.outcome import predict
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 from tiny import tiny_bert, token_batch
+from said import flat
 
 runner = CliRunner()
 ROBERTA = Path(__file__).parent / "data" / "twitter-roberta-base-sentiment-latest"
@@ -144,7 +145,7 @@ def test_plan_and_run_agree_on_the_usable_length(tmp_path, model_type):
     # 514 positions, of which padding_idx + 1 = 2 are reserved: 512 usable, by the same function run uses.
     assert usable_positions(type("C", (), config)) == 512
     result = runner.invoke(app, ["plan", "sentiment", "--model", str(tmp_path), "--batch-size", "2", "--max-length", "513"])
-    assert result.exit_code == 2 and "--max-length 513 exceeds the model's 512 positions." in result.stderr
+    assert result.exit_code == 2 and "--max-length 513 exceeds the model's 512 positions." in flat(result.stderr)
     assert plan_json("--model", str(tmp_path), "--batch-size", "2", "--max-length", "512")["config"]["max_length"] == 512
 
 

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
+from said import flat
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -47,7 +48,7 @@ def test_small_retrieval_run_under_each_guard(tmp_path, monkeypatch):
 
 def test_retrieval_refuses_a_dataset(tmp_path):
     result = runner.invoke(app, ["run", "retrieval", "--dataset", "tweet_eval", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "--dataset is not supported" in result.output + result.stderr
+    assert result.exit_code == 2 and "--dataset is not supported" in flat(result.output + result.stderr)
 
 
 def readme_snippet(marker: str) -> str:

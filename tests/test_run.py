@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
+from said import flat
 
 runner = CliRunner()
 # P (16*12, 256, 256): 2**23 / 65536 = 128 batch-heads -> divmod(128, 12) = text 10, head 8.
@@ -23,7 +24,7 @@ def _cache(tmp_path, monkeypatch):
 
 def invoke(args):
     result = runner.invoke(app, args)
-    return result, result.output + (result.stderr if result.stderr_bytes else "")
+    return result, flat(result.output + (result.stderr if result.stderr_bytes else ""))
 
 
 def load_report(folder):

@@ -20,6 +20,7 @@ from mpsimpact.output.files import (
     CLAIM_MARKER, claim_out_dir, claimed_out_dir, folder_written_atomically, fresh_out_dir, release_out_dir,
 )
 from mpsimpact.runs import reference
+from said import flat, messages, one_message
 
 runner = CliRunner()
 IS_ROOT = os.geteuid() == 0  # root writes into read-only folders: those cases cannot be made here
@@ -36,11 +37,11 @@ def _cache(tmp_path, monkeypatch):
 
 def invoke(args):
     result = runner.invoke(app, [str(a) for a in args])
-    return result, result.output + (result.stderr if result.stderr_bytes else "")
+    return result, flat(result.output + (result.stderr if result.stderr_bytes else ""))
 
 
 def stderr_lines(capsys):
-    return capsys.readouterr().err.strip().splitlines()
+    return messages(capsys.readouterr().err)
 
 
 # The reference cache.
@@ -146,7 +147,7 @@ def test_a_read_only_cache_is_read_but_not_written(tmp_path, capsys):
     try:
         np.testing.assert_array_equal(reference.cached_reference(key), LOGITS)
         assert reference.store_reference("n" * 24, LOGITS) is False
-        assert "cannot be written (Permission denied); continuing without it." in capsys.readouterr().err
+        assert "cannot be written (Permission denied); continuing without it." in " ".join(messages(capsys.readouterr().err))
     finally:
         path.parent.chmod(0o755)
 
@@ -260,7 +261,7 @@ def test_out_under_a_file_exits_2_before_any_work(command, tmp_path, monkeypatch
     (tmp_path / "file").write_text("x")
     result, text = invoke([*args, "--out", tmp_path / "file" / "out"])
     assert result.exit_code == 2, text
-    assert result.stderr.strip() == (f"error: --out '{tmp_path / 'file' / 'out'}': '{tmp_path / 'file'}' is a file, "
+    assert one_message(result.stderr) == (f"error: --out '{tmp_path / 'file' / 'out'}': '{tmp_path / 'file'}' is a file, "
                                      "not a folder; pass another --out.")
 
 
@@ -405,10 +406,10 @@ def test_train_head_refuses_too_small_a_limit_and_an_unwritable_out_before_any_w
     monkeypatch.setattr(head, "load_embedded_classifier", lambda **k: pytest.fail("the model was loaded"))
     result, text = invoke(["train-head", "--limit", "2", "--out", tmp_path / "head"])
     assert result.exit_code == 2
-    assert result.stderr.strip() == "error: --limit must be >= 3 (one training text per label: negative, neutral, positive), got 2."
+    assert one_message(result.stderr) == "error: --limit must be >= 3 (one training text per label: negative, neutral, positive), got 2."
     (tmp_path / "file").write_text("x")
     result, text = invoke(["train-head", "--limit", "5", "--out", tmp_path / "file" / "head"])
-    assert result.exit_code == 2 and "'" + str(tmp_path / "file") + "' is a file, not a folder" in result.stderr
+    assert result.exit_code == 2 and "'" + str(tmp_path / "file") + "' is a file, not a folder" in flat(result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 

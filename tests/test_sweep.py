@@ -14,6 +14,7 @@ from mpsimpact.cli import app
 from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.cell import observe, run_cells
 from mpsimpact.runs.sweep import Cell, grid, summarize, thresholds
+from said import flat
 
 runner = CliRunner()
 
@@ -56,7 +57,7 @@ def test_a_broken_emulator_is_caught(monkeypatch):
 
 def test_unknown_layout_is_refused(tmp_path):
     result = runner.invoke(app, ["sweep", "--device", "cpu", "--layouts", "diagonal", "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "--layouts must be one of contiguous, a_transposed, b_transposed, both_sliced; got 'diagonal'." in result.output
+    assert result.exit_code == 2 and "--layouts must be one of contiguous, a_transposed, b_transposed, both_sliced; got 'diagonal'." in flat(result.output)
 
 
 @pytest.mark.ci  # fresh processes: CI runs it after the default selection (pytest -m ci)

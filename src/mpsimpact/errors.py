@@ -2,11 +2,47 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
+import textwrap
+import unicodedata
 from typing import Any
 
 
+def said(prefix: str, message: str) -> str:
+    """`prefix: message` as one paragraph for stderr (see `paragraph`), control characters written as their
+    escapes (a newline in a scenario's name, a tab in a path: as repr writes them)."""
+    flat = "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in message)
+    return paragraph(f"{prefix}: {flat}", indent=len(prefix) + 2)
+
+
+def paragraph(text: str, indent: int = 0) -> str:
+    """`text` wrapped between words at the terminal's width (COLUMNS, else the width of a terminal on stderr),
+    the lines after the first indented by `indent`. A word longer than the width (a path) stays whole, and so
+    does a backquoted command; joining the lines with single spaces gives the text back. In a log (no
+    terminal, no COLUMNS) the text is one line: a log has no width, and a line greps."""
+    width = _stderr_width()
+    if width is None:
+        return text
+    whole = _BACKQUOTED.sub(lambda m: m.group().replace(" ", "\0"), text)  # a command to type is one word
+    whole = whole.replace(" ", "\0", 1) if indent else whole  # "error:" never alone on its line
+    return textwrap.fill(whole, width=max(width, 40), subsequent_indent=" " * indent, break_long_words=False,
+                         break_on_hyphens=False).replace("\0", " ")
+
+
+_BACKQUOTED = re.compile(r"`[^`]*`")
+
+
+def _stderr_width() -> int | None:
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    return shutil.get_terminal_size().columns if sys.stderr is not None and sys.stderr.isatty() else None
+
+
 class MpsImpactError(Exception):
-    """Base of mpsimpact's errors; the CLI prints these as one line and exits non-zero."""
+    """Base of mpsimpact's errors; the CLI prints these as one paragraph (`said`) and exits non-zero."""
 
     def __init__(self, message: str, **fields: Any) -> None:
         super().__init__(message)

@@ -22,6 +22,7 @@ def main(
     head_config = options.config_from(config(), out=out, limit=limit, install=install)
     from mpsimpact.output.files import claimed_out_dir, folder_written_atomically
     from mpsimpact.output.progress import progress_steps
+    from mpsimpact.errors import paragraph
     from mpsimpact.runs.head import installed_head_folder, train_head
 
     if install:
@@ -36,4 +37,4 @@ def main(
                  "unchanged (--install replaces it)")
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts "
                f"(trained on {metadata['train_texts']})")
-    typer.echo(where)
+    typer.echo(paragraph(where))

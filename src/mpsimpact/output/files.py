@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mpsimpact.bounds import kind_of, name_problem, shown_path
-from mpsimpact.errors import DiskFullError, UsageError
+from mpsimpact.errors import DiskFullError, UsageError, said
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
 MIN_FREE_BYTES = 16 << 20  # refuse an --out on a disk with less free: reports hold figures and logits
@@ -30,8 +30,9 @@ _PARTIAL_FILE = re.compile(r"^\..+\.(\d+)\.[^.]+\.partial$")  # atomic_write_byt
 
 
 def warn(message: str) -> None:
-    """One line on stderr: for state we could not use and worked around (never for a failure)."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """One paragraph on stderr (errors.said): for state we could not use and worked around (never for a
+    failure)."""
+    print(said("warning", message), file=sys.stderr, flush=True)
 
 
 def is_process_alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ Steps = Callable[[str, int], Advance]  # (description, total units) -> that step
 def progress_steps(console: Any = None) -> Iterator[Steps]:
     """Yields `make(description, total)`, which starts a step and returns its `advance(n)`. On a terminal a
     bar with the time elapsed and left; elsewhere log lines (`log_steps`)."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.progress import TimeRemainingColumn
 
@@ -40,13 +40,12 @@ def log_steps(say: Callable[..., Any], clock: Callable[[], float] = time.perf_co
     and at its end; the time left is the pace so far times what remains (an estimate, said as one)."""
     def make(description: str, total: int) -> Advance:
         done, marks, start = [0], {max(1, total * q // 4) for q in (1, 2, 3, 4)}, clock()
-        say(f"{description}: started ({total:,} step{'s' if total != 1 else ''})", soft_wrap=True)
+        say(f"{description}: started ({total:,} step{'s' if total != 1 else ''})")
 
         def advance(n: int) -> None:
             before, done[0] = done[0], done[0] + n
             if any(before < mark <= done[0] for mark in marks):
-                say(f"{description}: {done[0]:,}/{total:,} ({_time_said(clock() - start, done[0], total)})",
-                    soft_wrap=True)
+                say(f"{description}: {done[0]:,}/{total:,} ({_time_said(clock() - start, done[0], total)})")
 
         return advance
 

@@ -164,6 +164,11 @@ def _claim_identity(partial: Path, identity: dict[str, Any]) -> None:
     saved = saved if isinstance(saved, dict) else {}
     differing = sorted(key for key in identity.keys() | saved.keys() if identity.get(key) != saved.get(key))
     if differing:
-        parts = ", ".join(f"{key} {saved.get(key)!r} there, {identity.get(key)!r} now" for key in differing)
+        parts = ", ".join(f"{key} {_value(saved, key)} there, {_value(identity, key)} now" for key in differing)
         raise UsageError(f"'{partial}' holds the unfinished work of another command ({parts}); rerun that "
                          "command to finish it, or delete the folder, or pass another --out.")
+
+
+def _value(fields: dict, key: str) -> str:
+    """A field's value as a sentence says it: its repr, or "not recorded" where the file has no such field."""
+    return "not recorded" if fields.get(key) is None else repr(fields[key])

@@ -137,7 +137,8 @@ class Cell:
             return f"judged_batches {str(judged)[:30]} is not a count of this cell's batches"
         tolerance, stopped = TOLERANCE[self.dtype], observed in STOP_KINDS | {"crash", NOT_RUN}
         if observed == "ok" and (first is not None or (rel is not None and rel > tolerance)):
-            return f"it says ok, with a first bad batch {first} or an error {rel} above the tolerance {tolerance}"
+            found = f"a first bad batch {first}" if first is not None else f"an error {rel}"
+            return f"it says ok, with {found} (the tolerance is {tolerance})"
         if stopped and (first is not None or rel is not None or not seen.get("message")):
             return f"it says {observed}, but holds values judged, or no message"
         if observed == "wrong_tail" and not first:
