@@ -76,7 +76,7 @@ def main(
 
 
 def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) -> None:
-    from rich.console import Console
+    from mpsimpact.output.console import Console
 
     from mpsimpact.output.page import Footnotes, release_lines
 

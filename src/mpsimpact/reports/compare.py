@@ -118,7 +118,7 @@ def write_comparison_folder(out: Path, comparison: Any) -> Path:
 
 def print_comparison(comparison: Any, folder: Path | None = None) -> None:
     """The console view: both sides, the environment and condition (or cell) tables, the verdicts."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     from rich.text import Text
     console = Console()
     for index in (0, 1):

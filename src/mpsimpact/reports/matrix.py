@@ -253,7 +253,7 @@ def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
 
 def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
     """The console view: the headline, every table, the notes and the exit line."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     console = Console()
     console.print(headline(report), style="bold yellow", markup=False)
     for line in release_lines(report):
@@ -271,7 +271,7 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
 def progress_bars() -> Iterator[Callable[[str, str], None]]:
     """A rich progress bar per environment (building, probing), on stderr when it is a terminal: yields the
     matrix's progress callback, (transformers version, stage)."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bars
 

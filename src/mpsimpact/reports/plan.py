@@ -21,7 +21,7 @@ def write_sweep_figure(table: dict, path: str, model: str, release: str = "") ->
 def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     """The plan as console tables, fitting the terminal's width (a log's: 80 columns); `verbose`: the
     layouts, the rules' names and every message in full."""
-    from rich.console import Console
+    from mpsimpact.output.console import Console
     console = Console()
     cfg, pred = report["config"], report["prediction"]
     traced = (f"{report['ops_traced']} ops traced ({report['calls_traced']} of them matrix products)"
@@ -83,7 +83,10 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
                       "there, run:", markup=False)
         _print_command(console, smallest["command"])
     if emulated := rec.get("emulated_command"):
-        console.print("On any machine, emulated on its CPU (every result says EMULATED):", markup=False)
+        quick = f"{emulated.split(' --')[0]} --quick"  # the same scenario at a narrow index
+        console.print("On any machine, emulated on its CPU (every result says EMULATED; at this size it takes "
+                      f"minutes on a laptop's CPU, where `{quick}` shows the same effect in seconds):",
+                      markup=False)
         _print_command(console, emulated)
 
 

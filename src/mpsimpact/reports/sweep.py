@@ -20,7 +20,7 @@ class SweepConsole:
     """What runs.sweep_run.run_sweep shows and writes on the way: the console lines and the result files."""
 
     def __init__(self) -> None:
-        from rich.console import Console
+        from mpsimpact.output.console import Console
 
         self.console, self._last_line = Console(highlight=False), 0.0
 

@@ -1,0 +1,31 @@
+"""The console every command prints through: rich's, except that a backquoted command in a sentence is never
+cut across two lines (a reader copies it whole), wherever the terminal's width puts the break."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from typing import Any
+
+from rich.console import Console as RichConsole
+
+_BACKQUOTED = re.compile(r"`[^`\n]*`")
+_KEEP = "\ue000"  # a space inside backquotes while wrapping: not whitespace, so no break there
+
+
+class Console(RichConsole):
+    """rich.console.Console whose `print` wraps a plain sentence holding a backquoted command itself, between
+    words but never inside the backquotes (a command longer than a line stays whole on its own line)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # noqa: A003 - rich's name
+        text = objects[0] if len(objects) == 1 and isinstance(objects[0], str) else ""
+        if "`" in text and not kwargs.get("soft_wrap") and ("[" not in text or kwargs.get("markup") is False):
+            objects = (self._kept_whole(text),)
+            kwargs["soft_wrap"] = True
+        super().print(*objects, **kwargs)
+
+    def _kept_whole(self, text: str) -> str:
+        kept = _BACKQUOTED.sub(lambda m: m.group().replace(" ", _KEEP), text)
+        lines = [textwrap.fill(line, width=self.width, break_long_words=False, break_on_hyphens=False)
+                 for line in kept.split("\n")]
+        return "\n".join(lines).replace(_KEEP, " ")
