@@ -96,3 +96,13 @@ def test_no_snapshot_uses_a_term_the_glossary_keeps_for_verbose(path):
     assert "stopped_by_guard" in terms and "scale of the attention scores" in terms  # the list was read
     text = " ".join(path.read_text().split())
     assert not [term for term in terms if term in text]
+
+
+def test_the_readme_quotes_the_quickstarts_console_as_it_reads():
+    # The README's block under "Which torch release a result is about" is the run's first lines, word for word
+    # (its own line breaks aside): the snapshot holds what the command prints.
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    quoted = readme.split("With the\nQuickstart's torch 2.13.0 on Linux:\n\n```\n")[1].split("```")[0]
+    console = (SNAPSHOTS / "run-quick.txt").read_text()
+    assert " ".join(quoted.split()) in " ".join(console.split())
+    assert len(quoted.split()) > 40  # the whole headline and both release lines
