@@ -358,7 +358,11 @@ def test_two_commands_on_one_out_give_one_report_and_one_exit_2(tmp_path, monkey
 # compare: a damaged logits.npz is one line, exit 2.
 
 def test_a_truncated_or_misshapen_logits_npz_is_one_line(tmp_path):
-    from mpsimpact.upgrade.folders import _corrupted_from_logits
+    from mpsimpact.runs.classify_kind import ClassifyKind
+    from mpsimpact.upgrade.folders import FolderFiles
+
+    def _corrupted_from_logits(path, report):
+        return ClassifyKind().read_positions(path.name, report, FolderFiles(path.parent))
 
     report = {"conditions": [{"guard": "off"}], "config": {"threshold": 1e-3}}
     path = tmp_path / "logits.npz"
