@@ -324,7 +324,7 @@ def _make_or_adopt(folder: Path) -> bool:
     return stale
 
 
-def _remove_dead_partial_folders(folder: Path) -> None:
+def remove_dead_partial_folders(folder: Path) -> None:
     """`.NAME.partial-PID/` folders next to `folder` whose writer no longer runs."""
     for partial in folder.parent.glob(f".{folder.name}.partial-*"):
         pid = partial.name.rsplit("-", 1)[-1]
@@ -360,7 +360,7 @@ def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
                     shutil.rmtree(folder, ignore_errors=True)
                 raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); "
                                  "pass another --out.") from None
-            _remove_dead_partial_folders(folder)
+            remove_dead_partial_folders(folder)
         _CLAIMS[key] = _Claim(folder, fd, created)
     _release_at_exit()
     return folder
@@ -413,7 +413,7 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
     key = out.absolute()
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     if out.parent.is_dir():
-        _remove_dead_partial_folders(out)
+        remove_dead_partial_folders(out)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
