@@ -17,7 +17,7 @@ from mpsimpact.cli import app
 from mpsimpact.errors import UsageError
 from mpsimpact.output import files
 from mpsimpact.output.files import (
-    CLAIM_MARKER, claim_out_dir, claimed_out_dir, folder_written_atomically, fresh_out_dir, release_out_dir,
+    CLAIM_MARKER, claim_out_dir, claimed_out_dir, folder_written_atomically, fresh_out_dir, unclaim_out_dir,
 )
 from mpsimpact.runs import reference
 
@@ -288,7 +288,7 @@ def test_a_second_writer_is_refused_at_once_while_the_first_holds_the_claim(tmp_
         first.wait()
     # SIGKILL leaves the marker, but its lock died with the process: the next writer takes the claim over.
     assert claim_out_dir(str(out), "run") == out
-    release_out_dir(out)
+    unclaim_out_dir(out)
     assert not out.exists()  # the claim made (took over) the folder, and removed it unfilled
 
 
@@ -331,8 +331,8 @@ def test_default_folders_of_one_second_do_not_collide(tmp_path, monkeypatch):
     first = claim_out_dir(None, "run")
     second = claim_out_dir(None, "run")
     assert (str(first), str(second)) == ("outputs/run-20250101-120000", "outputs/run-20250101-120000-2")
-    release_out_dir(first)
-    release_out_dir(second)
+    unclaim_out_dir(first)
+    unclaim_out_dir(second)
 
 
 def test_two_commands_on_one_out_give_one_report_and_one_exit_2(tmp_path, monkeypatch):
