@@ -232,25 +232,22 @@ class RunKind(abc.ABC):
 
     def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
         """samples.jsonl's positions (the one-pass kinds write it alike: a line per text and condition)."""
-        positions: dict[str, set[int]] = {}
         texts: dict[str, set[int]] = {}
+        corrupted: dict[str, set[int]] = {}
         for number, sample in enumerate(files.rows(name), 1):
             if not (isinstance(sample, dict) and isinstance(sample.get("guard"), str)
                     and type(sample.get("position")) is int and sample["position"] >= 0
                     and type(sample.get("corrupted")) is bool):
                 raise UsageError(f"'{files.path / name}' is not an mpsimpact samples file (line {number} has no "
                                  "guard, position or corrupted flag).")
-            key = condition_key(sample.get("attention"), sample["guard"])
-            if sample["position"] in texts.setdefault(key, set()):
-                raise files.damaged(name, f"line {number} repeats position {sample['position']} of guard "
-                                          f"{key}")
-            texts[key].add(sample["position"])
-            found = positions.setdefault(key, set())
-            if sample["corrupted"]:
-                found.add(sample["position"])
+            key, position = condition_key(sample.get("attention"), sample["guard"]), sample["position"]
+            if position in texts.setdefault(key, set()):
+                raise files.damaged(name, f"line {number} repeats position {position} of guard {key}")
+            texts[key].add(position)
+            corrupted.setdefault(key, set()).update([position] if sample["corrupted"] else [])
         if not texts:
             raise files.damaged(name, "it holds no texts")
-        return {key: frozenset(found) for key, found in positions.items()}
+        return {key: frozenset(found) for key, found in corrupted.items()}
 
     def condition_rows(self, run: dict) -> list[list[str]]:
         """The conditions table: one row per condition (attention implementation and guard)."""
