@@ -184,7 +184,7 @@ UNBATCHED = {
 @pytest.mark.parametrize("transform", UNBATCHED)
 @pytest.mark.parametrize("entry", SLOW)
 def test_the_slow_path_under_raise_gives_the_unguarded_values(entry, transform, monkeypatch):
-    import mpsimpact.modes.guard as guard_module
+    import mpsimpact.modes.guard_mode as guard_module
 
     slow = []
     monkeypatch.setattr(guard_module, "run_with_backward_under",
@@ -499,7 +499,7 @@ def test_a_users_mode_sees_the_calls_it_sees_without_a_guard(log_class, where, g
 
 
 # torch.export with a dynamic batch dim: every op family the guard judges keeps it dynamic under each mode,
-# strict too (See Note [Symbolic sizes] in modes/guard.py): the same graph, the same range, the same values.
+# strict too (See Note [Symbolic sizes] in modes/guard_mode.py): the same graph, the same range, the same values.
 class EveryFamily(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -274,6 +274,27 @@ def test_no_kind_specific_field_is_named_outside_its_kind():
     assert strays == set()
 
 
+def declared_names(kind) -> set[str]:
+    """The condition fields and files a kind (or the RunKind base) declares."""
+    columns = [key for key, _ in getattr(kind, "columns", ())]  # the base declares no columns and no files
+    return {*columns, *getattr(kind, "files", ()), *kind.console_formats, *kind.counts, *kind.fractions,
+            *kind.uncompared, *kind.position_files}
+
+
+def test_upgrade_names_no_field_or_file_of_one_kind():
+    # What one kind declares and not every kind (nor the base) does is that kind's: compare asks the kind.
+    from mpsimpact.runs.kind import PASS_COLUMNS, RunKind
+    from mpsimpact.runs.kinds import KINDS
+
+    each = [declared_names(kind) for kind in KINDS.values()]
+    common = set.intersection(*each) | declared_names(RunKind) | {key for key, _ in PASS_COLUMNS}
+    own = set.union(*each) - common
+    assert {"accuracy", "reference_accuracy", "logits.npz", "samples.jsonl", "phase", "recall_at_10"} <= own
+    upgrade = {name: path for name, path in module_files().items() if room(name) == "upgrade"}
+    assert len(upgrade) >= 5
+    assert {(module, name) for module, path in upgrade.items() for name in named_fields(path) & own} == set()
+
+
 def test_the_reports_import_no_module_that_runs_work():
     # Reports print and write what they are handed: they may read the output helpers, the config's
     # constants, the errors and the engine's pure rules and names, nothing that runs, traces or compares.

@@ -17,7 +17,7 @@ from mpsimpact.cli import app
 from mpsimpact.errors import UsageError
 from mpsimpact.output import files
 from mpsimpact.output.files import (
-    CLAIM_MARKER, claim_out_dir, claimed_out_dir, folder_written_atomically, fresh_out_dir, release_out_dir,
+    CLAIM_MARKER, claim_out_dir, claimed_out_dir, folder_written_atomically, fresh_out_dir, unclaim_out_dir,
 )
 from mpsimpact.runs import reference
 from said import flat, messages, one_message
@@ -289,7 +289,7 @@ def test_a_second_writer_is_refused_at_once_while_the_first_holds_the_claim(tmp_
         first.wait()
     # SIGKILL leaves the marker, but its lock died with the process: the next writer takes the claim over.
     assert claim_out_dir(str(out), "run") == out
-    release_out_dir(out)
+    unclaim_out_dir(out)
     assert not out.exists()  # the claim made (took over) the folder, and removed it unfilled
 
 
@@ -332,8 +332,8 @@ def test_default_folders_of_one_second_do_not_collide(tmp_path, monkeypatch):
     first = claim_out_dir(None, "run")
     second = claim_out_dir(None, "run")
     assert (str(first), str(second)) == ("outputs/run-20250101-120000", "outputs/run-20250101-120000-2")
-    release_out_dir(first)
-    release_out_dir(second)
+    unclaim_out_dir(first)
+    unclaim_out_dir(second)
 
 
 def test_two_commands_on_one_out_give_one_report_and_one_exit_2(tmp_path, monkeypatch):
@@ -359,7 +359,11 @@ def test_two_commands_on_one_out_give_one_report_and_one_exit_2(tmp_path, monkey
 # compare: a damaged logits.npz is one line, exit 2.
 
 def test_a_truncated_or_misshapen_logits_npz_is_one_line(tmp_path):
-    from mpsimpact.upgrade.folders import _corrupted_from_logits
+    from mpsimpact.runs.classify_kind import ClassifyKind
+    from mpsimpact.upgrade.folders import FolderFiles
+
+    def _corrupted_from_logits(path, report):
+        return ClassifyKind().read_positions(path.name, report, FolderFiles(path.parent))
 
     report = {"conditions": [{"guard": "off"}], "config": {"threshold": 1e-3}}
     path = tmp_path / "logits.npz"

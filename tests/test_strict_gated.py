@@ -1,4 +1,4 @@
-"""Strict mode gated (Note [Strict, gated] in modes/guard.py): on a device that counts the bytes its tensors
+"""Strict mode gated (Note [Strict, gated] in modes/guard_mode.py): on a device that counts the bytes its tensors
 hold, the dispatch mode watches every op only from a sighting of a tensor that could pass a limit. Here the
 CPU stands in for such a device: its count is given (HELD_BYTES["cpu"]), everything else is the guard's."""
 

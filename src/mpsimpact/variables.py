@@ -15,8 +15,6 @@ ATTENTION_BUDGET = "MPSIMPACT_ATTENTION_BUDGET"  # bytes of one attention piece:
 GUARD = "MPSIMPACT_GUARD"  # install_thread_guard()'s mode when none is given
 EMBEDDED_MODEL = "MPSIMPACT_EMBEDDED_MODEL"  # a local all-MiniLM-L6-v2 folder in place of the package's
 OFFLINE = ("UV_OFFLINE", "PIP_NO_INDEX")  # package-index switches: the package index is off limits (matrix)
-# Recorded in run reports as they are, never acted on: nothing to check.
-RECORDED = ("PYTORCH_ENABLE_MPS_FALLBACK",)
 
 GUARD_MODES = ("raise", "warn", "chunk")  # the guard's modes (modes.guard); MPSIMPACT_GUARD may also say off
 MAX_BUDGET = 1 << 50  # bytes (1 PiB): more than any machine's memory, less than a float's exact integers

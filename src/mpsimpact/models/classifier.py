@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.prediction.meta_model import usable_positions
+from mpsimpact.prediction.meta_model import build_meta_model, usable_positions
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
@@ -40,7 +39,7 @@ class SentenceClassifier(nn.Module):
     def __init__(self, encoder: nn.Module, num_labels: int = len(LABELS)) -> None:
         super().__init__()
         self.encoder = encoder
-        self.head = nn.Linear(encoder.config.hidden_size, num_labels)
+        self.head = nn.Linear(encoder.config.hidden_size, num_labels, device=encoder.device)  # meta on meta
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -247,14 +246,9 @@ def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn
     """The same classifier built on `meta` from its config: no weights, nothing allocated."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    name = implementation(attention)
-    with torch.device("meta"):
-        if embedded:
-            module = SentenceClassifier(AutoModel.from_config(config, attn_implementation=name))
-        else:
-            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=name)
-            module = SequenceClassifier(model)
-    return with_blocks(module.eval(), attention)
+    built = build_meta_model(AutoModel if embedded else AutoModelForSequenceClassification, config,
+                             implementation(attention))
+    return with_blocks((SentenceClassifier(built) if embedded else SequenceClassifier(built)).eval(), attention)
 
 
 def implementation(attention: str) -> str:

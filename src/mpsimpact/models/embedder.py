@@ -13,6 +13,7 @@ from mpsimpact.models.classifier import (LoadedModel, check_eager, check_model_f
                                         implementation, quiet_transformers, with_blocks)
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.errors import ModelLoadError
+from mpsimpact.prediction.meta_model import build_meta_model
 
 EMBEDDED_SENTENCE_TRANSFORMER = f"{EMBEDDED_MODEL} (sentence-transformers)"
 
@@ -78,6 +79,5 @@ def meta_embedder(config: Any, attention: str = "eager") -> nn.Module:
     """The SentenceTransformer's transformer built on `meta` from its config (no weights)."""
     from transformers import AutoModel
 
-    with torch.device("meta"):
-        encoder = AutoModel.from_config(config, attn_implementation=implementation(attention))
+    encoder = build_meta_model(AutoModel, config, implementation(attention))
     return with_blocks(PooledEncoder(encoder).eval(), attention)

@@ -56,7 +56,7 @@ ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "cat": ((torch, "cat"), (torch, "concat"), (torch, "concatenate")),
 }
 # Factories, by how their size is given: the births a gated strict guard sees (Note [Strict, gated] in
-# modes/guard.py), wrapped only while a handler that asks for them (`sees_births`) is active.
+# modes/guard_mode.py), wrapped only while a handler that asks for them (`sees_births`) is active.
 FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     "sized": tuple((torch, f) for f in ("empty", "zeros", "ones", "rand", "randn")),
     "full": ((torch, "full"),),

@@ -65,7 +65,7 @@ def tensors_of(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
 
 def has_symbolic_sizes(items: Any) -> bool:
     """Whether a tensor among `items` (lists opened one level) has a symbolic size or storage offset:
-    torch.export's dynamic dims, a ShapeEnv's fake tensors (Note [Symbolic sizes] in modes/guard.py)."""
+    torch.export's dynamic dims, a ShapeEnv's fake tensors (Note [Symbolic sizes] in modes/guard_mode.py)."""
     return any(type(t.storage_offset()) is not int or any(type(d) is not int for d in t.shape)
                for t in tensors_of(items))
 

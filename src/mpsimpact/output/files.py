@@ -1,5 +1,5 @@
 """State we write and how it is kept honest: files written atomically (a temporary file or folder, then a
-rename), report folders checked and claimed before any work (released on failure; see output.signals for
+rename), report folders checked and claimed before any work (given back on failure; see output.signals for
 SIGTERM), and the cache folder. Nothing here knows about runs or models."""
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def fresh_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
 class _Claim:
     folder: Path
     fd: int  # the marker, flock-ed for as long as this process holds the claim
-    created: bool  # this claim made the folder (so releasing it removes it again)
+    created: bool  # this claim made the folder (so giving it back removes it again)
 
 
 _CLAIMS: dict[Path, _Claim] = {}
@@ -255,8 +255,8 @@ _CLAIMS_LOCK = threading.Lock()
 
 
 @functools.cache
-def _release_at_exit() -> None:
-    atexit.register(release_all_out_dirs)  # once: claims a crash or sys.exit left
+def _unclaim_at_exit() -> None:
+    atexit.register(unclaim_all_out_dirs)  # once: claims a crash or sys.exit left
 
 
 @contextlib.contextmanager
@@ -304,7 +304,7 @@ def _refuse_live_claim(folder: Path, flag: str) -> None:
 
 def _make_or_adopt(folder: Path) -> bool:
     """Creates `folder`, or adopts an empty one (or one a dead claim left); True when the claim owns
-    the folder (it removes it again on release)."""
+    the folder (it removes it again when given back)."""
     try:
         os.mkdir(folder)
         return True
@@ -325,7 +325,7 @@ def _make_or_adopt(folder: Path) -> bool:
     return stale
 
 
-def _remove_dead_partial_folders(folder: Path) -> None:
+def remove_dead_partial_folders(folder: Path) -> None:
     """`.NAME.partial-PID/` folders next to `folder` whose writer no longer runs."""
     for partial in folder.parent.glob(f".{folder.name}.partial-*"):
         pid = partial.name.rsplit("-", 1)[-1]
@@ -338,7 +338,7 @@ def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
     created, or adopted when empty, with a marker this process holds a lock on, so a second writer is
     refused at once (the lock dies with the process: a killed writer's claim is taken over). Stale
     partial folders of killed writers next to it are removed. `folder_written_atomically` fills it;
-    `release_out_dir` (or the end of the process) gives it back unfilled.
+    `unclaim_out_dir` (or the end of the process) gives it back unfilled.
 
     Raises:
         UsageError: not creatable, not writable, not empty, claimed by a live process, or a full disk.
@@ -361,13 +361,13 @@ def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
                     shutil.rmtree(folder, ignore_errors=True)
                 raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); "
                                  "pass another --out.") from None
-            _remove_dead_partial_folders(folder)
+            remove_dead_partial_folders(folder)
         _CLAIMS[key] = _Claim(folder, fd, created)
-    _release_at_exit()
+    _unclaim_at_exit()
     return folder
 
 
-def release_out_dir(folder: Path) -> None:
+def unclaim_out_dir(folder: Path) -> None:
     """Gives back a claim `folder_written_atomically` did not fill: the marker goes, and the folder too
     when the claim created it and it is still empty. Does nothing for a filled or unclaimed folder."""
     with _CLAIMS_LOCK:
@@ -382,16 +382,16 @@ def release_out_dir(folder: Path) -> None:
     os.close(claim.fd)
 
 
-def release_all_out_dirs() -> None:
-    """Releases every claim this process still holds (at exit, and on SIGTERM/SIGHUP)."""
+def unclaim_all_out_dirs() -> None:
+    """Gives back every claim this process still holds (at exit, and on SIGTERM/SIGHUP)."""
     for folder in [claim.folder for claim in list(_CLAIMS.values())]:
-        release_out_dir(folder)
+        unclaim_out_dir(folder)
 
 
 @contextlib.contextmanager
 def claimed_out_dir(out: str | None, default_prefix: str, *, default: bool = True,
                     needed: int = MIN_FREE_BYTES) -> Iterator[Path | None]:
-    """`claim_out_dir` for the length of a command: the claim is released if the block ends without
+    """`claim_out_dir` for the length of a command: the claim is given back if the block ends without
     filling the folder (an error, Ctrl-C, SIGTERM). With `default=False` and no `out`, yields None
     (the command writes no folder). `needed`: the bytes the command writes there, at most."""
     if out is None and not default:
@@ -401,7 +401,7 @@ def claimed_out_dir(out: str | None, default_prefix: str, *, default: bool = Tru
     try:
         yield folder
     finally:
-        release_out_dir(folder)
+        unclaim_out_dir(folder)
 
 
 @contextlib.contextmanager
@@ -414,7 +414,7 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
     key = out.absolute()
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     if out.parent.is_dir():
-        _remove_dead_partial_folders(out)
+        remove_dead_partial_folders(out)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:

@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from mpsimpact.output.files import release_all_out_dirs
+from mpsimpact.output.files import unclaim_all_out_dirs
 
 
 class TerminatedBySignal(BaseException):
@@ -56,7 +56,7 @@ def exit_cleanly_on_signals(signals: tuple[int, ...] = CLEAN_EXIT_SIGNALS) -> It
     try:
         yield
     except TerminatedBySignal as stop:
-        release_all_out_dirs()
+        unclaim_all_out_dirs()
         print(f"stopped by {stop.name}; partial output removed.", file=sys.stderr, flush=True)
         raise SystemExit(stop.exit_code) from None
     finally:

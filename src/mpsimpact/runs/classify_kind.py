@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpsimpact.config import CORRUPTION_THRESHOLD
+from mpsimpact.errors import UsageError
 from mpsimpact.output.page import Footnotes, format_cell
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.prediction.outcome import predict
@@ -40,6 +42,9 @@ class ClassifyKind(RunKind):
                ("reference_accuracy", "ref. accuracy"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "figures")
     counts = (*RunKind.counts, "flips")
+    fractions = ("accuracy", "reference_accuracy", *RunKind.fractions)
+    uncompared = (*RunKind.uncompared, "reference_accuracy")
+    position_files = ("samples.jsonl", "logits.npz")
     console_formats = RunKind.console_formats | {"accuracy": "{:.3f}"}
     console_header = ("guard", "status", "wrong", "first wrong (pred.)", "flips", "accuracy (ref.)", "wall")
 
@@ -78,6 +83,27 @@ class ClassifyKind(RunKind):
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
         return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
                 "logits.npz": logits_npz(arrays)}
+
+    def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
+        """samples.jsonl's, or where it is missing, recomputed from logits.npz at the report's threshold."""
+        from mpsimpact.runs.metrics import relative_error
+
+        if name != "logits.npz":
+            return super().read_positions(name, run, files)
+        if any(c.get("attention") for c in run["conditions"]):
+            return {}  # logits.npz is keyed by guard alone: ambiguous when attention varies
+        arrays, path = files.arrays(name), files.path / name
+        if "reference" not in arrays:
+            raise UsageError(f"'{path}' has no reference logits; it was not written by `mpsimpact run`.")
+        for key, logits in arrays.items():
+            if key.startswith("guard_") and logits.shape != arrays["reference"].shape:
+                raise UsageError(f"'{path}': '{key}' has shape {list(logits.shape)}, the reference "
+                                 f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this "
+                                 "folder.")
+        threshold = run.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
+        return {key.removeprefix("guard_"):
+                frozenset(np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist())
+                for key, logits in arrays.items() if key.startswith("guard_")}
 
     def console_row(self, condition: dict, footnotes: Footnotes, verbose: bool) -> list[str]:
         c, done = condition, condition["status"] == "completed"

@@ -76,14 +76,12 @@ class Geometry:
 
 
 def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
-                    training: bool | None = None) -> Geometry:
+                    training: bool) -> Geometry:
     """Picks emulation, the attention implementations and the run length; checks memory before anything big
-    is allocated: one device pass's, or for a training scenario one training step's (`training`; None:
-    whatever the config's scenario declares)."""
+    is allocated: one device pass's, or for a training scenario (`training`) one training step's."""
     emulated = resolve_emulation(config.emulate, device)
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
-    training = is_training(config) if training is None else training
     dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
     attentions, substituted = fitted_attentions(config, model, device, emulated, batch, max_length, training)
 
@@ -140,14 +138,6 @@ def _run_length(config: Any, device: str, emulated: bool, full: int, max_length:
             f"offers {device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use "
             f"--dtype float16.{hint}", device=device, needed_bytes=full)
     return min(max_length, REDUCED_LENGTH)
-
-
-def is_training(config: Any) -> bool:
-    """Whether the config's scenario takes training steps (its class's `training`, from its kind)."""
-    from mpsimpact.runs.scenario import get_scenario
-
-    name = getattr(config, "scenario", None)
-    return bool(name) and bool(getattr(get_scenario(name), "training", False))
 
 
 def check_training_memory(model_config: Any, device: str, batch: int, length: int) -> None:

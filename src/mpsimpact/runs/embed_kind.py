@@ -27,6 +27,7 @@ class EmbedKind(RunKind):
     columns = (*PASS_COLUMNS, ("self_retrieval_failures", "self-retrieval failures"),
                ("recall_at_10", "recall@10"), ("top1_changed", "top-1 changed"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")
+    position_files = ("samples.jsonl",)
     console_formats = RunKind.console_formats | {"recall_at_10": "{:.3f}"}
     console_header = ("guard", "status", "wrong", "first wrong (pred.)", "lost own match", "recall@10",
                       "top-1 changed", "wall")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
-from mpsimpact.config import RUN_ATTENTIONS
+from mpsimpact.config import DEFAULT_ATTENTION, RUN_ATTENTIONS
 from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import (
@@ -33,6 +33,11 @@ class RunKind(abc.ABC):
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     attentions: ClassVar[tuple[str, ...]] = RUN_ATTENTIONS
     counts: ClassVar[tuple[str, ...]] = ("corrupted_count",)  # a condition's counts of at most the batch
+    fractions: ClassVar[tuple[str, ...]] = ("corrupted_fraction",)  # a condition's numbers between 0 and 1
+    # Condition fields that say what a run cost or predicted rather than what it did: compare leaves them out.
+    uncompared: ClassVar[tuple[str, ...]] = ("guard", "wall_s", "corrupted_fraction",
+                                             "predicted_first_corrupted_index")
+    position_files: ClassVar[tuple[str, ...]] = ()  # files of each condition's corrupted positions, first found read
     # How the console writes a condition's numbers (report.md keeps format_cell's).
     console_formats: ClassVar[dict[str, str]] = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}"}
     console_header: ClassVar[tuple[str, ...]]  # the console table's column titles
@@ -214,15 +219,51 @@ class RunKind(abc.ABC):
             return (("attention", "attention"), *self.columns)
         return self.columns
 
+    def compared_columns(self, run: dict) -> list[tuple[str, str]]:
+        """The conditions table's (key, title) pairs that compare puts old beside new."""
+        return [(key, title) for key, title in self.table_columns(run) if key not in self.uncompared]
+
+    def corrupted_positions(self, run: dict, files: Any) -> tuple[str | None, dict[str, frozenset[int]]]:
+        """Each condition's exact corrupted positions by its condition_key, from the first of `position_files`
+        the folder holds, and that file's name ((None, {}) for none). `files` reads the folder's files within
+        bounds and words their damage (upgrade.folders.FolderFiles)."""
+        name = next((name for name in self.position_files if files.has(name)), None)
+        return name, {} if name is None else self.read_positions(name, run, files)
+
+    def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
+        """samples.jsonl's positions (the one-pass kinds write it alike: a line per text and condition)."""
+        texts: dict[str, set[int]] = {}
+        corrupted: dict[str, set[int]] = {}
+        for number, sample in enumerate(files.rows(name), 1):
+            if not (isinstance(sample, dict) and isinstance(sample.get("guard"), str)
+                    and type(sample.get("position")) is int and sample["position"] >= 0
+                    and type(sample.get("corrupted")) is bool):
+                raise UsageError(f"'{files.path / name}' is not an mpsimpact samples file (line {number} has no "
+                                 "guard, position or corrupted flag).")
+            key, position = condition_key(sample.get("attention"), sample["guard"]), sample["position"]
+            if position in texts.setdefault(key, set()):
+                raise files.damaged(name, f"line {number} repeats position {position} of guard {key}")
+            texts[key].add(position)
+            corrupted.setdefault(key, set()).update([position] if sample["corrupted"] else [])
+        if not texts:
+            raise files.damaged(name, "it holds no texts")
+        return {key: frozenset(found) for key, found in corrupted.items()}
+
     def condition_rows(self, run: dict) -> list[list[str]]:
         """The conditions table: one row per condition (attention implementation and guard)."""
         return [[format_cell(c.get(key, "eager" if key == "attention" else None))
                  for key, _ in self.table_columns(run)] for c in run["conditions"]]
 
 
-def condition_key(attention: str, guard_mode: str) -> str:
-    """How arrays and figures name a condition: the guard alone for eager attention (as always)."""
-    return guard_mode if attention == "eager" else f"{attention}-{guard_mode}"
+def condition_key(attention: str | None, guard_mode: str) -> str:
+    """A condition's one name, in arrays, figures, samples and comparisons: the guard alone for eager attention
+    (as always; None: eager), else "sdpa-raise"."""
+    return guard_mode if not attention or attention == DEFAULT_ATTENTION else f"{attention}-{guard_mode}"
+
+
+def stopped_in(condition: dict) -> str:
+    """" in backward" for a condition that stopped in a training step's backward pass; "" where none says."""
+    return f" in {condition['phase']}" if condition.get("phase") else ""
 
 
 def pass_cells(condition: dict, footnotes: Footnotes, verbose: bool = False) -> list[str]:
@@ -255,8 +296,8 @@ def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) ->
     """The status cell: its words, and the condition's message as a footnote (without the rules' names
     unless `verbose`)."""
     words, message = status_words(condition), condition.get("message")
-    if condition.get("phase") and condition["status"] != "completed":
-        words += f" in {condition['phase']}"
+    if condition["status"] != "completed":
+        words += stopped_in(condition)
     if not message:
         return words
     who = condition["guard"] if condition.get("attention", "eager") == "eager" else \

@@ -32,13 +32,6 @@ class Scenario(abc.ABC):
     default_batch_size: ClassVar[int] = 2048
     default_max_length: ClassVar[int] = 512
     kind: ClassVar[Any]  # a runs.kind.RunKind (kinds register themselves there)
-    # Derived from `kind` (workload.is_training reads it from the class); never set it by hand.
-    training: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:
-            cls.training = cls.kind.backward
 
     def __init__(self, model: str | None = None, dataset: str | None = None, **options: Any) -> None:
         self.options = {"model": model, "dataset": dataset, **options}

@@ -11,7 +11,7 @@ from typing import Any
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import without_rule_names
-from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind
+from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind, stopped_in
 from mpsimpact.runs.kinds import kind_of
 from mpsimpact.output.page import cell_name
 from mpsimpact.runs.sweep import NOT_RUN
@@ -21,9 +21,6 @@ from mpsimpact.upgrade.profile_change import describe_change
 
 VERSIONS = ("torch", "transformers")
 PROFILES = ("installed torch's rules", "rules used", "--torch-profile")
-# Condition columns that describe a run's cost or its prediction rather than its outcome.
-NOT_COMPARED = ("guard", "wall_s", "corrupted_fraction", "predicted_first_corrupted_index",
-                "reference_accuracy")
 # Observed sweep classes in which MPS (or its emulation) did something wrong.
 FAULTED = SILENT_KINDS | STOP_KINDS | {"crash"}
 
@@ -175,10 +172,9 @@ class _Outcome:
 
 def _outcome(condition: dict[str, Any], positions: frozenset[int] | None, kind: RunKind) -> _Outcome:
     """Reduces a report condition to its _Outcome; `kind`: the run's kind, which says what it got wrong."""
-    status, phase = condition.get("status"), condition.get("phase")
+    status, where = condition.get("status"), stopped_in(condition)
     count, wrong = condition.get("corrupted_count") or 0, condition.get("wrong_values_before_stop") or 0
     first, parts = condition.get("first_corrupted_index"), kind.corrupted_parts(condition)
-    where = f" in {phase}" if phase else ""
     if status == "completed":
         state = "corrupted" if parts else "clean"
         detail = "is clean" if state == "clean" else _corrupts(parts, first)
@@ -194,7 +190,7 @@ def _outcome(condition: dict[str, Any], positions: frozenset[int] | None, kind: 
     else:
         state, detail = str(status), f"was not run ({status})"
     exact = positions if state == "corrupted" else None
-    return _Outcome(state, detail, count, first, exact, wrong, (state, count, first, tuple(parts), phase, wrong))
+    return _Outcome(state, detail, count, first, exact, wrong, (state, count, first, tuple(parts), where, wrong))
 
 
 def _corrupts(parts: list[str], first: int | None) -> str:
@@ -204,25 +200,25 @@ def _corrupts(parts: list[str], first: int | None) -> str:
 
 def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
     """The condition table and one verdict per condition."""
-    compared = [(key, title) for key, title in kind_of(new.report).table_columns(new.report)
-                if key not in NOT_COMPARED]
+    compared = kind_of(new.report).compared_columns(new.report)
     old_conditions, new_conditions = old.conditions(), new.conditions()
     rows, verdicts = [], []
     for key in [*old_conditions, *(k for k in new_conditions if k not in old_conditions)]:
         a, b = old_conditions.get(key), new_conditions.get(key)
+        who = (a or b)["guard"], str((a or b).get("attention") or DEFAULT_ATTENTION)
         values = {title: [_value(a, name), _value(b, name)] for name, title in compared}
-        rows.append({"guard": key[0], "attention": key[1], "values": values})
+        rows.append({"guard": who[0], "attention": who[1], "values": values})
         if a is None or b is None:
             side = "new" if a is None else "old"
-            verdicts.append(Verdict(f"{_label(key)} ran only in the {side} run: not compared", False))
+            verdicts.append(Verdict(f"{_label(who)} ran only in the {side} run: not compared", False))
             continue
-        judge = {"raise": _raise_verdict, "chunk": _chunk_verdict}.get(key[0], _bug_verdict)
-        unrun = [(side, folder) for side, folder, c in (("old", old, a), ("new", new, b))
+        judge = {"raise": _raise_verdict, "chunk": _chunk_verdict}.get(who[0], _bug_verdict)
+        unrun = [(side, folder, c) for side, folder, c in (("old", old, a), ("new", new, b))
                  if c.get("status") == "not_emulated"]
         if unrun:
-            verdicts.append(_cannot_tell(key, *unrun[0]))
+            verdicts.append(_cannot_tell(who, *unrun[0]))
         else:
-            verdicts.append(judge(key, _outcome(a, old.corrupted.get(key), kind_of(old.report)),
+            verdicts.append(judge(who, _outcome(a, old.corrupted.get(key), kind_of(old.report)),
                                   _outcome(b, new.corrupted.get(key), kind_of(new.report))))
     return {"columns": [title for _, title in compared], "conditions": rows, "verdicts": verdicts}
 
@@ -234,12 +230,12 @@ def _value(condition: dict[str, Any] | None, name: str) -> Any:
     return status_words(condition) if name == "status" else condition.get(name)
 
 
-def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder) -> Verdict:
+def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder, condition: dict[str, Any]) -> Verdict:
     """A condition one side could not run: no verdict on it, why, and what to do about that."""
     from mpsimpact.engine.release import is_profile_path, profile_for
 
     release = str(folder.report.get("geometry", {}).get("profile") or folder.environment().get("torch") or "?")
-    why = folder.conditions()[key].get("message") or "not emulated"
+    why = condition.get("message") or "not emulated"
     text = f"{_label(key)}: the {side} side could not be emulated ({without_rule_names(why)})"
     if is_profile_path(release):
         text += f"; the profile {release} leaves these calls unmeasured: measure them on a Mac with `mpsimpact sweep"

@@ -1,5 +1,5 @@
 """A run or sweep folder read back from disk for comparisons: report.json (and each condition's
-exact corrupted positions from samples.jsonl or logits.npz), or summary.json and sweep.jsonl. Every
+exact corrupted positions, from the files its kind names), or summary.json and sweep.jsonl. Every
 malformed input is a UsageError."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 from mpsimpact.bounds import FileProblemError, name_problem, parse_json, path_problem, read_file_bytes
 from mpsimpact.bounds import shown_path
-from mpsimpact.config import CORRUPTION_THRESHOLD, DEFAULT_ATTENTION
+from mpsimpact.config import DEFAULT_ATTENTION
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
-from mpsimpact.runs.kind import SCHEMA_VERSION
+from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, condition_key
 from mpsimpact.runs.kinds import kind_of
 
 # What must match for two runs to be comparable: (name on a slide, path in report.json).
@@ -109,11 +109,11 @@ def _check_schema(path: Path, data: dict[str, Any], default: int | None) -> int:
 @dataclasses.dataclass(frozen=True)
 class RunFolder:
     """A folder written by `mpsimpact run`: report.json and, when present, each condition's exact
-    corrupted positions (from samples.jsonl or logits.npz)."""
+    corrupted positions (from the files its kind names: RunKind.corrupted_positions)."""
 
     path: Path
     report: dict[str, Any]
-    corrupted: dict[tuple[str, str], frozenset[int]]
+    corrupted: dict[str, frozenset[int]]  # by runs.kind.condition_key
     kind = "run"
 
     @property
@@ -133,16 +133,11 @@ class RunFolder:
 
     def geometry(self) -> dict[str, Any]:
         geometry = {name: _get(self.report, path) for name, path in RUN_GEOMETRY}
-        return geometry | {"kind": self.report.get("kind", "inference")}
+        return geometry | {"kind": kind_of(self.report).name}
 
-    def conditions(self) -> dict[tuple[str, str], dict[str, Any]]:
-        """Each condition by its key: (guard, attention)."""
-        return {condition_key(c): c for c in self.report["conditions"]}
-
-
-def condition_key(condition: dict[str, Any]) -> tuple[str, str]:
-    """A condition's identity across runs: its guard, and its attention (eager unless said)."""
-    return str(condition.get("guard")), str(condition.get("attention") or DEFAULT_ATTENTION)
+    def conditions(self) -> dict[str, dict[str, Any]]:
+        """Each condition by its runs.kind.condition_key."""
+        return {condition_key(c.get("attention"), c["guard"]): c for c in self.report["conditions"]}
 
 
 def load_run(path: Path) -> RunFolder:
@@ -153,44 +148,73 @@ def load_run(path: Path) -> RunFolder:
                          f"geometry); {WHAT_TO_PASS}.")
     _check_schema(path / "report.json", report, None)
     _check_run_report(path / "report.json", report)
-    if os.path.lexists(path / "samples.jsonl"):  # a FIFO or a dangling link there is refused, not skipped
-        corrupted = _corrupted_from_samples(path / "samples.jsonl")
-    elif os.path.lexists(path / "logits.npz"):
-        corrupted = _corrupted_from_logits(path / "logits.npz", report)
-    else:
-        corrupted = {}
-    _check_corrupted_sets(path, report, corrupted)
+    where, corrupted = kind_of(report).corrupted_positions(report, FolderFiles(path))
+    if where is not None:
+        _check_corrupted_sets(path / where, report, corrupted)
     return RunFolder(path, report, corrupted)
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderFiles:
+    """A run folder's files as its kind reads them back (RunKind.corrupted_positions): within bounds, and
+    each problem one line naming the file."""
+
+    path: Path
+
+    def has(self, name: str) -> bool:
+        return os.path.lexists(self.path / name)  # a FIFO or a dangling link there is refused, not skipped
+
+    def rows(self, name: str) -> list[Any]:
+        return _read_jsonl(self.path / name, allow_nan=True)
+
+    def damaged(self, name: str, problem: str) -> UsageError:
+        return _damaged(self.path / name, problem)
+
+    def arrays(self, name: str) -> dict[str, Any]:
+        """The arrays of an .npz file, by name."""
+        import numpy as np
+
+        path = self.path / name
+        problem = path_problem(path, MAX_FILE_BYTES, "a report's file")
+        if problem is not None:
+            raise UsageError(f"'{shown_path(path)}' {problem}; {WHAT_TO_PASS}.")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {key: data[key] for key in data.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:  # truncated, garbled
+            raise UsageError(f"Cannot read '{path}' ({type(error).__name__}: {error}); it is damaged or truncated: "
+                             "rerun `mpsimpact run` for this folder.") from None
 
 
 def _check_run_report(path: Path, report: dict[str, Any]) -> None:
     """The numbers compare reads are there and sane: a batch size, and per condition a guard, a status, and
-    counts, first index, flips and accuracy in range (finite); each condition once."""
+    counts, first index and fractions in range (finite); each condition once."""
     batch = _get(report, ("geometry", "batch_size"))
     if not _is_count(batch) or not batch:
         raise _damaged(path, f"geometry.batch_size is {json.dumps(batch)[:40]}, not a whole number >= 1")
-    seen, counts = set(), kind_of(report).counts
+    seen, kind = set(), kind_of(report)
     for number, condition in enumerate(report["conditions"], 1):
         if not isinstance(condition.get("guard"), str) or not isinstance(condition.get("status"), str):
             raise _damaged(path, f"condition {number} has no guard or status")
-        key = condition_key(condition)
+        key = condition_key(condition.get("attention"), condition["guard"])
         if key in seen:
-            raise _damaged(path, f"condition {number} (guard {key[0]}, {key[1]} attention) appears twice")
+            raise _damaged(path, f"condition {number} (guard {condition['guard']}, "
+                                 f"{condition.get('attention') or DEFAULT_ATTENTION} attention) appears twice")
         seen.add(key)
-        problem = _condition_problem(condition, batch, counts)
+        problem = _condition_problem(condition, batch, kind)
         if problem:
-            raise _damaged(path, f"condition {number} (guard {key[0]}): {problem}")
+            raise _damaged(path, f"condition {number} (guard {condition['guard']}): {problem}")
 
 
-def _condition_problem(condition: dict[str, Any], batch: int, counts: tuple[str, ...]) -> str | None:
-    for name in (*counts, "wrong_values_before_stop"):
+def _condition_problem(condition: dict[str, Any], batch: int, kind: RunKind) -> str | None:
+    for name in (*kind.counts, "wrong_values_before_stop"):
         value = condition.get(name)
         if value is not None and not _is_count(value, None if name == "wrong_values_before_stop" else batch + 1):
             return f"{name} is {json.dumps(value)[:40]}, not a count of at most {batch}"
     first = condition.get("first_corrupted_index")
     if first is not None and not _is_count(first, batch):
         return f"first_corrupted_index is {json.dumps(first)[:40]}, not a position below {batch}"
-    for name in ("accuracy", "reference_accuracy", "corrupted_fraction"):
+    for name in kind.fractions:
         value = condition.get(name)
         if value is not None and not _is_fraction(value):
             return f"{name} is {json.dumps(value)[:40]}, not a number between 0 and 1"
@@ -199,27 +223,26 @@ def _condition_problem(condition: dict[str, Any], batch: int, counts: tuple[str,
     return None
 
 
-def _check_corrupted_sets(path: Path, report: dict[str, Any], corrupted: dict[tuple[str, str], frozenset[int]]
-                          ) -> None:
-    """samples.jsonl or logits.npz must be this report's: positions within the batch, and for every completed
+def _check_corrupted_sets(where: Path, report: dict[str, Any], corrupted: dict[str, frozenset[int]]) -> None:
+    """The positions file (`where`) must be this report's: positions within the batch, and for every completed
     condition the corrupted set the report counts (count and first position)."""
     batch = report["geometry"]["batch_size"]
-    where = path / ("samples.jsonl" if os.path.lexists(path / "samples.jsonl") else "logits.npz")
-    conditions = {condition_key(c): c for c in report["conditions"]}
+    conditions = {condition_key(c.get("attention"), c["guard"]): c for c in report["conditions"]}
     for key, positions in corrupted.items():
         condition = conditions.get(key)
         if condition is None:
-            raise _damaged(where, f"it holds guard {key[0]}, a condition report.json does not have")
+            raise _damaged(where, f"it holds guard {key}, a condition report.json does not have")
+        guard = condition["guard"]
         if positions and not (min(positions) >= 0 and max(positions) < batch):
-            raise _damaged(where, f"guard {key[0]} has positions outside 0..{batch - 1}")
+            raise _damaged(where, f"guard {guard} has positions outside 0..{batch - 1}")
         count, first = condition.get("corrupted_count"), condition.get("first_corrupted_index")
         if condition.get("status") == "completed" and count is not None and (
                 len(positions) != count or min(positions, default=None) != first):
-            raise _damaged(where, f"guard {key[0]} has {len(positions)} corrupted texts from position "
+            raise _damaged(where, f"guard {guard} has {len(positions)} corrupted texts from position "
                                   f"{min(positions, default=None)}; report.json says {count} from {first}")
     if corrupted:
-        missing = [key[0] for key, c in conditions.items() if c.get("status") == "completed" and key not in corrupted
-                   and key[1] == DEFAULT_ATTENTION and "corrupted_count" in c]
+        missing = [c["guard"] for key, c in conditions.items() if c.get("status") == "completed"
+                   and key not in corrupted and key == c["guard"] and "corrupted_count" in c]  # eager ones
         if missing:
             raise _damaged(where, f"it has no texts of guard {missing[0]}, which completed")
 
@@ -230,65 +253,6 @@ def _is_run_report(report: Any) -> bool:
         return False
     conditions = report.get("conditions")
     return isinstance(conditions, list) and all(isinstance(c, dict) for c in conditions)
-
-
-def _corrupted_from_samples(path: Path) -> dict[tuple[str, str], frozenset[int]]:
-    """Corrupted positions per condition, from samples.jsonl."""
-    positions: dict[tuple[str, str], set[int]] = {}
-    texts: dict[tuple[str, str], set[int]] = {}
-    for number, sample in enumerate(_read_jsonl(path, allow_nan=True), 1):
-        if not (isinstance(sample, dict) and isinstance(sample.get("guard"), str)
-                and _is_count(sample.get("position")) and type(sample.get("corrupted")) is bool):
-            raise UsageError(f"'{path}' is not an mpsimpact samples file (line {number} has no guard, position "
-                             "or corrupted flag).")
-        key = _sample_key(sample)
-        if sample["position"] in texts.setdefault(key, set()):
-            raise _damaged(path, f"line {number} repeats position {sample['position']} of guard {key[0]}")
-        texts[key].add(sample["position"])
-        found = positions.setdefault(key, set())
-        if sample["corrupted"]:
-            found.add(sample["position"])
-    if not texts:
-        raise _damaged(path, "it holds no texts")
-    return {key: frozenset(found) for key, found in positions.items()}
-
-
-def _sample_key(sample: dict[str, Any]) -> tuple[str, str]:
-    """A sample's condition: runs name an SDPA condition's samples "sdpa-<guard>" (runs.runner.condition_key)."""
-    attention, _, guard = sample["guard"].partition("-")
-    if "attention" not in sample and guard and attention != DEFAULT_ATTENTION and attention in ("sdpa",):
-        return guard, attention
-    return condition_key(sample)
-
-
-def _corrupted_from_logits(path: Path, report: dict[str, Any]) -> dict[tuple[str, str], frozenset[int]]:
-    """Corrupted positions per guard, recomputed from logits.npz at the report's threshold."""
-    import numpy as np
-
-    from mpsimpact.runs.metrics import relative_error
-
-    if any(c.get("attention") for c in report["conditions"]):
-        return {}  # logits.npz is keyed by guard alone: ambiguous when attention varies
-    problem = path_problem(path, MAX_FILE_BYTES, "a report's file")
-    if problem is not None:
-        raise UsageError(f"'{shown_path(path)}' {problem}; {WHAT_TO_PASS}.")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:  # truncated, garbled
-        raise UsageError(f"Cannot read '{path}' ({type(error).__name__}: {error}); it is damaged or truncated: "
-                         "rerun `mpsimpact run` for this folder.") from None
-    if "reference" not in arrays:
-        raise UsageError(f"'{path}' has no reference logits; it was not written by `mpsimpact run`.")
-    for name, logits in arrays.items():
-        if name.startswith("guard_") and logits.shape != arrays["reference"].shape:
-            raise UsageError(f"'{path}': '{name}' has shape {list(logits.shape)}, the reference "
-                             f"{list(arrays['reference'].shape)}; it is damaged: rerun `mpsimpact run` for this "
-                             "folder.")
-    threshold = report.get("config", {}).get("threshold", CORRUPTION_THRESHOLD)
-    return {(name.removeprefix("guard_"), DEFAULT_ATTENTION):
-            frozenset(np.flatnonzero(relative_error(logits, arrays["reference"]) > threshold).tolist())
-            for name, logits in arrays.items() if name.startswith("guard_")}
 
 
 @dataclasses.dataclass(frozen=True)

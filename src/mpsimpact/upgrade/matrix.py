@@ -17,12 +17,8 @@ from mpsimpact.engine.release import judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
 from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
-from mpsimpact.upgrade.overlay import (
-    OverlayCache,
-    OverlayError,
-    is_offline_env,
-    probe_environment,
-)
+from mpsimpact.upgrade.overlay import OverlayCache, OverlayError, probe_environment
+from mpsimpact.variables import is_offline
 
 SCHEMA_VERSION = 1
 DEFAULT_VERSIONS = ("4.44.2", "4.57.6", "5.24.0")
@@ -119,7 +115,7 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
     cache = cache or OverlayCache()
     cache.check_root()
     job = probe_job(config)
-    offline = config.offline or is_offline_env()
+    offline = config.offline or is_offline()  # the package index (HF_HUB_OFFLINE is about models)
     progress = progress or (lambda *_: None)
     rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
     compare_op_paths(rows)

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.bounds import parse_json, read_file_bytes
-from mpsimpact.variables import is_offline
 from mpsimpact.errors import OverlayError, UsageError
 from mpsimpact.engine.release import cache_root
-from mpsimpact.output.files import is_process_alive, warn
+from mpsimpact.output.files import remove_dead_partial_folders, warn
 from mpsimpact.output.signals import end_with_parent
 
 MARKER = ".mpsimpact-overlay.json"  # written last: a folder without it is an interrupted build
@@ -48,13 +47,6 @@ class Overlay:
     cached: bool  # found complete in the cache (not built by this call)
     build_s: float  # seconds this call spent finding or building it
     marker: dict[str, Any]
-
-
-def is_offline_env() -> bool:
-    """Whether the environment says the package index is off limits (UV_OFFLINE, PIP_NO_INDEX; a value that is
-    neither true nor false is refused in one line: variables.is_offline). HF_HUB_OFFLINE is about models, not
-    packages: overlays ignore it."""
-    return is_offline()
 
 
 def normalize(name: str) -> str:
@@ -289,7 +281,7 @@ class OverlayCache:
         """Builds into a hidden partial folder, writes the marker last, then renames it into place (under
         the exclusive lock)."""
         final = self.path_for(version)
-        self._remove_dead_partials(final)
+        remove_dead_partial_folders(final)
         partial = final.parent / f".{final.name}.partial-{os.getpid()}"
         started = time.perf_counter()
         try:
@@ -315,14 +307,6 @@ class OverlayCache:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return marker
-
-    @staticmethod
-    def _remove_dead_partials(final: Path) -> None:
-        """Partial folders of this version left by processes that no longer run."""
-        for partial in final.parent.glob(f".{final.name}.partial-*"):
-            pid = partial.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not is_process_alive(int(pid)):
-                shutil.rmtree(partial, ignore_errors=True)
 
 
 def package_parent() -> Path:

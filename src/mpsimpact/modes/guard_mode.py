@@ -1,0 +1,618 @@
+"""GuardMode, what `guard()` activates: stops (raise), flags (warn) or safely splits (chunk) every
+matrix-multiply, SDPA and cat call that would fault on MPS under a torch release's profile, deciding
+through the same fault rules as the emulator, at near-zero cost for every other op; with `strict` (and
+under the emulator) every other op too: the families past the per-dimension limit.
+
+See Note [MPS 32-bit index faults] in engine/faults.py and Note [Entry points and the dispatch
+mode] in modes/entrypoint.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import operator
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+from mpsimpact.budget import budget_scores
+from mpsimpact.engine.call import CallRecord, classify_call
+from mpsimpact.modes.base import (
+    ACTIVE, DECOMPOSED_OPS, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, needs_grad,
+    numbers_as_tensors, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
+)
+from mpsimpact.modes.chunking import (
+    Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, split_bmm, split_sdpa,
+)
+from mpsimpact.modes.backward import needs_derivatives, run_with_backward_under
+from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES
+from mpsimpact.modes.op_size import (
+    SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+)
+from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
+from mpsimpact.modes.shape_table import (
+    COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, LARGEST, NO_KERNEL, PLAIN, SIZED, largest_count, plain_check,
+)
+from mpsimpact.modes.stop_text import describe_stop
+from mpsimpact.errors import OversizedOpError, UsageError
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.families import classify_op
+from mpsimpact.engine.mac_memory import BUFFER_RULE
+from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
+from mpsimpact.variables import GUARD_MODES
+
+_tracing_state = torch._C._get_tracing_state
+_PRODUCTS = frozenset({"matmul", "bmm", "mm"})
+# The entry points whose calls vmap batches into one bigger call of the same kind (SDPA's fused kernels are
+# not judged at the dispatch level: it is judged at its entry).
+_PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
+_transforming = torch._C._are_functorch_transforms_active
+_fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
+_Tensor = torch.Tensor
+# A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
+_DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
+
+
+def _mps_bytes() -> int:
+    return torch.mps.current_allocated_memory() if torch.backends.mps.is_available() else 0
+
+
+def _cuda_bytes() -> int:
+    if not torch.cuda.is_initialized():
+        return 0  # no CUDA tensor exists (and asking would start CUDA)
+    return sum(torch.cuda.memory_allocated(index) for index in range(torch.cuda.device_count()))
+
+
+# Device type -> the bytes its tensors hold now: where a strict guard can be gated (Note [Strict, gated]).
+HELD_BYTES: dict[str, Callable[[], int]] = {"mps": _mps_bytes, "cuda": _cuda_bytes}
+# The factory entry points, and the _like and new_ forms (whose size is a tensor's or given after it).
+_FACTORY_SIZES = FACTORIES | {"like", "new"}
+_SIZES = (tuple, list, torch.Size)
+
+
+def factory_elements(name: str, args: tuple, kwargs: dict) -> int:
+    """The elements a factory call asks for; 0 where its sizes are not plain numbers (an FX proxy, a symbolic
+    size under torch.export: no arithmetic on them), so the call passes unseen."""
+    if name == "like":
+        like = args[0] if args else kwargs.get("input")
+        return like.numel() if isinstance(like, _Tensor) else 0
+    if name == "arange":
+        return _arange_length(args, kwargs)
+    if name == "new":
+        args = args[1:]  # after the tensor
+    if name == "randint":  # (high, size) or (low, high, size)
+        size = next((a for a in args if isinstance(a, _SIZES)), kwargs.get("size"))
+    else:  # (*size), (size, ...), size=
+        size = args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
+    if not isinstance(size, _SIZES) or not all(type(d) is int for d in size):
+        return 0
+    return math.prod(size)
+
+
+def _arange_length(args: tuple, kwargs: dict) -> int:
+    numbers = [a for a in args if not isinstance(a, (torch.dtype, torch.device, str))]
+    start, end, step = ((0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], 1) if len(numbers) == 2
+                        else tuple(numbers[:3]) if numbers else (0, None, 1))
+    start, end, step = kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
+    if not all(type(x) in (int, float) for x in (start, end, step)) or not step:
+        return 0
+    return max(0, math.ceil((end - start) / step))
+
+
+class MpsImpactWarning(UserWarning):
+    """Emitted by guard mode "warn", once per op site, with the text the error would have."""
+
+
+class GuardMode(MatmulMode):
+    """What `guard()` activates: an entry-point handler that answers small calls at once, and the
+    dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
+    `everywhere`: under an emulator, or strict; then every other op too, by its family)."""
+
+    def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
+                 profile: Profile = None, strict: bool = False):
+        super().__init__()
+        if mode not in GUARD_MODES:
+            raise UsageError(f"Guard mode must be one of {', '.join(GUARD_MODES)}, got '{mode}'.", mode=mode)
+        check_index_bits(index_bits)
+        self.mode = mode
+        self.index_bits = index_bits
+        self.devices = devices
+        if devices is not None and len(devices) == 1 and devices[0] in _DEVICE_FLAGS:
+            # the tensor's own flag (`is_cuda`), read without making a torch.device on the hot path
+            self._applies = operator.attrgetter(_DEVICE_FLAGS[devices[0]])  # type: ignore[method-assign]
+        if profile is not None:  # a release asked for: resolved (and a bad name refused) on entering
+            self.profile = resolve_profile(profile)
+        self.everywhere = strict or active_emulator() is not None
+        # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
+        # only from a sighting of a tensor that could pass a limit.
+        self._gated = strict and active_emulator() is None and all(
+            device in HELD_BYTES for device in self._guarded_devices)
+        self.watching = False  # the dispatch mode is pushed for the rest of the block
+        self._held = 0  # how many times the dispatch mode is entered now (watching, or around one call)
+        self._depth = 0  # the dispatch stack's length when the guard was entered
+        # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
+        self._view_limit = limits(index_bits)[1]
+        self._most = dim_max(index_bits)
+        self.stopped: list[CallRecord] = []
+        self.chunked: list[CallRecord] = []
+        self.chunk_sizes: list[int] = []  # parallel to `chunked`
+        self.warned: list[CallRecord] = []  # mode "warn": the calls it let run (and warned of, once a site)
+        self._warned: set[tuple[str, int]] = set()
+        self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
+        self._paused_trace: Any = None  # torch.jit.trace's state, paused while the guard decides a call
+
+    @functools.cached_property
+    def profile(self) -> FaultProfile:
+        """The installed torch's profile, read when a call first needs it (most guarded calls do not): entering
+        a guard around each small batch does not pay for the file system and the environment."""
+        return installed_profile()
+
+    @property
+    def sees_births(self) -> bool:
+        """Whether the factories are wrapped for this guard (a gated strict one: Note [Strict, gated])."""
+        return self._gated
+
+    @property
+    def _guarded_devices(self) -> tuple[str, ...]:
+        return self.devices if self.devices is not None else ("mps",)
+
+    def __enter__(self) -> GuardMode:
+        self._entering = True  # TorchDispatchMode.__enter__ asks ignore_compile_internals too
+        try:
+            entered = super().__enter__()
+        finally:
+            self._entering = False
+        self._held += 1
+        return entered
+
+    def __exit__(self, *exc: Any) -> None:
+        self._held -= 1
+        super().__exit__(*exc)
+
+    # Note [Strict, gated]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # Every rule of every release needs some tensor of VIEW_LIMIT (2**31) elements or more, and such a tensor
+    # holds VIEW_LIMIT bytes or more. A dispatch mode that looks at every op costs 1.5x on a small GPU batch
+    # before it judges anything (benchmarks/README.md), so strict, on devices that count the bytes their
+    # tensors hold (MPS, CUDA), pushes it only from the first sighting of a tensor that could pass a limit
+    # until the block ends: on entering, when the guarded devices already hold VIEW_LIMIT bytes; at a matrix
+    # product, SDPA or cat (the fast path's own arithmetic) that could meet a rule; at a factory (empty, zeros,
+    # ones, full, rand, randn, randint, arange, their _like and new_ forms) asked for VIEW_LIMIT elements or
+    # more. From there every op is judged as before. Not seen at its birth: a tensor past the limit made,
+    # from smaller ones, by any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name
+    # bound before the guard): the ops on it are judged from the next sighting on (a product or cat it feeds,
+    # or entering the guard again). On devices without a count (the CPU, meta) and under an emulator, strict
+    # watches every op from the start, as it always did. Where another dispatch mode was entered inside the
+    # guard, the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path
+    # does, with every op family.
+
+    def begin(self) -> None:
+        """On entering (or installing): strict watches from here when it is not gated, or when the guarded
+        devices already hold a tensor's worth of bytes (Note [Strict, gated])."""
+        self._depth = torch._C._len_torch_dispatch_stack()
+        if self.everywhere and (not self._gated or self._holds_enough()):
+            self._watch()
+
+    def end(self, *exc: Any) -> None:
+        """On leaving (or uninstalling): the dispatch mode leaves with the guard."""
+        if self.watching:
+            self.watching = False
+            self.__exit__(*exc)
+
+    def _holds_enough(self) -> bool:
+        """Whether the guarded devices hold VIEW_LIMIT bytes of tensors (a tensor that could pass a limit)."""
+        return sum(HELD_BYTES[device]() for device in self._guarded_devices) >= self._view_limit
+
+    def _watch(self) -> bool:
+        """Pushes the dispatch mode for the rest of the block; False where it cannot go where the guard was
+        entered (entered around a call now, or another mode entered since: Note [Strict, gated])."""
+        if self.watching:
+            return True
+        if self._held or torch._C._len_torch_dispatch_stack() != self._depth:
+            return False
+        self.__enter__()
+        self.watching = True
+        return True
+
+    def ignore_compile_internals(self) -> bool:
+        """Yes: torch.compile compiles with this mode off (Dynamo skips every frame while a mode that says
+        no is active, so `fullgraph=True` would find none) and the compiled code runs past it; the guard
+        says so once, when Dynamo first asks."""
+        if not getattr(self, "_entering", True):
+            _say_once("torch.compile", "mpsimpact guard: torch.compile traces with the strict guard stepped aside, "
+                      "and the compiled code's fused kernels run past it; run the model eagerly under the guard "
+                      "to have every op judged.")
+        return True
+
+    def _applies(self, tensor: torch.Tensor) -> bool:
+        if self.devices is not None:
+            return tensor.device.type in self.devices
+        return tensor.is_mps or active_emulator() is not None
+
+    def _is_outer(self) -> bool:
+        """Whether a guard entered (or installed) later on this thread is active: nested guards, the inner one
+        decides alone, with or without an emulator; an outer one passes every call on."""
+        return innermost("guard") is not self
+
+    # Entry points (Python level): see Note [Entry points and the dispatch mode].
+    def on_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if _tracing_state() is not None:
+            return self._on_traced_entry(name, proceed, args, kwargs)
+        if self.passes(name, args, kwargs):
+            return proceed(*args, **kwargs)
+        if name == "sdpa":
+            return self._on_sdpa(proceed, args, kwargs)
+        return self._through_dispatch(proceed, args, kwargs)
+
+    def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether the call runs as it is: an outer guard's (nested guards: the inner one decides alone), one
+        not on a guarded device, or one that cannot meet a rule (the wrappers' hot path)."""
+        guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
+        if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
+            return True
+        if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
+            return self._passes_transformed(name, args, kwargs)
+        if name == "sdpa":
+            return self._sdpa_is_plain(args, kwargs)
+        if not self.everywhere:
+            return self._quick_pass(name, args, kwargs)
+        if self.watching:
+            return True  # the dispatch mode decides every op
+        if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
+            return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
+        return self._quick_pass(name, args, kwargs) or self._watch()
+
+    # Note [The guard under torch.jit.trace]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The trace records every op that runs while it is on: the guard's reading of sizes would add aten::size
+    # nodes, name values after the guard's locals and warn (a traced size is a tensor). So while a trace
+    # records, the guard decides a call with tracing paused, and resumes it for what the call computes:
+    # torch's callable (run as the caller: Note [Calls jit.trace records] in modes/entrypoint.py) and a
+    # split SDPA's pieces. A product's route through the dispatch mode is not recorded (the trace holds the
+    # op as the caller called it) and takes no autograd.Function (See Note [A call's derivatives under a
+    # mode]). The graph is the one torch records without a guard, with and without gradients (jit.trace's
+    # check traces again under no_grad, where SDPA takes another route).
+
+    def _on_traced_entry(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """on_entry while torch.jit.trace records: See Note [The guard under torch.jit.trace]."""
+        state, paused = _tracing_state(), self._paused_trace
+        self._paused_trace = state
+        torch._C._set_tracing_state(None)
+        try:
+            return self.on_entry(name, functools.partial(self._recorded, proceed), args, kwargs)
+        finally:
+            torch._C._set_tracing_state(state)
+            self._paused_trace = paused
+
+    def _recorded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` recorded by the trace the guard paused, if any."""
+        if self._paused_trace is None:
+            return fn(*args, **kwargs)
+        previous = _tracing_state()
+        torch._C._set_tracing_state(self._paused_trace)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_tracing_state(previous)
+
+    def _passes_transformed(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """`passes` under torch.func's transforms, whose tensors show their logical sizes: under vmap the
+        calls that run are batched, so a product's bound is taken that many times over (See Note [A call's
+        derivatives under a mode] for the route of one that may cross a limit). SDPA is judged on the sizes
+        it shows."""
+        first = next((x for x in flat_arguments(args, kwargs) if isinstance(x, _Tensor)), None)
+        if first is None or not self._applies(first):
+            return True
+        scale = math.prod(level.batch_size() for level in retrieve_all_functorch_interpreters()
+                          if level.key() == TransformType.Vmap)
+        passing = entry_bound(name, args, kwargs) * scale < self._view_limit
+        return passing or self.everywhere and self._watch()
+
+    def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
+        """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
+        gradients), too small to meet a rule; fused, decided safe (outside a dispatch mode, which would
+        otherwise judge the kernel that runs it here)."""
+        query, key, value = sdpa_operands(args, kwargs)
+        if not self._applies(query):
+            return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes((query, key, value)):
+            return True  # See Note [Symbolic sizes]
+        if active_emulator() is not None:
+            return False  # the emulator decides every SDPA call: see _on_sdpa
+        if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
+            return max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) \
+                < self._view_limit
+        return not self.everywhere and classify_call("sdpa", query, key, self.index_bits, self.profile).is_ok
+
+    def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """True when the call cannot meet any rule (or is not on a guarded device). The hot path: a matrix product
+        or linear of a transformer is decided by its shapes, read from a table (LARGEST), and storage offsets."""
+        if not kwargs and (name == "linear" and len(args) >= 2 or name in _PRODUCTS and len(args) == 2):
+            a, b = args[0], args[1]
+            if isinstance(b, _Tensor):
+                if not self._applies(a):
+                    return True
+                key = (name == "linear", a.shape, b.shape)
+                try:
+                    top = LARGEST.get(key) or largest_count(key)
+                except TypeError:  # symbolic sizes: See Note [Symbolic sizes]
+                    return True
+                limit = self._view_limit
+                return top + a.storage_offset() < limit and top + b.storage_offset() < limit
+        if name in _FACTORY_SIZES:
+            return True  # wrapped for another thread's gated strict guard: births are that guard's business
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
+            (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
+        if first is None or not self._applies(first):
+            return True
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes(flat_arguments(args, kwargs)):
+            return True  # See Note [Symbolic sizes]
+        return entry_bound(name, args, kwargs) < self._view_limit
+
+    def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call that may cross a limit: its bmm/mm calls, and its derivatives', decided one by one."""
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        if self._paused_trace is None and needs_derivatives(tensors):
+            return run_with_backward_under(self, fn, args, kwargs)
+        with self:
+            return fn(*args, **kwargs)
+
+    def _on_sdpa(self, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        query, key, value = sdpa_operands(args, kwargs)
+        active = active_emulator()
+        dropout = sdpa_dropout(args, kwargs)
+        if sdpa_path(needs_grad((query, key, value)), active.profile if active else self.profile) == "math":
+            if active is not None:  # the emulator runs the math path: our dispatch mode sees its calls
+                return proceed(*args, **kwargs)
+            if dropout and not query.is_mps:
+                raise OversizedOpError(
+                    f"mpsimpact guard: scaled_dot_product_attention with dropout_p={dropout} near MPS's index "
+                    f"limits on {query.device.type}: the guard looks at it through SDPA's math path (what MPS "
+                    "runs with gradients), whose random mask is not this device's kernel's, so it stops "
+                    "instead of computing other values. Use dropout_p=0, or run it on MPS.",
+                    op="sdpa", phase=current_phase())
+            return sdpa_math(*args, **kwargs) if self.watching else self._through_dispatch(sdpa_math, args, kwargs)
+        fault, full_q, full_k = (
+            active.peek("sdpa", None, query, key) if active
+            else (classify_call("sdpa", query, key, self.index_bits, self.profile), query, key)
+        )
+        if fault.is_ok:
+            return self._as_one_op(proceed, *args, **kwargs)
+        spec_q, spec_k = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_q, full_k))
+        bound = sdpa_arguments(args, kwargs)
+        mask = bound.get("attn_mask")
+        full_mask = isinstance(mask, torch.Tensor) and mask.dim() > 2 and mask.shape[-2] > 1
+        split = None if dropout else split_sdpa(spec_q.shape, spec_k.shape, value.shape[-1], self._bits(active),
+                                                bool(bound.get("is_causal")), full_mask, budget_scores(query))
+        record = CallRecord(len(self.stopped) + len(self.chunked), "sdpa", spec_q, spec_k, fault, current_phase())
+        copies = self._copies(active)
+        why_not = f"its dropout_p={dropout} draws one random mask, which no split reproduces" if dropout else None
+        return self._act(record, fault, split and split.rows,
+                         lambda: self._recorded(self._as_one_op, run_sdpa_chunked, proceed, args, kwargs,
+                                                split, copies),
+                         lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
+
+    def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs a fused SDPA call decided at its entry: what runs it here (a CPU kernel, or on meta its
+        math decomposition) is not what MPS runs, so our dispatch mode lets it through."""
+        passing, self._passing = self._passing, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._passing = passing
+
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """A composite op is judged whole (softmax.int as softmax, an 'other' op on what it makes) unless
+        one of its tensors passes DIM_MAX, or an emulator runs below (which sees the kernels it runs, and
+        names them as a traced plan does): decomposing every one would double strict mode's cost."""
+        if active_emulator() is not None:
+            return True
+        if func in DECOMPOSED_OPS:  # a product: decomposed to see its bmm/mm unless below every limit
+            name = DECOMPOSED_ENTRY.get(func)
+            if name is None:
+                return True
+            bound = entry_bound(name, args, kwargs)
+            if name == "sdpa":
+                query, key = args[0], args[1]
+                bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
+            return bound >= self._view_limit
+        most = self._most
+        return any(t.numel() > most for t in tensors_of(args, kwargs))
+
+    # Note [Symbolic sizes]
+    # ~~~~~~~~~~~~~~~~~~~~~
+    # Under torch.export with dynamic dims (and any fake tensors of a ShapeEnv) a tensor's sizes are symbols,
+    # not numbers: every comparison on one records a guard in the export (`8*batch <= 2147483647`), which
+    # then refuses the dims the user marked dynamic ("Constraints violated"). The guard judges no call whose
+    # sizes are symbolic, at its entry or in its dispatch mode: the exported program keeps every dim dynamic,
+    # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
+    # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
+
+    # Dispatch level.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
+        nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
+        its entry bound runs at once, without the full route (`plain_check`)."""
+        try:
+            if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs or {})):
+                return func(*args, **(kwargs or {}))  # See Note [Symbolic sizes]
+            check = PLAIN.get(id(func))
+            if check is None:
+                check = plain_check(func)
+            if check is not FULL and not ACTIVE.stacks["emulator"]:
+                kwargs = kwargs or {}
+                if check is NO_KERNEL:
+                    return func(*args, **kwargs)
+                if check is SIZED or check is COMPOSITE_SIZED:
+                    most, full_most = judged_at(self.index_bits)
+                    if (check is SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
+                            and size_call(func, args, kwargs, most, full_most) is None:
+                        return func(*args, **kwargs)
+                elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
+                    return func(*args, **kwargs)
+            return self.dispatch(func, args, kwargs or {})
+        except RuntimeError:
+            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
+            if fixed is None:
+                raise
+        return self.__torch_dispatch__(func, types, fixed, kwargs)
+
+    # One bmm/mm with its real operands.
+    def on_matmul(self, func, family, a, b, args, kwargs):
+        if self._passing or self._is_outer() or not self._applies(a):
+            return func(*args, **kwargs)
+        active = active_emulator()
+        fault, full_a, full_b = (
+            active.peek(family, func, a, b) if active else (classify_call(family, a, b, self.index_bits, self.profile), a, b)
+        )
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        # Under plan replay the decision, the chunk and the record are those of the full-scale call.
+        spec_a, spec_b = (s if isinstance(s, TensorSpec) else TensorSpec.of(s) for s in (full_a, full_b))
+        split = _split_here(family, spec_a, spec_b, a, self._bits(active))
+        record = CallRecord(len(self.stopped) + len(self.chunked), op_name(func), spec_a, spec_b, fault, current_phase())
+        return self._act(record, fault, split and split.batches,
+                         lambda: run_in_pieces(func, family, args, kwargs, split, self._copies(active)),
+                         lambda: func(*args, **kwargs), active)
+
+    def on_other(self, func, args, kwargs):
+        """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
+        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
+        a replayed plan, the plan's full-scale decision)."""
+        if self._passing or self._is_outer():
+            return func(*args, **kwargs)
+        active = active_emulator()
+        if active is not None and active.plan is not None:
+            return self._replayed_other(func, args, kwargs, active)
+        bits = self._bits(active)
+        sized = size_call(func, args, kwargs, *judged_at(bits))
+        if sized is None or not (self.everywhere or sized.family == "cat"):
+            return func(*args, **kwargs)
+        if not self._applies_call(sized, kwargs):
+            return func(*args, **kwargs)
+        if sized.after:
+            return self._judge_after(func, args, kwargs, sized, bits, active)
+        profile = active.profile if active else self.profile
+        fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
+        if fault.is_ok:
+            return func(*args, **kwargs)
+        made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
+        index = len(self.stopped) + len(self.chunked)
+        record = CallRecord.of_op(index, op_name(func), sized.inputs, made, fault, current_phase())
+        return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
+
+    def _replayed_other(self, func, args, kwargs, active) -> Any:
+        """A call of the other families under a replayed plan: the full-scale decision, and pieces scaled
+        from the full-scale call's (as `_split_here` does for mm rows)."""
+        planned = active.peek_op(func)
+        if planned is None or planned.fault.is_ok:
+            return func(*args, **kwargs)
+        here = max((t.numel() for t in tensors_of(args, kwargs)), default=1)
+        full = max(planned.a.numel, planned.b.numel, 1)
+        most = max(1, dim_max(active.plan.index_bits) * here // full)
+        record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
+        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
+
+    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
+                     most: int, active) -> Any:
+        if family == "cat":
+            return self._act(record, record.fault, 1, lambda: cat_in_place(func, args, kwargs, most),
+                             lambda: func(*args, **kwargs), active, op_name(func))
+        pieces = split_call(func, args, kwargs, out, most)
+        return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
+                         lambda: func(*args, **kwargs), active, op_name(func))
+
+    def _applies_call(self, sized: SizedCall, kwargs: dict) -> bool:
+        if sized.inputs:
+            return self._applies(sized.inputs[0])
+        device = torch.device(kwargs.get("device") or "cpu")  # a creation op: where it makes its tensor
+        return device.type in self.devices if self.devices is not None else (
+            device.type == "mps" or active_emulator() is not None)
+
+    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active) -> Any:
+        """An op whose output size only running it tells ('other' ops, lookups by mask): judged on what it
+        made. Nobody measured these families past a limit, so they fault silently or not at all: the
+        wrong values are dropped before anyone reads them."""
+        out = func(*args, **kwargs)
+        outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
+        if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
+            return out
+        profile = active.profile if active else self.profile
+        fault = classify_op(func, sized.inputs, outputs, index_bits=bits, profile=profile)
+        if fault.is_ok:
+            return out
+        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, outputs,
+                                  fault, current_phase())
+        return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
+
+    def _act(self, record: CallRecord, fault: Fault, chunk: int | Pieces | None, split: Callable[[], Any],
+             unguarded: Callable[[], Any], active, op: str | None = None, why_not: str | None = None) -> Any:
+        """The one place a decision turns into raise, warn or chunk; a call no split makes safe (chunk
+        None) is refused in every mode but warn. `op`: a call of the other families (an emulator replaying
+        a plan counts it as one call of that op). A Mac's refusal of an allocation (an emulator's decision on a
+        declared Mac) is not the guard's to stop or split: the call goes on and meets MPS's own loud error."""
+        if fault.rule == BUFFER_RULE:  # See Note [The Mac's largest buffer]
+            return unguarded()
+        if self.mode == "chunk" and chunk is not None:
+            self.chunked.append(record)
+            self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)
+            with active.as_one_call(op) if active else contextlib.nullcontext():
+                return split()
+        message = describe_stop(record, fault, chunk, why_not)
+        if self.mode == "warn":
+            self.warned.append(record)
+            self._warn_once(message)
+            return unguarded()
+        self.stopped.append(record)
+        safe_chunk = chunk.step if isinstance(chunk, Pieces) else chunk
+        raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
+                               safe_chunk=safe_chunk)
+
+    def _bits(self, active) -> int:
+        return active.index_bits if active and active.plan is None else self.index_bits
+
+    def _copies(self, active) -> bool:
+        # Releases that count a slice's storage offset (2.5.1 .. 2.9.1) need pieces copied to offset 0.
+        return (active.profile if active else self.profile).slice_extent
+
+    def _warn_once(self, message: str) -> None:
+        site = _user_site()
+        if site not in self._warned:
+            self._warned.add(site)
+            warnings.warn(message, MpsImpactWarning, stacklevel=2)
+
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(what: str, message: str) -> None:
+    """Warns `message` the first time this process meets `what` (a transform the guard steps aside for)."""
+    if what not in _SAID:
+        _SAID.add(what)
+        warnings.warn(message, MpsImpactWarning, stacklevel=3)
+
+
+def _user_site() -> tuple[str, int]:
+    # The innermost frame outside torch and mpsimpact: where the op was asked for.
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if "/torch/" not in frame.filename and "/mpsimpact/" not in frame.filename:
+            return frame.filename, frame.lineno or 0
+    return "", 0
+
+
+def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:
+    """The safe pieces of the (full-scale) call, in this call's rows: bmm batches are the same at
+    both scales; mm rows scale with the sequence length."""
+    split = split_bmm(full_a, full_b, index_bits, family)
+    if split is not None and family == "mm" and full_a.shape[0] != a.shape[0]:
+        split = Split(max(1, split.batches * a.shape[0] // full_a.shape[0]))
+    return split

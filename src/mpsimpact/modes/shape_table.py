@@ -1,0 +1,68 @@
+"""The guard's hot-path tables: the largest element count of a product's (or linear's) operands and output
+by their shapes, and per op how strict's hot path may pass it (GuardMode.__torch_dispatch__)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mpsimpact.modes.base import COMPOSITE, OTHER, PRODUCT, aten, route
+from mpsimpact.modes.chunking import product_elements
+from mpsimpact.modes.op_size import SKIPPED, op_family
+
+# The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
+# can meet a rule (below it they run whole, so a dispatch mode beneath sees them as without a guard);
+# tensordot and bilinear are always decomposed.
+DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
+                    aten.einsum.default: "einsum", aten._scaled_dot_product_attention_math.default: "sdpa"}
+
+# (is linear, shape of a, shape of b) -> the largest element count of the call's operands (as bmm sees them,
+# broadcast) and output: the guard's hot path reads shapes, not sizes one by one.
+LARGEST: dict[tuple[bool, torch.Size, torch.Size], int | float] = {}
+
+
+def largest_count(key: tuple[bool, torch.Size, torch.Size]) -> int | float:
+    """The largest element count among a product's (or linear's) operands and output, by their shapes (is
+    linear, shape of a, shape of b), remembered; a shape it cannot read (a 0-d operand, which torch rejects)
+    counts as past every limit, sending the call to the exact route."""
+    found = LARGEST.get(key)
+    if found is None:
+        found = _count_for(*key)
+        if len(LARGEST) > 4096:
+            LARGEST.clear()
+        LARGEST[key] = found
+    return found
+
+
+def _count_for(linear: bool, sa: torch.Size, sb: torch.Size) -> int | float:
+    if not sa or not sb:
+        return math.inf
+    na, nb = math.prod(sa), math.prod(sb)
+    if linear:
+        return max(na, nb, na // (sa[-1] or 1) * (sb[0] if len(sb) == 2 else 1))
+    return max(na, nb, product_elements(sa, sb))
+
+
+# Per op (by id, the op kept alive beside it): how strict's hot path may pass it (GuardMode.__torch_dispatch__).
+FULL, NO_KERNEL, SIZED, COMPOSITE_SIZED = "full", "no kernel", "sized", "composite sized"
+PLAIN: dict[int, str] = {}
+_PLAIN_OPS: list[Any] = []
+
+
+def plain_check(func) -> str:
+    """"linear", "matmul": a product whose entry point's quick bound decides it as decomposes' bound would;
+    NO_KERNEL: a view, or a product or SDPA call decided elsewhere (size_call's SKIPPED); SIZED: any other op,
+    passed where size_call finds nothing to judge (on_other's own test); COMPOSITE_SIZED: a composite op, passed
+    where moreover no tensor makes decomposes split it; FULL: the other products and SDPA (the full route)."""
+    kind = route(func)
+    family = op_family(func) if kind in (OTHER, COMPOSITE) else None
+    entry = DECOMPOSED_ENTRY.get(func) if kind is PRODUCT else None
+    check = (entry if entry in ("linear", "matmul")
+             else FULL if family is None or family in SKIPPED and kind is COMPOSITE
+             else NO_KERNEL if family in SKIPPED
+             else SIZED if kind is OTHER else COMPOSITE_SIZED)
+    _PLAIN_OPS.append(func)
+    PLAIN[id(func)] = check
+    return check
