@@ -300,6 +300,14 @@ def parse_version(version: str) -> tuple[int, int, int] | None:
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
+def parse_release(text: str) -> tuple[int, int, int]:
+    """`parse_version` of a release asked for; raises UnknownReleaseError (a ValueError) where it is none."""
+    parsed = parse_version(text)
+    if parsed is None:
+        raise UnknownReleaseError(f"'{text}' is not a torch release (expected e.g. 2.12.1)", release=text)
+    return parsed
+
+
 @functools.lru_cache(maxsize=64)
 def profile_for(version: str) -> FaultProfile:
     """The fault profile of a torch release string such as "2.13.0+cpu" or "2.5.1".
@@ -309,9 +317,7 @@ def profile_for(version: str) -> FaultProfile:
     """
     if version == CONSERVATIVE:
         return FaultProfile(CONSERVATIVE, "unmeasured", False, conservative=True)
-    parsed = parse_version(version)
-    if parsed is None:
-        raise UnknownReleaseError(f"'{version}' is not a torch release (expected e.g. 2.12.1)", release=version)
+    parsed = parse_release(version)
     release = ".".join(map(str, parsed))
     found = _group(parsed)
     if found is None:
@@ -516,19 +522,24 @@ class UnknownReleaseError(UsageError, ValueError):
 def takes_release(function: Any) -> Any:
     """Lets a public function or mode take its `profile` (by keyword or position) as a release ("2.12.1"),
     "conservative", a profile.json's path, a FaultProfile or None (the installed torch's): resolved here,
-    once, where the call comes in; inside, a release travels as its FaultProfile.
+    where the call comes in; a FaultProfile (how a release travels inside) is passed on as it is.
 
     Raises:
         ValueError, ProfileFileError: as `resolve_profile`, for a release that cannot be resolved.
     """
     import inspect
 
-    where = list(inspect.signature(function).parameters).index("profile")
+    parameters = inspect.signature(function).parameters
+    keyword_only = parameters["profile"].kind is inspect.Parameter.KEYWORD_ONLY  # after *args (trace_faults)
+    where = 1 << 30 if keyword_only else list(parameters).index("profile")
 
     @functools.wraps(function)
     def resolved(*args: Any, **kwargs: Any) -> Any:
         positional = len(args) > where
-        profile = resolve_profile(args[where] if positional else kwargs.get("profile"))
+        profile = args[where] if positional else kwargs.get("profile")
+        if isinstance(profile, FaultProfile):
+            return function(*args, **kwargs)
+        profile = resolve_profile(profile)
         if positional:
             return function(*args[:where], profile, *args[where + 1:], **kwargs)
         return function(*args, **kwargs | {"profile": profile})

@@ -45,9 +45,11 @@ def profile_info(release: JudgedRelease) -> dict[str, Any]:
 
 
 def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
-    """Loads the config, builds the model on meta, and says what was built and why."""
+    """Judges the release (once, first: the value travels down), loads the config, builds the model on meta,
+    and says what was built and why."""
     import transformers
 
+    release = judge_release(cfg.torch_profile)
     config, where = load_model_config(cfg.model)
     model_class, task, task_basis = resolve_task(config, cfg.task)
     padding = pad_for_the_head(config, model_class)
@@ -57,7 +59,6 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         raise explain_build_error(error, model_class, config, cfg.attention) from None
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
-    release = judge_release(cfg.torch_profile)
     mac = resolve_mac(cfg.memory, cache_root())
     model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, release.profile,
                       cfg.target_len, cfg.cache, mac=mac)
@@ -106,7 +107,7 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
             why = f"the scaled calls differ from the trace at batch {batch}"
             return _capped(bisect_clean(trace_at, ceiling, why))
         basis += f"; the scaling agrees with the trace at batch {batch}"
-    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, ceiling, model.profile, model.mac)
+    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, model.profile, ceiling, model.mac)
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
