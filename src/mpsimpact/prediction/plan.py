@@ -8,8 +8,8 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
-from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
-from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
+from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
+from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 from mpsimpact.engine.mac_memory import resolve_mac
@@ -54,27 +54,22 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
         L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
-    plan = plan_at(traced[length], batch, config.index_bits, profile, mac)
-    parameters, dtype = sum(p.numel() for p in meta.parameters()), next(meta.parameters()).dtype
-    peak, peak_basis = traced_peak_bytes(plan, parameters, batch, length, model_config.hidden_size, heads, dtype,
-                                         config.backward)
+    subject = Subject(heads, type(meta).__name__, True, sum(p.numel() for p in meta.parameters()),
+                      model_config.hidden_size, next(meta.parameters()).dtype, config.backward)
+    section = PredictionSection(release, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
+                                length, subject)
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
-        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
-            plan_at(traced[length], batch, config.index_bits, release.installed), batch, heads))},
+        "release": section.release_json(),
         "profile": profile.to_json(), "model": config.model or EMBEDDED_MODEL, "heads": heads,
-        "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
-        "ops_traced": len(plan.calls),
-        "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, training=config.backward),
-        "largest_safe_batch": safe_here[length], "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
-        "largest_safe_batch_ceiling": ceiling,
-        "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
-        "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
+        "layers": model_config.num_hidden_layers,
+        **section.to_json({"largest_safe_batch": safe_here[length],
+                           "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
+                           "largest_safe_batch_ceiling": ceiling})}
     if mac is not None:
         report["mac"] = mac.to_json()
     if config.backward:
-        report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+        report["backward_faulting_calls"] = sum(1 for c in section.plan.faults if c.phase == "backward")
     if config.memory:
         report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile, mac)
     if config.versions:

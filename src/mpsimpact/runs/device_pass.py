@@ -23,7 +23,7 @@ from mpsimpact.prediction.memory import (TRAINING_PARTS, estimate_peak_bytes, es
                                          largest_fitting_batch)
 from mpsimpact.modes.guard import guard
 from mpsimpact.prediction.demo_size import DTYPE_BYTES
-from mpsimpact.prediction.outcome import predict, site
+from mpsimpact.prediction.outcome import site
 from mpsimpact.runs.kind import condition_key
 
 # Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
@@ -249,18 +249,17 @@ def layer_progress(layers: list[torch.nn.Module], advance):
             handle.remove()
 
 
-def run_conditions(config: Any, module, inputs, geometry: Geometry, plans: dict, heads: int, progress):
-    """Every condition, attention implementation by guard mode: yields (key, result); the module is
-    back on eager attention afterwards."""
+def run_conditions(config: Any, module, inputs, geometry: Geometry, sections: dict, heads: int, progress):
+    """Every condition, attention implementation by guard mode (`sections`: each one's plan and prediction,
+    outcome.PredictionSection): yields (key, result); the module is back on eager attention afterwards."""
     from mpsimpact.models.classifier import use_attention
 
-    for attention, plan in plans.items():
+    for attention, section in sections.items():
         use_attention(module, attention, samples_per_block(heads, geometry.max_length))  # as the plan's trace
-        prediction = predict(plan, geometry.batch_size, heads)
         geo = dataclasses.replace(geometry, attention=attention)
         for guard_mode in config.guards:
             yield condition_key(attention, guard_mode), condition_pass(
-                module, inputs, geo, plan, prediction, guard_mode, progress)
+                module, inputs, geo, section.plan, section.prediction, guard_mode, progress)
     use_attention(module, "eager")
 
 

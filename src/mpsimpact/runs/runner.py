@@ -13,7 +13,7 @@ import torch
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig
-from mpsimpact.prediction.outcome import on_a_mac, predict
+from mpsimpact.prediction.outcome import PredictionSection, Subject
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
@@ -51,10 +51,11 @@ def run_scenario(config: RunConfig,
                            index_bits=config.index_bits, backward=kind.backward, profile=release.profile,
                            every_op=mac is not None, allocations=mac is not None).on_mac(mac)
              for a in geometry.attentions}
-    body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
-    report = report_head(config, scenario, kind.name, geometry, plans, release.installed, batch, max_length) | body
-    installed = predict(plans[geometry.attentions[0]].on_mac(None).under(release.installed), batch, model.heads)
-    report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
+    subject = Subject(model.heads)
+    sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
+    body, arrays = kind.run(config, scenario, model, geometry, sections, progress)
+    report = report_head(config, scenario, kind.name, geometry, sections, batch, max_length) | body
+    report["release"] = sections[geometry.attentions[0]].release_json()
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
@@ -78,8 +79,8 @@ def run_mac(config: RunConfig, device: str) -> Any:
     return resolve_mac(config.memory, cache_root())
 
 
-def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, installed: Any,
-                batch: int, max_length: int) -> dict[str, Any]:
+def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, sections: dict, batch: int,
+                max_length: int) -> dict[str, Any]:
     """What every run report starts with: config, environment, geometry, model, data and the predictions."""
     from mpsimpact.runs.environment import collect_environment
 
@@ -88,13 +89,13 @@ def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry,
         "schema_version": SCHEMA_VERSION,
         "kind": kind_name,
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
-        "environment": collect_environment(installed),
+        "environment": collect_environment(sections[geometry.attentions[0]].release.installed),
         "geometry": geometry.to_json(),
         "model": model.name,
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
-        "prediction": predict(plans[geometry.attentions[0]], batch, model.heads).to_json(),
-        "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
+        "prediction": sections[geometry.attentions[0]].prediction.to_json(),
+        "predictions": {a: section.prediction.to_json() for a, section in sections.items()},
         "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
     }
 
