@@ -45,7 +45,6 @@ def test_embedded_model_at_4096_by_512_matches_the_published_arithmetic():
 
 PLAN_IN_A_CHILD = """
 from mpsimpact.cli import app
-from mpsimpact.engine.release import installed_profile
 from mpsimpact.errors import UsageError
 try:
     app(['plan', 'sentiment', '--batch-size', '4096', '--max-length', '512', '--torch-profile', '2.14.0'])
