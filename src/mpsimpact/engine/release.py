@@ -377,27 +377,17 @@ def _profile_path(root: Path, release: str) -> Path:
     return root / "profiles" / f"{release}.json"
 
 
-_LOADED: dict[str, Any] = {}
-
-
 def installed_profile() -> FaultProfile:
     """The profile of the torch installed here: the profile.json of its release in the cache
-    (`cached_profile_path`) where there is one, its label naming that file; else the study's."""
+    (`cached_profile_path`) where there is one, its label naming that file (read again only when it changed:
+    `load_profile`); else the study's."""
     import torch
 
     parsed = parse_version(torch.__version__)
     cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
-    path = str(cached) if cached is not None else None
-    if path is None or not os.path.lexists(path):  # no exception raised for the usual case: no file
+    if cached is None or not os.path.lexists(cached):  # no exception raised for the usual case: no file
         return profile_for(torch.__version__)
-    try:
-        stat = os.stat(path)
-    except OSError:  # a dangling link, a path too long: said in one line
-        return load_profile(cached)
-    key = (path, stat.st_mtime_ns, stat.st_size)
-    if _LOADED.get("key") != key:  # every guard asks: the file read again only when it changed
-        _LOADED.update(key=key, profile=load_profile(cached))
-    return _LOADED["profile"]
+    return load_profile(cached)  # a dangling link, a FIFO, a malformed file: said in one line
 
 
 # The release of the study's published demo (docs/fault-model.md, "The published downstream demo"): measured,

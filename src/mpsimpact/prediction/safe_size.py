@@ -6,7 +6,7 @@ answer checked by tracing at the boundary; bisection over traces if that fails).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.engine.call import CallRecord, out_elements
@@ -89,16 +89,8 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
 
 def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int,
                    profile: FaultProfile, mac: MacMemory | None = None) -> FaultPlan:
-    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
-    return _decided((fitted.at(length) for fitted in calls), index_bits, profile, mac)
-
-
-def _decided(calls: Iterable[CallRecord], index_bits: int, profile: FaultProfile,
-             mac: MacMemory | None = None) -> FaultPlan:
-    """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release (and on
-    `mac`, its largest buffer)."""
-    # from_trace decides each call MPS runs (its `trace` keeps the rebuilt records, read for their operands)
-    return FaultPlan.from_trace(tuple(calls), index_bits, profile, mac)
+    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone (as `plan_at`)."""
+    return FaultPlan.from_trace(tuple(fitted.at(length) for fitted in calls), index_bits, profile, mac)
 
 
 def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list[LengthFittedCall]:
@@ -359,6 +351,7 @@ def _buffer_batches(calls: list[PerTextCall], buffer: int) -> set[int]:
 def plan_at(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile,
             mac: MacMemory | None = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release (on `mac`, with its largest buffer), rebuilt from
-    per-text calls by arithmetic alone."""
-    rebuilt = (p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
-    return _decided(rebuilt, index_bits, profile, mac)
+    per-text calls by arithmetic alone: from_trace decides each call MPS runs (its `trace` keeps the rebuilt
+    records, read for their operands)."""
+    rebuilt = tuple(p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
+    return FaultPlan.from_trace(rebuilt, index_bits, profile, mac)
