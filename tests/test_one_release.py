@@ -2,6 +2,7 @@
 binding of the string-to-profile turns, not by reading the code); plan and check take their prediction from one
 PredictionSection (run's, with the runner's one prediction per attention: tests/test_run.py). Tiny models."""
 
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import mpsimpact.runs.environment  # noqa: F401
 import mpsimpact.runs.train_kind  # noqa: F401
 from mpsimpact.config import CheckConfig, PlanConfig, RunConfig, SweepConfig
 from mpsimpact.engine import release
+from mpsimpact.errors import UsageError
 from mpsimpact.prediction import check, outcome, plan
 from mpsimpact.runs import runner, scenario, sweep_run  # noqa: F401
 from tiny import tiny_bert_config
@@ -103,6 +105,11 @@ def test_a_release_is_checked_at_the_boundary_by_its_form_alone(counted, tmp_pat
     for value in ("2.12.1", "conservative", str(tmp_path / "missing.json")):  # a file is read by the command
         RunConfig(torch_profile=value).validate()
     assert counted["resolve_profile"] == counted["installed_profile"] == []
+    with pytest.raises(UsageError, match="--torch-profile: 'newest' is not a torch release"):
+        RunConfig(torch_profile="newest").validate()
+    fresh = ("import sys; from mpsimpact.config import RunConfig; RunConfig(torch_profile='2.12.1').validate(); "
+             "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True).stdout == "False\n"
 
 
 def test_no_module_reaches_through_a_decorator():
