@@ -54,8 +54,9 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
         L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
-    subject = Subject(heads, type(meta).__name__, True, sum(p.numel() for p in meta.parameters()),
-                      model_config.hidden_size, next(meta.parameters()).dtype, config.backward)
+    subject = Subject(heads, type(meta).__name__, parameters=sum(p.numel() for p in meta.parameters()),
+                      hidden=model_config.hidden_size, dtype=next(meta.parameters()).dtype,
+                      training=config.backward)
     section = PredictionSection(release, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
                                 length, subject)
     report = {
