@@ -230,18 +230,6 @@ def test_the_cli_imports_no_engine_module_and_the_engine_errors_are_mpsimpact_er
     assert isinstance(raised.value, ValueError)
 
 
-def _calls_named(name: str) -> list[tuple[str, int]]:
-    return [(module, node.lineno) for module, path in module_files().items()
-            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
-            and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == name]
-
-
-def test_a_release_is_resolved_in_at_most_three_places():
-    # Where a call comes in (engine.release.takes_release), the commands' judge_release, the guard.
-    calls = _calls_named("resolve_profile")
-    assert calls and len(calls) <= 3, calls
-
-
 def test_the_runner_calls_the_kinds_never_the_other_way():
     graph = project_graph()
     kinds = [m for m in graph if m.startswith("mpsimpact.runs.") and m.endswith("kind")]

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
+from mpsimpact.engine.release import installed_profile
 from mpsimpact.errors import UsageError
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.prediction.outcome import predict
@@ -85,7 +86,7 @@ def test_scaled_plan_equals_a_direct_trace():
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
     direct = trace_meta(meta, 1400, 512, every_op=True)  # the scaled calls hold every op too
-    scaled = plan_at(per_text_calls(meta, 512), 1400)
+    scaled = plan_at(per_text_calls(meta, 512), 1400, 32, installed_profile())
     assert [(c.op, c.a, c.b, c.fault) for c in direct.calls] == [(c.op, c.a, c.b, c.fault) for c in scaled.calls]
 
 
@@ -128,7 +129,7 @@ def test_run_on_real_mps_skips_a_predicted_process_abort():
     from transformers import AutoConfig
 
     meta = meta_classifier(AutoConfig.from_pretrained(ROBERTA), embedded=False)
-    prediction = predict(plan_at(per_text_calls(meta, 256), 5462), 5462, 12)
+    prediction = predict(plan_at(per_text_calls(meta, 256), 5462, 32, installed_profile()), 5462, 12)
     mac = Geometry("mps", False, 5462, 256, 256)
     assert would_abort(mac, prediction, "off") and not would_abort(mac, prediction, "chunk")
     assert not would_abort(Geometry("cpu", True, 5462, 256, 64), prediction, "off")  # emulated: raises instead
@@ -173,7 +174,7 @@ def test_scaled_calls_equal_direct_traces_forward_and_backward(backward):
     assert any(p.a_scales and p.call.a.shape[-1] != p.a4.shape[-1] for p in calls) == backward
     for batch in (3, 40, 100_000):
         direct = trace_meta(tiny_bert("meta"), batch, 64, backward=backward, every_op=True, index_bits=16)
-        scaled = plan_at(calls, batch, index_bits=16)
+        scaled = plan_at(calls, batch, index_bits=16, profile=installed_profile())
         assert [(c.op, c.a, c.b, c.fault) for c in scaled.calls] == [(c.op, c.a, c.b, c.fault) for c in direct.calls]
 
 

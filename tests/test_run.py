@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from mpsimpact.cli import app
 from said import flat
+from test_one_release import counted  # noqa: F401 (a fixture)
 
 runner = CliRunner()
 # P (16*12, 256, 256): 2**23 / 65536 = 128 batch-heads -> divmod(128, 12) = text 10, head 8.
@@ -157,3 +158,18 @@ def test_hub_model_path_with_a_local_csv(tmp_path, tiny_roberta_dir):
     assert not report["geometry"]["replayed"]  # 64 tokens run at full scale on the CPU
     assert (off["first_corrupted_index"], off["corrupted_count"]) == (8, 8)
     assert chunk["corrupted_count"] == 0
+
+
+def test_a_run_judges_its_release_once_and_predicts_each_attention_once(counted):
+    from mpsimpact.config import RunConfig
+    from mpsimpact.runs.runner import run_scenario
+
+    config = RunConfig(batch_size=2, max_length=16, guard="off", attention="both", torch_profile="2.14.0")
+    report, _ = run_scenario(config)
+    assert len(counted["resolve_profile"]) == 1 and len(counted["installed_profile"]) <= 1
+    sections = counted["sections"]  # one PredictionSection per attention, each predicted once; the report's
+    assert [s.plan.fault_profile.release for s in sections] == ["2.14.0", "2.14.0"]
+    predicted = [id(plan) for plan in counted["predict"]]
+    assert [predicted.count(id(s.plan)) for s in sections] == [1, 1]
+    assert report["predictions"] == {a: s.prediction.to_json() for a, s in zip(("eager", "sdpa"), sections)}
+    assert report["release"] == sections[0].release_json()

@@ -116,14 +116,10 @@ DEVICE = Check("--device", choices=DEVICES)
 
 
 def _parse_profile(value: str) -> None:
-    from mpsimpact.engine.profile_file import ProfileFileError
-    from mpsimpact.engine.release import judge_release
+    from mpsimpact.engine.release import CONSERVATIVE, is_profile_path, parse_release
 
-    try:
-        judge_release(value)  # resolved here to refuse it at the boundary; commands judge it again
-    except ProfileFileError as error:  # its message names the file and the field: no release hint
-        raise UsageError(error.message, option="--torch-profile", path=error.path,
-                         field=error.field) from None
+    if value != CONSERVATIVE and not is_profile_path(value):
+        parse_release(value)  # its form alone: a profile file is read where the command judges the release
 
 
 def _parse_memory(value: str) -> None:

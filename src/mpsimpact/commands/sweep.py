@@ -46,7 +46,7 @@ def main(
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile, max_memory=max_memory, memory=memory,
     )
-    summary = run_sweep(sweep_config, SweepConsole(), profile=sweep_config.torch_profile)
+    summary = run_sweep(sweep_config, SweepConsole())
     bad = summary["not_ok"] if expect_fixed else summary["disagree"] + summary["families"]["disagree"]
     if bad:
         typer.echo(f"{bad} cells {'are not ok' if expect_fixed else 'disagree with the fault model'}.",

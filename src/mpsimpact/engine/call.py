@@ -13,9 +13,9 @@ from typing import Any
 
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.faults import (
-    OK, Fault, Profile, TensorSpec, classify_bmm, classify_mm, classify_sdpa, dim_max, spec_of,
+    OK, Fault, TensorSpec, classify_bmm, classify_mm, classify_sdpa, dim_max, spec_of,
 )
-from mpsimpact.engine.release import FaultProfile, allocates, family_of, takes_release
+from mpsimpact.engine.release import FaultProfile, allocates, family_of
 
 RULES = {"bmm": classify_bmm, "mm": classify_mm, "sdpa": classify_sdpa}
 PRODUCTS = frozenset(RULES)
@@ -138,15 +138,13 @@ def op_cell(op: str, a: list[int], b: list[int]) -> str:
     return f"{op} on {shape(a)}" + (f" -> {shape(b)}" if list(b) != list(a) else "")
 
 
-@takes_release
-def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: Profile = None) -> Fault:
+def classify_call(family: str, a: Any, b: Any, index_bits: int, profile: FaultProfile) -> Fault:
     """The fault of one matrix-product call, by family ("bmm", "mm", or "sdpa" with a = query, b = key;
     fused path). See Note [MPS 32-bit index faults]."""
-    return RULES[family].__wrapped__(a, b, index_bits=index_bits, profile=profile)  # resolved above: not again
+    return RULES[family](a, b, index_bits=index_bits, profile=profile)
 
 
-@takes_release
-def classify_record(call: CallRecord, index_bits: int, profile: Profile = None) -> Fault:
+def classify_record(call: CallRecord, index_bits: int, profile: FaultProfile) -> Fault:
     """The fault of a recorded call under a release: the products' rules on `a` and `b`; any other
     family's rule on its first input and largest output (Note [Op families past INT_MAX]).
 

@@ -40,9 +40,8 @@ class FaultPlan:
 
     calls: tuple[CallRecord, ...]
     index_bits: int = MPS_INDEX_BITS
-    profile: str = ""  # the release's FaultProfile.ref, as the plan's JSON names it
     trace: tuple[CallRecord, ...] = ()
-    fault_profile: FaultProfile | None = dataclasses.field(default=None, compare=False, repr=False)
+    fault_profile: FaultProfile | None = dataclasses.field(default=None, repr=False)  # the release deciding
     mac: MacMemory | None = None  # the Mac whose largest buffer also decides (None: the index rules alone)
 
     @classmethod
@@ -55,7 +54,7 @@ class FaultPlan:
         for call in runs_on_mps(trace, profile):
             fault = decide(call, index_bits, profile, mac)
             kept.append(call.evolve(index=len(kept), fault=fault))
-        return cls(tuple(kept), index_bits, profile.ref, tuple(trace), profile, mac)
+        return cls(tuple(kept), index_bits, tuple(trace), profile, mac)
 
     def under(self, profile: Profile) -> FaultPlan:
         """The same trace, decided for another torch release (on the same Mac)."""
@@ -66,6 +65,10 @@ class FaultPlan:
         if mac == self.mac:
             return self
         return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, self.fault_profile, mac)
+
+    @property
+    def profile(self) -> str:  # the release's FaultProfile.ref, as the plan's JSON names it
+        return self.fault_profile.ref if self.fault_profile is not None else ""
 
     @property
     def faults(self) -> list[CallRecord]:

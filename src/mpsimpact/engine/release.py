@@ -300,6 +300,14 @@ def parse_version(version: str) -> tuple[int, int, int] | None:
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
+def parse_release(text: str) -> tuple[int, int, int]:
+    """`parse_version` of a release asked for; raises UnknownReleaseError (a ValueError) where it is none."""
+    parsed = parse_version(text)
+    if parsed is None:
+        raise UnknownReleaseError(f"'{text}' is not a torch release (expected e.g. 2.12.1)", release=text)
+    return parsed
+
+
 @functools.lru_cache(maxsize=64)
 def profile_for(version: str) -> FaultProfile:
     """The fault profile of a torch release string such as "2.13.0+cpu" or "2.5.1".
@@ -309,9 +317,7 @@ def profile_for(version: str) -> FaultProfile:
     """
     if version == CONSERVATIVE:
         return FaultProfile(CONSERVATIVE, "unmeasured", False, conservative=True)
-    parsed = parse_version(version)
-    if parsed is None:
-        raise UnknownReleaseError(f"'{version}' is not a torch release (expected e.g. 2.12.1)", release=version)
+    parsed = parse_release(version)
     release = ".".join(map(str, parsed))
     found = _group(parsed)
     if found is None:
@@ -371,27 +377,17 @@ def _profile_path(root: Path, release: str) -> Path:
     return root / "profiles" / f"{release}.json"
 
 
-_LOADED: dict[str, Any] = {}
-
-
 def installed_profile() -> FaultProfile:
     """The profile of the torch installed here: the profile.json of its release in the cache
-    (`cached_profile_path`) where there is one, its label naming that file; else the study's."""
+    (`cached_profile_path`) where there is one, its label naming that file (read again only when it changed:
+    `load_profile`); else the study's."""
     import torch
 
     parsed = parse_version(torch.__version__)
     cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
-    path = str(cached) if cached is not None else None
-    if path is None or not os.path.lexists(path):  # no exception raised for the usual case: no file
+    if cached is None or not os.path.lexists(cached):  # no exception raised for the usual case: no file
         return profile_for(torch.__version__)
-    try:
-        stat = os.stat(path)
-    except OSError:  # a dangling link, a path too long: said in one line
-        return load_profile(cached)
-    key = (path, stat.st_mtime_ns, stat.st_size)
-    if _LOADED.get("key") != key:  # every guard asks: the file read again only when it changed
-        _LOADED.update(key=key, profile=load_profile(cached))
-    return _LOADED["profile"]
+    return load_profile(cached)  # a dangling link, a FIFO, a malformed file: said in one line
 
 
 # The release of the study's published demo (docs/fault-model.md, "The published downstream demo"): measured,
@@ -516,19 +512,24 @@ class UnknownReleaseError(UsageError, ValueError):
 def takes_release(function: Any) -> Any:
     """Lets a public function or mode take its `profile` (by keyword or position) as a release ("2.12.1"),
     "conservative", a profile.json's path, a FaultProfile or None (the installed torch's): resolved here,
-    once, where the call comes in; inside, a release travels as its FaultProfile.
+    where the call comes in; a FaultProfile (how a release travels inside) is passed on as it is.
 
     Raises:
         ValueError, ProfileFileError: as `resolve_profile`, for a release that cannot be resolved.
     """
     import inspect
 
-    where = list(inspect.signature(function).parameters).index("profile")
+    parameters = inspect.signature(function).parameters
+    keyword_only = parameters["profile"].kind is inspect.Parameter.KEYWORD_ONLY  # after *args (trace_faults)
+    where = 1 << 30 if keyword_only else list(parameters).index("profile")
 
     @functools.wraps(function)
     def resolved(*args: Any, **kwargs: Any) -> Any:
         positional = len(args) > where
-        profile = resolve_profile(args[where] if positional else kwargs.get("profile"))
+        profile = args[where] if positional else kwargs.get("profile")
+        if isinstance(profile, FaultProfile):
+            return function(*args, **kwargs)
+        profile = resolve_profile(profile)
         if positional:
             return function(*args[:where], profile, *args[where + 1:], **kwargs)
         return function(*args, **kwargs | {"profile": profile})

@@ -172,13 +172,11 @@ class TraceMode(MatmulMode):
     is left UNDECIDED: `trace_faults` returns FaultPlan.from_trace of them, which decides the calls the
     release runs (its `trace` keeps them all, to be decided again for another release)."""
 
-    @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, module: torch.nn.Module | None = None,
-                 profile: Profile = None, every_op: bool = False, allocations: bool = False) -> None:
+                 every_op: bool = False, allocations: bool = False) -> None:
         super().__init__()
         self._allocations = allocations  # record the ops that allocate without a kernel (empty): a Mac's buffer
         self.index_bits = index_bits
-        self.profile = profile
         self.calls: list[CallRecord] = []
         self._names: list[str] = []
         self._module = module
@@ -290,6 +288,7 @@ class TraceMode(MatmulMode):
                 handle.remove()
 
 
+@takes_release
 def trace_faults(
     fn: Callable[..., Any],
     *args: Any,
@@ -315,10 +314,10 @@ def trace_faults(
     Returns:
         The `FaultPlan`, whose calls are in the order a run of `fn` under that release makes them.
     """
-    mode = TraceMode(index_bits, module, profile, every_op, allocations)
+    mode = TraceMode(index_bits, module, every_op, allocations)
     with mode.naming_modules(), handling(mode), mode:
         fn(*args, **kwargs)
-    return FaultPlan.from_trace(tuple(mode.calls), index_bits, mode.profile)
+    return FaultPlan.from_trace(tuple(mode.calls), index_bits, profile)
 
 
 def trace_module(

@@ -14,8 +14,7 @@ from mpsimpact.prediction.meta_model import (
     MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
-from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
-from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
+from mpsimpact.prediction.outcome import PredictionSection, Subject
 from mpsimpact.prediction.safe_size import (
     TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, plan_signature, scalable,
 )
@@ -45,9 +44,11 @@ def profile_info(release: JudgedRelease) -> dict[str, Any]:
 
 
 def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
-    """Loads the config, builds the model on meta, and says what was built and why."""
+    """Judges the release (once, first: the value travels down), loads the config, builds the model on meta,
+    and says what was built and why."""
     import transformers
 
+    release = judge_release(cfg.torch_profile)
     config, where = load_model_config(cfg.model)
     model_class, task, task_basis = resolve_task(config, cfg.task)
     padding = pad_for_the_head(config, model_class)
@@ -57,7 +58,6 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         raise explain_build_error(error, model_class, config, cfg.attention) from None
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
-    release = judge_release(cfg.torch_profile)
     mac = resolve_mac(cfg.memory, cache_root())
     model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, release.profile,
                       cfg.target_len, cfg.cache, mac=mac)
@@ -106,7 +106,7 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
             why = f"the scaled calls differ from the trace at batch {batch}"
             return _capped(bisect_clean(trace_at, ceiling, why))
         basis += f"; the scaling agrees with the trace at batch {batch}"
-    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, ceiling, model.profile, model.mac)
+    found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, model.profile, ceiling, model.mac)
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
@@ -172,28 +172,24 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     plan = model.trace(batch, length)  # the asked geometry: where it cannot be traced, that is the answer
     by_length = searched(high, lambda: safe_length(model, cfg, batch, length, high))
     by_batch = searched(batch_ceiling(batch), lambda: safe_batch(model, batch, length))
-    peak, peak_basis = traced_peak_bytes(plan, info["parameters"], batch, length,
-                                         int(getattr(model.config, "hidden_size", 0) or 0), heads,
-                                         model.module.dtype, model.backward)
+    subject = Subject(heads, info["class"], info["supports_attention_interface"], info["parameters"],
+                      int(getattr(model.config, "hidden_size", 0) or 0), model.module.dtype, model.backward)
+    section = PredictionSection(release, plan, batch, length, subject)
     target = (cfg.target_len or length) if info["encoder_decoder"] else None
     return {
         "config": dataclasses.asdict(cfg),
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
                                    f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)") + info["padding"]},
-        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
-            plan.on_mac(None).under(release.installed), batch, heads))},
+        "release": section.release_json(),
         **({"mac": model.mac.to_json()} if model.mac is not None else {}),
         "torch_profile": profile_info(release),
         "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
                      "index_bits": cfg.index_bits},
-        "calls_traced": len(plan.products), "ops_traced": len(plan.calls),
-        "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, training=model.backward),
-        "largest_safe_batch": by_batch.largest_safe, "largest_safe_batch_search": by_batch.to_json(),
-        "longest_safe_length": by_length.largest_safe, "longest_safe_length_search": by_length.to_json(),
-        "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
-        "guard_advice": guard_advice(plan, batch, Subject(heads, info["class"], info["supports_attention_interface"])),
+        **section.to_json({"largest_safe_batch": by_batch.largest_safe,
+                           "largest_safe_batch_search": by_batch.to_json(),
+                           "longest_safe_length": by_length.largest_safe,
+                           "longest_safe_length_search": by_length.to_json()}),
         "generation": generation_note(plan, info["task"], batch, length),
         "traces": model.traces,
     }

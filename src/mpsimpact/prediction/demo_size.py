@@ -52,9 +52,8 @@ def visible_batch(first_corrupted: int, texts: int = MIN_VISIBLE_TEXTS, share: f
     return first_corrupted + max(texts, math.ceil(share * first_corrupted / (1 - share)))
 
 
-def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int],
-                 index_bits: int = MPS_INDEX_BITS, profile: Any = None,
-                 dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
+def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[int, int], index_bits: int,
+                 profile: Any, dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
     """Per dtype and length: the smallest clearly-visible run of eager attention under `profile`'s rules,
     its predicted corruption and peak."""
     options = []
@@ -67,18 +66,17 @@ def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[in
     return options
 
 
-def product_safe_batch(calls: list, heads: int, index_bits: int = MPS_INDEX_BITS, profile: Any = None) -> int:
+def product_safe_batch(calls: list, heads: int, index_bits: int, profile: Any) -> int:
     """The largest batch whose P V call (eager's forward bmm with the largest first operand per batch: P,
     (B*H, L, Lk)) is clean on its own; the rest of a blocked_eager pass runs in small blocks."""
     products = [p for p in calls if p.call.family == "bmm" and p.call.phase == "forward"]
     if not products:
         return 0
-    return largest_safe_batch([max(products, key=lambda p: p.call.a.per_batch)], heads, index_bits,
-                              profile=profile)
+    return largest_safe_batch([max(products, key=lambda p: p.call.a.per_batch)], heads, index_bits, profile)
 
 
 def blocked_options(trace: Callable[[int, int], Any], traced: dict[int, list], config: Any, heads: int,
-                    index_bits: int = MPS_INDEX_BITS, profile: Any = None,
+                    index_bits: int, profile: Any,
                     dtypes: tuple[str, ...] = tuple(DTYPE_BYTES)) -> list[dict[str, Any]]:
     """blocked_eager's smallest clearly-visible run per dtype, at the longest demo length (where P leaves
     the least room to the rest), predicted from a trace of its own calls: `trace(batch, length)`."""

@@ -5,12 +5,13 @@ and which guard makes the run safe. `run`, `plan` and `check` all use it, so the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.modes.chunking import Blocks, attention_blocks
 from mpsimpact.budget import bytes_per_score_of, target_budget
-from mpsimpact.prediction.memory import in_gib
+from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE
@@ -186,11 +187,15 @@ def attention_geometry(calls: list[CallRecord]) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Subject:
-    """What the advice needs to know about the model beyond its calls."""
+    """What the advice and the peak memory need to know about the model beyond its calls."""
 
     heads: int
     model_class: str = ""
     supports_attention_interface: bool = True
+    parameters: int = 0
+    hidden: int = 0
+    dtype: Any = None  # the model's torch.dtype
+    training: bool = False  # one training step (forward and backward), not one forward pass
 
 
 def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
@@ -432,3 +437,40 @@ def on_a_mac(release: Any, installed: Prediction) -> str | None:
         return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
     return (f"On a Mac, the installed torch {profile.label} {spoken(installed)} instead (--torch-profile "
             f"{profile.release} shows it).")
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictionSection:
+    """One traced geometry under the judged release, as run, plan and check report it: the release and what
+    the installed torch would do on a Mac, the forward pass's prediction (made once), the faulting calls, the
+    safe sizes the caller searched, the peak memory of a real run and the guard advice."""
+
+    release: Any  # engine.release.JudgedRelease
+    plan: FaultPlan
+    batch: int
+    length: int
+    subject: Subject
+
+    @functools.cached_property
+    def prediction(self) -> Prediction:
+        return predict(self.plan, self.batch, self.subject.heads)
+
+    def release_json(self) -> dict[str, Any]:
+        """The judged release and why, with what the installed torch would do to this run on a Mac, and the flag
+        that shows it (None where the installed release is the one judged)."""
+        release = self.release
+        installed = None if release.is_installed else predict(
+            self.plan.on_mac(None).under(release.installed), self.batch, self.subject.heads)
+        return release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
+
+    def to_json(self, safe: dict[str, Any]) -> dict[str, Any]:
+        """The words of plan and check: the calls traced, the faulting ones, the outcome, `safe` (the largest
+        safe sizes, as the caller searched them), the peak memory of a real run and the guard advice."""
+        plan, batch, subject, heads = self.plan, self.batch, self.subject, self.subject.heads
+        peak, basis = traced_peak_bytes(plan, subject.parameters, batch, self.length, subject.hidden, heads,
+                                        subject.dtype, subject.training)
+        return {"calls_traced": len(plan.products), "ops_traced": len(plan.calls),
+                "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
+                "prediction": summarise(plan, batch, heads, training=subject.training), **safe,
+                "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": basis,
+                "guard_advice": guard_advice(plan, batch, subject)}

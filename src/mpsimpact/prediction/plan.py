@@ -8,8 +8,8 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
-from mpsimpact.prediction.outcome import Subject, call_row, guard_advice, on_a_mac, predict, summarise
-from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
+from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
+from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 from mpsimpact.engine.mac_memory import resolve_mac
@@ -38,6 +38,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     from mpsimpact.prediction.meta_model import usable_positions
 
     config.validate()
+    release = judge_release(config.torch_profile)  # once, here: the value travels down
     batch = config.batch_size or scenario.default_batch_size
     length = config.max_length or scenario.default_max_length
     model_config = scenario.load_config()
@@ -46,35 +47,30 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    release = judge_release(config.torch_profile)
     profile, mac = release.profile, resolve_mac(config.memory, cache_root())
-    traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None)
+    traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None, profile=profile)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
-    plan = plan_at(traced[length], batch, config.index_bits, profile, mac)
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
-    safe = {L: largest_safe_batch(c, heads, config.index_bits, ceiling, profile) for L, c in traced.items()}
+    safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
-        L: largest_safe_batch(c, heads, config.index_bits, ceiling, profile, mac) for L, c in traced.items()}
-    parameters, dtype = sum(p.numel() for p in meta.parameters()), next(meta.parameters()).dtype
-    peak, peak_basis = traced_peak_bytes(plan, parameters, batch, length, model_config.hidden_size, heads, dtype,
-                                         config.backward)
+        L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
+    subject = Subject(heads, type(meta).__name__, parameters=sum(p.numel() for p in meta.parameters()),
+                      hidden=model_config.hidden_size, dtype=next(meta.parameters()).dtype,
+                      training=config.backward)
+    section = PredictionSection(release, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
+                                length, subject)
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
-        "release": release.to_json() | {"on_a_mac": on_a_mac(release, predict(
-            plan_at(traced[length], batch, config.index_bits, release.installed), batch, heads))},
+        "release": section.release_json(),
         "profile": profile.to_json(), "model": config.model or EMBEDDED_MODEL, "heads": heads,
-        "layers": model_config.num_hidden_layers, "calls_traced": len(plan.products),
-        "ops_traced": len(plan.calls),
-        "faulting_calls": [call_row(c, batch, heads) for c in plan.faults],
-        "prediction": summarise(plan, batch, heads, training=config.backward),
-        "largest_safe_batch": safe_here[length], "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
-        "largest_safe_batch_ceiling": ceiling,
-        "estimated_peak_gib": in_gib(peak), "estimated_peak_basis": peak_basis,
-        "guard_advice": guard_advice(plan, batch, Subject(heads, type(meta).__name__))}
+        "layers": model_config.num_hidden_layers,
+        **section.to_json({"largest_safe_batch": safe_here[length],
+                           "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
+                           "largest_safe_batch_ceiling": ceiling})}
     if mac is not None:
         report["mac"] = mac.to_json()
     if config.backward:
-        report["backward_faulting_calls"] = sum(1 for c in plan.faults if c.phase == "backward")
+        report["backward_faulting_calls"] = sum(1 for c in section.plan.faults if c.phase == "backward")
     if config.memory:
         report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile, mac)
     if config.versions:
@@ -93,7 +89,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
     smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
-    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release
+    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, profile_for
     from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
                                                 recommend, working_set_words)
 
@@ -103,8 +99,8 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
 
     unmeasured = profile if profile.conservative else None
     if unmeasured is not None:  # nobody can tell what it does: the demo is sized on the published release's rules
-        profile = judge_release(None, apple_gpu=False).profile
-        safe = {L: largest_safe_batch(c, heads, config.index_bits, profile=profile) for L, c in traced.items()}
+        profile = profile_for(PUBLISHED_DEMO_RELEASE)
+        safe = {L: largest_safe_batch(c, heads, config.index_bits, profile) for L, c in traced.items()}
     dtypes, takes_blocked = scenario.kind.dtypes, BLOCKED in scenario.kind.attentions  # what `run` takes
     options = demo_options(traced, model_config, heads, safe, config.index_bits, profile, dtypes)
     blocked_safe = 0
@@ -124,7 +120,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
             "judged_on": profile.release, "recommendation": recommendation, "mac_table": table}
 
 
-def sweep(traced: dict, heads: int, index_bits: int, profile=None, mac=None) -> dict[str, list[dict[str, Any]]]:
+def sweep(traced: dict, heads: int, index_bits: int, profile: Any, mac=None) -> dict[str, list[dict[str, Any]]]:
     """Predicted corrupted fraction (or stop) over `sweep_batches`, for each table length (on `mac`, with its
     largest buffer)."""
     table = {}

@@ -6,14 +6,14 @@ answer checked by tracing at the boundary; bisection over traces if that fails).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.engine.call import CallRecord, out_elements
-from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, Profile, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, limits, TensorSpec
 from mpsimpact.engine.fault_plan import FaultPlan, decide, runs_on_mps
 from mpsimpact.engine.mac_memory import MacMemory, call_bytes
-from mpsimpact.engine.release import FaultProfile, takes_release
+from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.meta_model import trace_meta
 
@@ -89,16 +89,8 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
 
 def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int,
                    profile: FaultProfile, mac: MacMemory | None = None) -> FaultPlan:
-    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone."""
-    return _decided((fitted.at(length) for fitted in calls), index_bits, profile, mac)
-
-
-def _decided(calls: Iterable[CallRecord], index_bits: int, profile: FaultProfile,
-             mac: MacMemory | None = None) -> FaultPlan:
-    """The plan of rebuilt calls (operands set, fault not yet decided), each decided under the release (and on
-    `mac`, its largest buffer)."""
-    # from_trace decides each call MPS runs (its `trace` keeps the rebuilt records, read for their operands)
-    return FaultPlan.from_trace(tuple(calls), index_bits, profile, mac)
+    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone (as `plan_at`)."""
+    return FaultPlan.from_trace(tuple(fitted.at(length) for fitted in calls), index_bits, profile, mac)
 
 
 def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list[LengthFittedCall]:
@@ -186,10 +178,8 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
     return n, 2 * n, known if known is not None and 2 * n < known <= high else 3 * n
 
 
-@takes_release
-def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int = MPS_INDEX_BITS,
-                        profile: Profile = None, known: int | None = None,
-                        mac: MacMemory | None = None) -> BoundarySearch:
+def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int, profile: FaultProfile,
+                        known: int | None = None, mac: MacMemory | None = None) -> BoundarySearch:
     """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase, and decided
     on `mac` where one is given); `known` is a length already traced (reused as a fit point).
 
@@ -282,14 +272,13 @@ def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
 TRACE_TEXTS = 2
 
 
-def per_text_calls(meta_module: Any, length: int, *, backward: bool = False,
-                   allocations: bool = False) -> list[PerTextCall]:
+def per_text_calls(meta_module: Any, length: int, *, backward: bool = False, allocations: bool = False,
+                   profile: FaultProfile | None = None) -> list[PerTextCall]:
     """Traces at 2 and 4 texts, whose calls give each operand entry's growth per text. Every call of the
     trace is kept (SDPA and its math path, and every op but views, whatever its size: the same calls at
-    every batch): `plan_at` picks those a release makes."""
-    two = trace_meta(meta_module, TRACE_TEXTS, length, backward=backward, every_op=True, allocations=allocations)
-    four = trace_meta(meta_module, 2 * TRACE_TEXTS, length, backward=backward, every_op=True,
-                      allocations=allocations)
+    every batch): `plan_at` picks those a release makes (`profile` decides the traces: None, the installed)."""
+    two, four = (trace_meta(meta_module, texts, length, backward=backward, every_op=True, allocations=allocations,
+                            profile=profile) for texts in (TRACE_TEXTS, 2 * TRACE_TEXTS))
     return per_text(two, four)
 
 
@@ -324,9 +313,8 @@ def is_safe(calls: list[PerTextCall], batch: int, index_bits: int, profile: Faul
     return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile, mac).calls)
 
 
-@takes_release
-def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int = MPS_INDEX_BITS,
-                       ceiling: int = 1 << 24, profile: Profile = None, mac: MacMemory | None = None) -> int:
+def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int, profile: FaultProfile,
+                       ceiling: int = 1 << 24, mac: MacMemory | None = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
     where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch (on `mac`, where a
     call's bytes reach its largest buffer), so only those candidate sizes are checked."""
@@ -360,10 +348,10 @@ def _buffer_batches(calls: list[PerTextCall], buffer: int) -> set[int]:
     return found
 
 
-@takes_release
-def plan_at(calls: list[PerTextCall], batch: int, index_bits: int = MPS_INDEX_BITS,
-            profile: Profile = None, mac: MacMemory | None = None) -> FaultPlan:
+def plan_at(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile,
+            mac: MacMemory | None = None) -> FaultPlan:
     """The fault plan at `batch` texts under a release (on `mac`, with its largest buffer), rebuilt from
-    per-text calls by arithmetic alone."""
-    rebuilt = (p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
-    return _decided(rebuilt, index_bits, profile, mac)
+    per-text calls by arithmetic alone: from_trace decides each call MPS runs (its `trace` keeps the rebuilt
+    records, read for their operands)."""
+    rebuilt = tuple(p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
+    return FaultPlan.from_trace(rebuilt, index_bits, profile, mac)

@@ -12,7 +12,7 @@ from mpsimpact.config import ATTENTIONS, NEWER, PHASES
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
 from mpsimpact.prediction.meta_model import trace_meta
-from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, profile_for
+from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, measured_profiles, profile_for
 
 
 
@@ -32,17 +32,18 @@ def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length
     Args:
         meta_for: builds the model on meta with an attention implementation ("eager", "sdpa").
     """
+    profiles = (*measured_profiles(), profile_for(CONSERVATIVE))
     traces = {(attention, phase): trace_meta(meta_for(attention), batch, length, backward=phase == "training",
-                                             index_bits=index_bits)
+                                             index_bits=index_bits, profile=profiles[-1])
               for attention in ATTENTIONS for phase in PHASES}
     per_release = {}
-    for release in (*MEASURED_RELEASES, CONSERVATIVE):
+    for profile in profiles:
         cells = {}
         for (attention, phase), plan in traces.items():
-            decided = plan.under(release)
+            decided = plan.under(profile)
             whole = predict(decided, batch, heads, "all") if phase == "training" else None
             cells[(attention, phase)] = cell(predict(decided, batch, heads, "forward"), whole)
-        per_release[release] = cells
+        per_release[profile.release] = cells
     return _merge(per_release)
 
 

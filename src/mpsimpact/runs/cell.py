@@ -172,11 +172,12 @@ def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profi
 
 
 def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: int, in_process: bool,
-              profile: str | None = None, budget: int | None = None,
+              profile: Any = None, budget: int | None = None,
               buffer: int | None = None) -> Iterator[dict[str, Any]]:
     """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
-    worker, a run of the cells within the budget at a time. `profile`: the profile (a FaultProfile.ref) whose
-    rules predict (and, emulated, produce) each cell; `budget`: the bytes a cell may hold (default: what the
+    worker, a run of the cells within the budget at a time. `profile`: the release (a FaultProfile, or what
+    the rules take: a release, a profile.json, None for the installed) whose rules predict (and, emulated,
+    produce) each cell; `budget`: the bytes a cell may hold (default: what the
     device offers); `buffer`: a Mac's largest buffer in bytes (None: no Mac); a cell over either is not
     run."""
     from mpsimpact.runs.device import device_memory

@@ -12,7 +12,6 @@ from mpsimpact.config import CORRUPTION_THRESHOLD
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import Footnotes, format_cell
 from mpsimpact.runs.device import full_precision_reductions
-from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
 from mpsimpact.runs.reference import device_reference, reference_logits
@@ -49,12 +48,12 @@ class ClassifyKind(RunKind):
     console_header = ("guard", "status", "wrong", "first wrong (pred.)", "flips", "accuracy (ref.)", "wall")
 
     @full_precision_reductions()
-    def run(self, config, scenario, model, geometry: Geometry, plans: dict,
+    def run(self, config, scenario, model, geometry: Geometry, sections: dict,
             progress) -> tuple[dict[str, Any], dict[str, Any]]:
         device, fp32 = geometry.device, geometry.dtype == "float32"
         texts, gold, repeats = build_batch(scenario.data.texts, scenario.data.labels, geometry.batch_size)
         inputs, token_stats = tokenize(model.tokenizer, texts, geometry)
-        first = predict(plans[geometry.attentions[0]], geometry.batch_size, model.heads)
+        first = sections[geometry.attentions[0]].prediction
         ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
         info["accuracy"] = float((ref.argmax(1) == gold).mean())
         module = model.module.to(device=device, dtype=getattr(torch, geometry.dtype))
@@ -64,7 +63,7 @@ class ClassifyKind(RunKind):
         info["threshold"] = config.corruption_threshold
         conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts,
                                   "errors": {}, "preds": {}}
-        for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
+        for key, result in run_conditions(config, module, inputs, geometry, sections, model.heads, progress):
             _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
             if "flips" in result and not fp32:
                 result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())

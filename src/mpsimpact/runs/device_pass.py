@@ -23,7 +23,7 @@ from mpsimpact.prediction.memory import (TRAINING_PARTS, estimate_peak_bytes, es
                                          largest_fitting_batch)
 from mpsimpact.modes.guard import guard
 from mpsimpact.prediction.demo_size import DTYPE_BYTES
-from mpsimpact.prediction.outcome import predict, site
+from mpsimpact.prediction.outcome import site
 from mpsimpact.runs.kind import condition_key
 
 # Longer sequences run at this length when the full scale does not fit (always on a CPU), with the
@@ -41,12 +41,11 @@ class Geometry:
     max_length: int
     run_length: int
     index_bits: int = MPS_INDEX_BITS
-    profile: str = ""  # the profile emulated (or guarded and planned), as FaultProfile.ref; "" = installed
+    release: Any = None  # the FaultProfile emulated (or guarded and planned); None: the installed torch's
     attention: str = "eager"  # the attention implementation of the pass
     dtype: str = "float32"  # the device passes' dtype
     attentions: tuple[str, ...] = ("eager",)  # the implementations the run compares, one pass set each
     substituted: str = ""  # why `attentions` are not those asked (blocked_eager where eager would not fit)
-    release: Any = dataclasses.field(default=None, compare=False, repr=False)  # `profile`'s FaultProfile
     mac: Any = dataclasses.field(default=None, compare=False, repr=False)  # the Mac (MacMemory) emulated, or None
 
     @property
@@ -71,8 +70,10 @@ class Geometry:
         return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("release", "mac")}
-        return fields | {"replayed": self.replayed, "mode": self.mode}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mac"}
+        ref = self.release.ref if self.release is not None else ""  # report.json names it "profile"
+        return {**{"profile" if k == "release" else k: ref if k == "release" else v for k, v in fields.items()},
+                "replayed": self.replayed, "mode": self.mode}
 
 
 def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
@@ -164,7 +165,8 @@ def build_batch(texts: tuple[str, ...], labels: tuple[int, ...],
 def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
     """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
     bits, profile = geometry.index_bits, geometry.release
-    emulation = (contextlib.nullcontext(None) if not geometry.emulated else emulate(plan=plan) if geometry.replayed
+    emulation = (contextlib.nullcontext(None) if not geometry.emulated
+                 else emulate(plan=plan, profile=profile) if geometry.replayed  # the plan's release: no other
                  else emulate(index_bits=bits, profile=profile, memory=geometry.mac))
     guarding = (guard(guard_mode, index_bits=bits, profile=profile) if guard_mode != "off"
                 else contextlib.nullcontext(None))
@@ -237,18 +239,17 @@ def layer_progress(layers: list[torch.nn.Module], advance):
             handle.remove()
 
 
-def run_conditions(config: Any, module, inputs, geometry: Geometry, plans: dict, heads: int, progress):
-    """Every condition, attention implementation by guard mode: yields (key, result); the module is
-    back on eager attention afterwards."""
+def run_conditions(config: Any, module, inputs, geometry: Geometry, sections: dict, heads: int, progress):
+    """Every condition, attention implementation by guard mode (`sections`: each one's plan and prediction,
+    outcome.PredictionSection): yields (key, result); the module is back on eager attention afterwards."""
     from mpsimpact.models.classifier import use_attention
 
-    for attention, plan in plans.items():
+    for attention, section in sections.items():
         use_attention(module, attention, samples_per_block(heads, geometry.max_length))  # as the plan's trace
-        prediction = predict(plan, geometry.batch_size, heads)
         geo = dataclasses.replace(geometry, attention=attention)
         for guard_mode in config.guards:
             yield condition_key(attention, guard_mode), condition_pass(
-                module, inputs, geo, plan, prediction, guard_mode, progress)
+                module, inputs, geo, section.plan, section.prediction, guard_mode, progress)
     use_attention(module, "eager")
 
 

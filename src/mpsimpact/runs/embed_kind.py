@@ -12,7 +12,6 @@ import numpy as np
 
 from mpsimpact.runs.classify_kind import select_reference
 from mpsimpact.runs.device import full_precision_reductions
-from mpsimpact.prediction.outcome import predict
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
 from mpsimpact.output.page import EMULATED_LABEL, Footnotes
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
@@ -33,7 +32,7 @@ class EmbedKind(RunKind):
                       "top-1 changed", "wall")
 
     @full_precision_reductions()
-    def run(self, config, scenario, model, geometry: Geometry, plans: dict,
+    def run(self, config, scenario, model, geometry: Geometry, sections: dict,
             progress) -> tuple[dict[str, Any], dict[str, Any]]:
         from mpsimpact.runs.reference import run_chunked
 
@@ -42,7 +41,7 @@ class EmbedKind(RunKind):
         # Queries on the CPU, so only the index can be corrupted.
         queries = run_chunked(model.module.to("cpu"), model.tokenizer, list(scenario.queries),
                               geometry.run_length)
-        first = predict(plans[geometry.attentions[0]], geometry.batch_size, model.heads)
+        first = sections[geometry.attentions[0]].prediction
         ref, info = select_reference(config, model, texts, geometry, first.first_corrupted_text, progress)
         info.update(threshold=COSINE_THRESHOLD, measure="cosine to the reference vector",
                     queries=len(queries), query_device="cpu")
@@ -52,7 +51,7 @@ class EmbedKind(RunKind):
         conditions = []
         arrays: dict[str, Any] = {"reference": ref, "queries": queries, "texts": texts, "embeddings": {},
                                   "per_text": {}}
-        for key, result in run_conditions(config, module, inputs, geometry, plans, model.heads, progress):
+        for key, result in run_conditions(config, module, inputs, geometry, sections, model.heads, progress):
             embeddings = result.pop("logits", None)
             if embeddings is not None:
                 summary, arrays["per_text"][key] = summarize_embeddings(embeddings, ref, queries, twins)

@@ -13,12 +13,13 @@ from mpsimpact.runs.device import host_memory, machine_name
 from mpsimpact.engine.release import STUDY, cached_profile_path, installed_profile
 
 
-def collect_environment() -> dict[str, Any]:
-    """Versions, devices, memory and the fault profile that applies to this torch."""
+def collect_environment(profile: Any = None) -> dict[str, Any]:
+    """Versions, devices, memory and the fault profile that applies to this torch (`profile`, where the caller
+    has it: JudgedRelease.installed)."""
     import transformers
 
     total, available = host_memory()
-    profile = installed_profile()
+    profile = profile or installed_profile()
     env: dict[str, Any] = {
         "mpsimpact": _package_version("mpsimpact"),
         "python": platform.python_version(),

@@ -20,7 +20,7 @@ def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
 
 
 def reread_problem(row: dict[str, Any], cell: SweepCell, device: str, emulated: bool, index_bits: int,
-                   profile: str | None) -> str | None:
+                   profile: Any) -> str | None:
     """Why a row read back from an unfinished sweep cannot be kept, or None: its observation is impossible
     (`cell.observation_problem`), or the row this sweep makes of its cell and observation differs from it
     (another sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never
@@ -72,7 +72,7 @@ def reread_rows(items: list[Any], cells: list[Any], problem_of: Callable[[dict[s
 
 
 def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Any], list[Any]], device: str, emulated: bool,
-                 index_bits: int, profile: str | None) -> list[dict[str, Any]]:
+                 index_bits: int, profile: Any) -> list[dict[str, Any]]:
     """The rows an unfinished sweep's two logs (ResumableFolder: sweep.jsonl, families.jsonl) hold that this
     sweep keeps; the others are dropped from the logs (their cells run again), said in one warning line."""
     from mpsimpact.output.files import warn

@@ -13,7 +13,7 @@ import torch
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig
-from mpsimpact.prediction.outcome import on_a_mac, predict
+from mpsimpact.prediction.outcome import PredictionSection, Subject
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
@@ -30,6 +30,7 @@ def run_scenario(config: RunConfig,
     from mpsimpact.runs.scenario import get_scenario
 
     config.validate()
+    release = judge_release(config.torch_profile)  # once, here: the value travels down
     scenario_cls = get_scenario(config.scenario)
     device = resolve_device(config.device)
     scenario = scenario_cls(model=config.model, dataset=config.dataset)
@@ -37,24 +38,24 @@ def run_scenario(config: RunConfig,
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
     kind.check(config)
-    release = judge_release(config.torch_profile, apple_gpu=torch.backends.mps.is_available())
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
     mac = run_mac(config, device)
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
-                                   profile=release.profile.ref, release=release.profile, dtype=config.dtype, mac=mac)
+                                   release=release.profile, dtype=config.dtype, mac=mac)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
     # Mac every op is traced (a tensor of few elements can still reach a small Mac's largest buffer).
     dtype = getattr(torch, config.dtype)
     plans = {a: trace_meta(scenario.meta_module(attention=a).to(dtype), batch, max_length,
-                           index_bits=config.index_bits, backward=kind.backward, profile=geometry.release,
+                           index_bits=config.index_bits, backward=kind.backward, profile=release.profile,
                            every_op=mac is not None, allocations=mac is not None).on_mac(mac)
              for a in geometry.attentions}
-    body, arrays = kind.run(config, scenario, model, geometry, plans, progress)
-    report = report_head(config, scenario, kind.name, geometry, plans, batch, max_length) | body
-    installed = predict(plans[geometry.attentions[0]].on_mac(None).under(release.installed), batch, model.heads)
-    report["release"] = release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
+    subject = Subject(model.heads)
+    sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
+    body, arrays = kind.run(config, scenario, model, geometry, sections, progress)
+    report = report_head(config, scenario, kind.name, geometry, sections, batch, max_length) | body
+    report["release"] = sections[geometry.attentions[0]].release_json()
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
@@ -78,7 +79,7 @@ def run_mac(config: RunConfig, device: str) -> Any:
     return resolve_mac(config.memory, cache_root())
 
 
-def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, plans: dict, batch: int,
+def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, sections: dict, batch: int,
                 max_length: int) -> dict[str, Any]:
     """What every run report starts with: config, environment, geometry, model, data and the predictions."""
     from mpsimpact.runs.environment import collect_environment
@@ -88,13 +89,13 @@ def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry,
         "schema_version": SCHEMA_VERSION,
         "kind": kind_name,
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": max_length},
-        "environment": collect_environment(),
+        "environment": collect_environment(sections[geometry.attentions[0]].release.installed),
         "geometry": geometry.to_json(),
         "model": model.name,
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
-        "prediction": predict(plans[geometry.attentions[0]], batch, model.heads).to_json(),
-        "predictions": {a: predict(p, batch, model.heads).to_json() for a, p in plans.items()},
+        "prediction": sections[geometry.attentions[0]].prediction.to_json(),
+        "predictions": {a: section.prediction.to_json() for a, section in sections.items()},
         "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
     }
 

@@ -12,15 +12,15 @@ from typing import Any
 
 from mpsimpact.config import GIB, SweepConfig, memory_bytes
 from mpsimpact.engine.mac_memory import MacMemory
-from mpsimpact.engine.release import cache_root, cached_profile_path, takes_release
+from mpsimpact.engine.release import cache_root, cached_profile_path, resolve_profile
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.cell import NOT_RUN, is_measured, not_run_counts
 
 
-@takes_release
-def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, Any]:
+def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
     """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
-    (with "disagree" and "not_ok" counts). `profile`: the release predicted (config.torch_profile)."""
+    (with "disagree" and "not_ok" counts), each cell predicted by the release --torch-profile names (else the
+    installed torch's), resolved once here: a cell's process gets none (it observes, it predicts nothing)."""
     from mpsimpact.output.files import fresh_out_dir
     from mpsimpact.output.page import EMULATED_LABEL
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
@@ -31,6 +31,7 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
     from mpsimpact.runs.sweep import grid
 
     config.validate()
+    profile = resolve_profile(config.torch_profile)
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
     mac, buffer = mac_buffer(config, device)  # refuses --memory auto off a Mac before the folder is claimed
@@ -53,7 +54,7 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
     with resumable_folder(out, identity, "sweep.jsonl") as folder:
         families = ResumableFolder(folder.path, "families.jsonl")  # the same claimed folder, a second log
         kept = resumed_rows((folder, families), (cells, family_cells), device, emulated, config.index_bits,
-                            profile.ref)
+                            profile)
         done = {cell_key(row["cell"]): row for row in kept if is_measured(row)}
         todo = [cell for cell in cells + family_cells if cell_key(cell.to_json()) not in done]
         fits = [cell for cell in todo if not_run(cell, budget, buffer) is None]
@@ -64,7 +65,7 @@ def run_sweep(config: SweepConfig, show: Any, profile: Any = None) -> dict[str, 
                   buffer=(over_buffer, buffer_words(mac, buffer)) if mac else None)
         rows = dict(done)
         try:
-            for row in sweep_cells(show, todo, device, emulated, config, profile.ref, (budget, buffer)):
+            for row in sweep_cells(show, todo, device, emulated, config, profile, (budget, buffer)):
                 (families if "test" in row["cell"] else folder).append(row)
                 rows[cell_key(row["cell"])] = row
         except KeyboardInterrupt:
@@ -109,7 +110,7 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfig, profile: str,
+def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfig, profile: Any,
                 limits: tuple[int, int | None]):
     """Yields each cell's row as it finishes, with the time spent and an estimate of the time left for
     `show.cell`; `limits`: the memory budget and the Mac's largest buffer (None: no Mac), in bytes."""

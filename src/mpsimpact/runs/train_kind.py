@@ -30,11 +30,11 @@ class TrainKind(RunKind):
                       "eval flips after", "wall")
     console_formats = RunKind.console_formats | {"max_gradient_rel_error": "{:.1e}", "update_rel_error": "{:.1e}"}
 
-    def run(self, config, scenario, model, geometry, plans: dict,
+    def run(self, config, scenario, model, geometry, sections: dict,
             progress) -> tuple[dict[str, Any], dict[str, Any]]:
         from mpsimpact.runs.training import run_training
 
-        plan = plans[geometry.attentions[0]]
+        plan = sections[geometry.attentions[0]].plan
         body, arrays = run_training(config, scenario, model, geometry, plan, progress)
         body["backward_prediction"] = predict(plan, geometry.batch_size, model.heads, "backward").to_json()
         return body, arrays
