@@ -383,7 +383,7 @@ PLACES = [(owner, attribute) for group in (ENTRY_POINTS, FACTORY_POINTS) for pla
           for owner, attribute in places]
 # See Note [Wrappers as good guests] (modes/stand_in.py): these three pickle by a path (torch._C._nn.linear,
 # torch.functional.einsum) that does not lead to the wrapper, so the wrapper pickles by its public path,
-# which loads the same callable.
+# which loads the same callable (why the wrapper cannot stand at torch's path: BOUND_BEFORE below).
 BY_PUBLIC_PATH = {(F, "linear"): b"torch.nn.functional", (torch, "einsum"): b"torch",
                   (F, "scaled_dot_product_attention"): b"torch.nn.functional"}
 
@@ -486,6 +486,37 @@ def logged(log_class, where: str, condition: str | None, grad_mode) -> list[str]
     with grad_mode(), outer, inner:
         model_step(x, w)
     return log.seen
+
+
+class FunctionsHanded(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+# Why F.linear, SDPA and torch.einsum pickle by their public path inside a guard (BY_PUBLIC_PATH): pickle writes
+# torch's path (torch._C._nn.linear, torch.functional.einsum) only where it leads to the very object pickled, and
+# torch looks its callable up at that same path to hand `__torch_function__` its `func`. A wrapper standing there
+# would be the `func` every TorchFunctionMode, tensor subclass and FX proxy is handed for these three while a guard
+# is active: no longer the callable they bound before it (`func is F.linear` taken at import).
+BOUND_BEFORE = {"linear": F.linear, "sdpa": F.scaled_dot_product_attention, "einsum": torch.einsum}
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_users_mode_is_handed_torchs_own_linear_sdpa_and_einsum_inside_a_guard(where):
+    x = torch.randn(1, 2, 4)
+    w = x[0]
+    for condition in (None, "raise", "strict chunk"):
+        mode = FunctionsHanded()
+        outer, inner = (mode, entered(condition)) if where == "outside" else (entered(condition), mode)
+        with outer, inner:
+            F.linear(x, w), F.scaled_dot_product_attention(x, x, x), torch.einsum("bij,bkj->bik", x, x)
+        handed = [name for func in mode.funcs for name, bound in BOUND_BEFORE.items() if func is bound]
+        assert handed == ["linear", "sdpa", "einsum"], condition
 
 
 @pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
