@@ -209,3 +209,19 @@ def test_safe_eager_splits_one_text_over_its_heads_when_a_text_is_too_big():
         got, _ = mps_safe_eager_attention(module, q, k, v, None)
     torch.testing.assert_close(got, plain.transpose(1, 2), atol=1e-5, rtol=1e-5)
     assert emu.records == []
+
+
+@pytest.mark.parametrize("devices, judged", [(("cpu",), {"cpu"}), (("cpu", "meta"), {"cpu", "meta"}),
+                                             (("cuda", "mps"), set()), (("meta", "xpu"), {"meta"})])
+def test_the_guard_judges_the_devices_it_is_given_one_or_several(devices, judged):
+    # At 12 bits (LIMIT 4096) a (8, 16, 64) operand (8192 elements) crosses; device flags read on the hot path,
+    # or the device's type where a device has no flag (xpu).
+    for device in ("cpu", "meta"):
+        a, b, w = torch.randn(8, 16, 64, device=device), torch.randn(8, 64, 4, device=device), torch.randn(4, 64)
+        with guard("raise", devices=devices, index_bits=12, profile="2.14.0"):
+            for call in (lambda: torch.bmm(a, b), lambda: torch.nn.functional.linear(a, w.to(device))):
+                if device in judged:
+                    with pytest.raises(OversizedOpError):
+                        call()
+                else:
+                    call()

@@ -122,3 +122,21 @@ def test_the_fixture_does_inside_a_test_what_the_marker_does_for_one(pytester):
     result = pytester.runpytest_inprocess("--mps-index-bits", "12", "--mps-profile", "2.14.0", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "guard raise: stopped" in result.stdout.str() and "guard chunk: split" in result.stdout.str()
+
+
+def test_strict_sees_a_call_the_entry_points_do_not(pytester):
+    # A name bound when the suite is imported, before any guard: the wrappers never stand there (without
+    # --mps-strict the test passes), the dispatch mode of --mps-strict sees the bmm all the same.
+    pytester.makepyfile(test_bound=textwrap.dedent('''
+        import torch
+        from torch import bmm
+
+
+        def test_bound_bmm():
+            assert bmm(torch.randn(8, 16, 64), torch.randn(8, 64, 4)).shape == (8, 16, 4)
+    '''))
+    strict = pytester.runpytest_inprocess("--mps-guard", "raise", "--mps-strict", *NARROW)
+    strict.assert_outcomes(failed=1)
+    assert "guard raise (strict)" in strict.stdout.str() and "OversizedOpError" in strict.stdout.str()
+    alone = pytester.runpytest_inprocess("--mps-strict", "-p", "no:cacheprovider")
+    assert alone.ret == pytest.ExitCode.USAGE_ERROR and "--mps-strict applies to the guard" in alone.stderr.str()

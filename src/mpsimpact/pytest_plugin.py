@@ -1,7 +1,8 @@
 """mpsimpact's pytest plugin: a project's own test suite run as a Mac would run it. Every test inside the guard
-(`--mps-guard raise|warn|chunk`), the emulator (`--mps-emulate`), or both, at MPS's index width or a narrow one
-(`--mps-index-bits`), and a summary of every call site that would fault. Inactive unless one of its options is
-given or a test is marked `mpsimpact`: it imports torch only then, so installing mpsimpact changes no one's run."""
+(`--mps-guard raise|warn|chunk`, every op with `--mps-strict`), the emulator (`--mps-emulate`), or both, at MPS's
+index width or a narrow one (`--mps-index-bits`), and a summary of every call site that would fault. Inactive unless
+one of its options is given or a test is marked `mpsimpact`: it imports torch only then, so installing mpsimpact
+changes no one's run."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mps-guard", choices=GUARD_CHOICES, default=None,
                     help="Every test inside mpsimpact.guard(MODE): raise fails a test whose call would fault on "
                          "MPS, warn warns once per site and never fails, chunk splits the call so it is correct.")
+    group.addoption("--mps-strict", action="store_true", default=False,
+                    help="The guard in strict mode: every aten op judged through its dispatch mode, also calls that "
+                         "bypass torch's Python entry points (TorchScript, names bound before the guard).")
     group.addoption("--mps-emulate", action="store_true", default=False,
                     help="Every test under mpsimpact.emulate(): its outputs are what MPS would return.")
     group.addoption("--mps-profile", default=None, metavar="RELEASE",
@@ -70,6 +74,7 @@ class Settings:
     """What the options asked; `active`: any of them given."""
 
     guard: str | None = None
+    strict: bool = False
     emulate: bool = False
     profile: str | None = None
     index_bits: int | None = None
@@ -88,7 +93,9 @@ class Settings:
             if unknown or not devices:
                 raise pytest.UsageError(f"--mps-devices takes {', '.join(DEVICE_CHOICES)}, comma-separated; got "
                                         f"{config.getoption('mps_devices')!r}.")
-        return cls(config.getoption("mps_guard"), config.getoption("mps_emulate"),
+        if config.getoption("mps_strict") and not config.getoption("mps_guard"):
+            raise pytest.UsageError("--mps-strict applies to the guard: give --mps-guard raise, warn or chunk too.")
+        return cls(config.getoption("mps_guard"), config.getoption("mps_strict"), config.getoption("mps_emulate"),
                    config.getoption("mps_profile"), bits, devices, config.getoption("mps_json"))
 
     @property
@@ -178,7 +185,7 @@ class MacRun:
         if not self.settings.active:
             return []
         s = self.settings
-        what = [f"guard {s.guard}"] if s.guard else []
+        what = [f"guard {s.guard}{' (strict)' if s.strict else ''}"] if s.guard else []
         what += ["EMULATED MPS (no Apple GPU used)" if s.emulate else "not emulated"]
         width = f"index width {s.index_bits} bits (limits scaled by 2^{32 - s.index_bits})" if s.index_bits else \
             "MPS's index width (32 bits)"
@@ -226,7 +233,8 @@ class MacRun:
                 emulator.records = _Sighted(note, "emulated: MPS's values returned")
             if guard_mode:
                 devices = None if emulated else self.devices
-                mode = stack.enter_context(guard(guard_mode, index_bits=bits, profile=profile, devices=devices))
+                mode = stack.enter_context(guard(guard_mode, index_bits=bits, profile=profile, devices=devices,
+                                                 strict=self.settings.strict))
                 mode.stopped = _Sighted(note, "guard raise: stopped, the test fails")
                 mode.chunked = _Sighted(note, "guard chunk: split, correct")
                 mode.warned = _Sighted(note, "guard warn: warned, ran as MPS would")

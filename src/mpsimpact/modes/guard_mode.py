@@ -57,6 +57,7 @@ _PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
 _transforming = torch._C._are_functorch_transforms_active
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)  # cat's tensors
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 
@@ -125,9 +126,9 @@ class GuardMode(MatmulMode):
         self.mode = mode
         self.index_bits = index_bits
         self.devices = devices
-        if devices is not None and len(devices) == 1 and devices[0] in _DEVICE_FLAGS:
-            # the tensor's own flag (`is_cuda`), read without making a torch.device on the hot path
-            self._applies = operator.attrgetter(_DEVICE_FLAGS[devices[0]])  # type: ignore[method-assign]
+        if devices is not None and devices and all(device in _DEVICE_FLAGS for device in devices):
+            # the tensor's own flags (`is_cuda`), read without making a torch.device on the hot path
+            self._applies = _any_flag(*(_DEVICE_FLAGS[device] for device in devices))  # type: ignore[method-assign]
         if profile is not None:  # a release asked for: resolved (and a bad name refused) on entering
             self.profile = resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
@@ -349,6 +350,14 @@ class GuardMode(MatmulMode):
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         if name in _FACTORY_SIZES:
             return True  # wrapped for another thread's gated strict guard: births are that guard's business
+        if name == "cat" and args and type(args[0]) in _SEQUENCES and args[0] and _fake_mode(_FAKE) is None:
+            tensors = args[0]
+            if isinstance(tensors[0], _Tensor) and not self._applies(tensors[0]):
+                return True
+            try:  # the sum of the storage extents: above both terms of entry_bound's (the largest, all numels)
+                return sum([t.storage_offset() + t.numel() for t in tensors]) < self._view_limit
+            except AttributeError:  # not all tensors: the route below says what torch will
+                pass
         first = args[0] if args and isinstance(args[0], torch.Tensor) else next(
             (x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)), None)
         if first is None or not self._applies(first):
@@ -589,6 +598,14 @@ class GuardMode(MatmulMode):
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
+
+
+def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor has one of these flags (`is_cpu`, `is_cuda`): one attribute read, or one C call."""
+    if len(flags) == 1:
+        return operator.attrgetter(flags[0])
+    read = operator.attrgetter(*flags)
+    return lambda tensor: True in read(tensor)
 
 
 _SAID: set[str] = set()

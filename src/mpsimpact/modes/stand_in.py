@@ -25,7 +25,10 @@ from typing import Any
 #   inside a guard and after, loading torch's own callable. F.linear, F.scaled_dot_product_attention and
 #   torch.einsum pickle by a path (torch._C._nn.linear, torch.functional.einsum) whose identity check
 #   finds torch's callable, not the wrapper: the wrapper pickles by its public path (torch.nn.functional.
-#   linear), which loads the same callable everywhere (other bytes than torch's own: tests pin it).
+#   linear), which loads the same callable everywhere (other bytes than torch's own: tests pin it). The
+#   wrapper cannot stand at torch's path too: torch looks its callable up there to hand `__torch_function__`
+#   its `func`, so every TorchFunctionMode, subclass and FX proxy would be handed the wrapper, not the
+#   callable it bound before the guard (tests/test_guest_tools.py).
 #   copy and deepcopy give the wrapper itself, as for a function.
 # - TorchScript resolves a Python callable it meets in scripted code through
 #   torch.jit._builtins._find_builtin (a table keyed by id) before it would compile it as Python
