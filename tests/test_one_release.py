@@ -116,3 +116,15 @@ def test_no_module_reaches_through_a_decorator():
     # modes/stand_in.py's EntryPoint keeps torch's function as its own __wrapped__ (functools.wraps' field).
     named = {path.relative_to(SRC).as_posix() for path in SRC.rglob("*.py") if "__wrapped__" in path.read_text()}
     assert named == {"modes/stand_in.py"}
+
+
+def test_the_public_faces_take_a_profile_value_as_it_is_and_resolve_a_string_once(counted):
+    from mpsimpact import emulate, guard, trace_faults
+
+    profile = release.profile_for("2.14.0")
+    with emulate(profile=profile), guard("raise", profile=profile):
+        trace_faults(lambda: None, profile=profile)
+    assert counted["resolve_profile"] == []
+    with guard("chunk", profile="2.14.0"):
+        pass
+    assert counted["resolve_profile"] == ["2.14.0"]

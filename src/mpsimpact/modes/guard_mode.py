@@ -129,8 +129,8 @@ class GuardMode(MatmulMode):
         if devices is not None and devices and all(device in _DEVICE_FLAGS for device in devices):
             # the tensor's own flags (`is_cuda`), read without making a torch.device on the hot path
             self._applies = _any_flag(*(_DEVICE_FLAGS[device] for device in devices))  # type: ignore[method-assign]
-        if profile is not None:  # a release asked for: resolved (and a bad name refused) on entering
-            self.profile = resolve_profile(profile)
+        if profile is not None:  # a release asked for: resolved (a bad name refused) on entering, unless a value
+            self.profile = profile if isinstance(profile, FaultProfile) else resolve_profile(profile)
         self.everywhere = strict or active_emulator() is not None
         # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
         # only from a sighting of a tensor that could pass a limit.
