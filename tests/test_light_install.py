@@ -8,6 +8,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from said import messages
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ("transformers", "datasets", "scikit-learn", "matplotlib", "numpy", "sentence-transformers",
@@ -83,7 +84,7 @@ def test_the_core_install_has_no_demo_packages_and_the_guard_works(tmp_path):
     run = subprocess.run([str(env / "bin" / "mpsimpact"), "run", "sentiment", "--batch-size", "16"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
-    lines = run.stderr.strip().splitlines()
+    lines = messages(run.stderr)  # one message, wrapped at COLUMNS where a terminal width is set
     assert len(lines) == 1 and 'pip install "mpsimpact[demo]"' in lines[0], run.stderr
     assert not (tmp_path / "outputs").exists()
     helped = subprocess.run([str(env / "bin" / "mpsimpact"), "run", "--help"], capture_output=True, text=True,

@@ -50,7 +50,7 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
             if (error.name or "").split(".")[0] not in DEMO_MODULES:
                 raise
             typer.echo(said("error", f"`mpsimpact {word}` needs the demo extra ({error.name} is not installed): "
-                            'pip install "mpsimpact[demo]" (from a checkout: pip install ".[demo]").'), err=True)
+                            '`pip install "mpsimpact[demo]"` (from a checkout: `pip install ".[demo]"`).'), err=True)
             raise typer.Exit(2) from None
 
     return wrapper
