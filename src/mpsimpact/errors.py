@@ -19,20 +19,26 @@ def said(prefix: str, message: str) -> str:
 
 
 def paragraph(text: str, indent: int = 0) -> str:
-    """`text` wrapped between words at the terminal's width (COLUMNS, else the width of a terminal on stderr),
-    the lines after the first indented by `indent`. A word longer than the width (a path) stays whole, and so
-    does a backquoted command; joining the lines with single spaces gives the text back. In a log (no
-    terminal, no COLUMNS) the text is one line: a log has no width, and a line greps."""
+    """`text` wrapped (`wrapped`) at the terminal's width (COLUMNS, else the width of a terminal on stderr), the
+    lines after the first indented by `indent`. In a log (no terminal, no COLUMNS) the text is one line: a log
+    has no width, and a line greps."""
     width = _stderr_width()
-    if width is None:
-        return text
-    whole = _BACKQUOTED.sub(lambda m: m.group().replace(" ", "\0"), text)  # a command to type is one word
-    whole = whole.replace(" ", "\0", 1) if indent else whole  # "error:" never alone on its line
-    return textwrap.fill(whole, width=max(width, 40), subsequent_indent=" " * indent, break_long_words=False,
-                         break_on_hyphens=False).replace("\0", " ")
+    return text if width is None else wrapped(text, max(width, 40), indent)
 
 
-_BACKQUOTED = re.compile(r"`[^`]*`")
+def wrapped(text: str, width: int, indent: int = 0) -> str:
+    """`text` (one line) wrapped between words at `width`, the lines after the first indented by `indent` (and
+    then its first word kept with the next: "error:" never alone on its line). A word longer than the width (a
+    path) stays whole, and so does a backquoted command; joining the lines with single spaces gives the text
+    back. The console's wrapping too (output.console)."""
+    whole = _BACKQUOTED.sub(lambda m: m.group().replace(" ", _KEEP), text)  # a command to type is one word
+    whole = whole.replace(" ", _KEEP, 1) if indent else whole
+    return textwrap.fill(whole, width=width, subsequent_indent=" " * indent, break_long_words=False,
+                         break_on_hyphens=False).replace(_KEEP, " ")
+
+
+_BACKQUOTED = re.compile(r"`[^`\n]*`")
+_KEEP = "\0"  # a space that must not break while wrapping (not whitespace to textwrap; no path holds it)
 
 
 def _stderr_width() -> int | None:

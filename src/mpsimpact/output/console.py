@@ -3,14 +3,11 @@ cut across two lines (a reader copies it whole), wherever the terminal's width p
 
 from __future__ import annotations
 
-import re
-import textwrap
 from typing import Any
 
 from rich.console import Console as RichConsole
 
-_BACKQUOTED = re.compile(r"`[^`\n]*`")
-_KEEP = "\ue000"  # a space inside backquotes while wrapping: not whitespace, so no break there
+from mpsimpact.errors import wrapped
 
 
 class Console(RichConsole):
@@ -25,7 +22,4 @@ class Console(RichConsole):
         super().print(*objects, **kwargs)
 
     def _kept_whole(self, text: str) -> str:
-        kept = _BACKQUOTED.sub(lambda m: m.group().replace(" ", _KEEP), text)
-        lines = [textwrap.fill(line, width=self.width, break_long_words=False, break_on_hyphens=False)
-                 for line in kept.split("\n")]
-        return "\n".join(lines).replace(_KEEP, " ")
+        return "\n".join(wrapped(line, self.width) for line in text.split("\n"))
