@@ -140,8 +140,8 @@ def report(args: argparse.Namespace, modes: list[str], wall: dict, cpu: dict, su
     import transformers
 
     print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores; "
-          f"{args.threads} torch thread(s); rules of {args.profile} at {args.index_bits or 32} bits; times: median of "
-          f"{args.rounds} interleaved rounds")
+          f"{args.threads} torch thread(s); rules of {args.profile} at {args.index_bits or 32} bits; times: medians of "
+          f"{args.rounds} rounds, each running plain and raise back to back")
     differing = 0
     for suite in args.suites.split(","):
         plain = outcomes(args.out / f"{suite}-plain-0.xml")
@@ -163,6 +163,8 @@ def times(wall: dict, cpu: dict, suite: str, mode: str) -> str:
     drifts over the rounds cancels)."""
     if len(wall[(suite, mode)]) < 2:
         return ""
+    if mode == "plain":
+        return f"; wall {statistics.median(wall[(suite, mode)]):.1f} s, CPU {statistics.median(cpu[(suite, mode)]):.1f} s"
     words = []
     for name, seconds in (("wall", wall), ("CPU", cpu)):
         ratios = [own / plain for own, plain in zip(seconds[(suite, mode)], seconds[(suite, "plain")], strict=True)]
