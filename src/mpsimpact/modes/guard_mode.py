@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.nested._internal.nested_tensor import NestedTensor
 
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, needs_grad,
-    numbers_as_tensors, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
+    ACTIVE, DECOMPOSED_OPS, MATMUL, PRODUCT, aten, check_index_bits, MatmulMode, active_emulator, current_phase, innermost,
+    needs_grad, numbers_as_tensors, route, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, split_bmm, split_sdpa,
@@ -40,10 +41,11 @@ from mpsimpact.modes.op_size import (
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.modes.shape_table import (
     COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, LARGEST, NO_KERNEL, PLAIN, SIZED, largest_count, plain_check,
+    stacked_shapes,
 )
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
+from mpsimpact.engine.faults import MPS_INDEX_BITS, OK, Fault, dim_max, limits, Profile, sdpa_path, TensorSpec
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
@@ -58,6 +60,7 @@ _transforming = torch._C._are_functorch_transforms_active
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)  # cat's tensors
+_JAGGED = NestedTensor  # torch.nested's jagged layout: a tensor subclass over dense values
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 
@@ -249,6 +252,8 @@ class GuardMode(MatmulMode):
             return self._on_traced_entry(name, proceed, args, kwargs)
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
+        if _has_nested(args, kwargs):
+            return self._on_nested(name, proceed, args, kwargs)
         if name == "sdpa":
             return self._on_sdpa(proceed, args, kwargs)
         return self._through_dispatch(proceed, args, kwargs)
@@ -259,17 +264,22 @@ class GuardMode(MatmulMode):
         guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
         if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
             return True
-        if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
-            return self._passes_transformed(name, args, kwargs)
-        if name == "sdpa":
-            return self._sdpa_is_plain(args, kwargs)
-        if not self.everywhere:
-            return self._quick_pass(name, args, kwargs)
-        if self.watching:
-            return True  # the dispatch mode decides every op
-        if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
-            return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
-        return self._quick_pass(name, args, kwargs) or self._watch()
+        try:
+            if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
+                return self._passes_transformed(name, args, kwargs)
+            if name == "sdpa":
+                return self._sdpa_is_plain(args, kwargs)
+            if not self.everywhere:
+                return self._quick_pass(name, args, kwargs)
+            if self.watching:
+                return True  # the dispatch mode decides every op
+            if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
+                return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
+            return self._quick_pass(name, args, kwargs) or self._watch()
+        except (RuntimeError, AttributeError, TypeError, ValueError):  # sizes that are not numbers
+            if _has_nested(args, kwargs):
+                return False  # on_entry decides it: See Note [Nested tensors]
+            raise
 
     # Note [The guard under torch.jit.trace]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -345,6 +355,8 @@ class GuardMode(MatmulMode):
                 try:
                     top = LARGEST.get(key) or largest_count(key)
                 except TypeError:  # symbolic sizes: See Note [Symbolic sizes]
+                    if a.is_nested:
+                        raise
                     return True
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
@@ -409,6 +421,25 @@ class GuardMode(MatmulMode):
                                                 split, copies),
                          lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
 
+    def _on_nested(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A call with a nested tensor: See Note [Nested tensors]."""
+        tensors = [t for t in flat_arguments(args, kwargs) if isinstance(t, _Tensor)]
+        if any(type(t) is _JAGGED for t in tensors):
+            return self._through_dispatch(proceed, args, kwargs)
+        active = active_emulator()
+        shapes = stacked_shapes(name, tensors) if self._applies(tensors[0]) else None
+        fault = OK
+        if shapes is not None:
+            a, b = (TensorSpec.contiguous(shape, str(tensors[0].dtype).removeprefix("torch.")) for shape in shapes)
+            fault = (classify_call("mm", a, b, self._bits(active), self.profile) if name != "cat"
+                     else classify_op("cat", [a], b, index_bits=self._bits(active), profile=self.profile))
+        if fault.is_ok:
+            return self._as_one_op(proceed, *args, **kwargs)
+        record = CallRecord(len(self.stopped) + len(self.chunked), "mm" if name != "cat" else "cat", a, b, fault,
+                            current_phase())
+        return self._act(record, fault, None, lambda: None, lambda: self._as_one_op(proceed, *args, **kwargs),
+                         active, why_not="the guard does not split a nested tensor's call")
+
     def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Runs a fused SDPA call decided at its entry: what runs it here (a CPU kernel, or on meta its
         math decomposition) is not what MPS runs, so our dispatch mode lets it through."""
@@ -450,7 +481,11 @@ class GuardMode(MatmulMode):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`plain_check`)."""
+        if types and _JAGGED in types:
+            return NotImplemented  # its own dispatch runs dense ops on its values, which come back here
         try:
+            if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
+                return func(*args, **(kwargs or {}))
             if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs or {})):
                 return func(*args, **(kwargs or {}))  # See Note [Symbolic sizes]
             check = PLAIN.get(id(func))
@@ -469,6 +504,10 @@ class GuardMode(MatmulMode):
                     return func(*args, **kwargs)
             return self.dispatch(func, args, kwargs or {})
         except RuntimeError:
+            if _has_nested(args, kwargs or {}):  # a strided nested tensor's kernel: See Note [Nested tensors]
+                name = "cat" if func is aten.cat.default else "linear" if func is aten.linear.default else (
+                    "matmul" if route(func) in (PRODUCT, MATMUL) else None)
+                return func(*args, **(kwargs or {})) if name is None else self._on_nested(name, func, args, kwargs or {})
             fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
             if fixed is None:
                 raise
@@ -598,6 +637,10 @@ class GuardMode(MatmulMode):
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
+
+
+def _has_nested(args: tuple, kwargs: dict) -> bool:
+    return any(t.is_nested for t in flat_arguments(args, kwargs) if isinstance(t, _Tensor))
 
 
 def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:

@@ -45,6 +45,40 @@ def _count_for(linear: bool, sa: torch.Size, sb: torch.Size) -> int | float:
     return max(na, nb, product_elements(sa, sb))
 
 
+# Note [Nested tensors]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A nested tensor (torch.nested) has no sizes as numbers: a jagged dim is a symbol, and the strided layout
+# has none at all. The jagged layout is a tensor subclass whose own dispatch runs dense ops on its values:
+# the guard's dispatch mode lets it (NotImplemented) and judges those dense ops exactly, so a call that may
+# cross a limit goes through the dispatch mode as a dense one would, split or stopped alike. The strided
+# layout's kernels are C++ over its buffer, whose pieces no mode sees: its product, linear, SDPA or cat is
+# judged at its entry as one dense call (`stacked_shapes`: its components stacked along their shared last
+# dim, a bound at least as large as any component's call), run whole when safe and stopped otherwise (the
+# guard cannot split it). A ragged last dim cannot be read: torch decides such a call (mostly an error).
+# Under a dispatch mode, a strided nested tensor's op that reached no entry runs unjudged.
+
+def stacked_shapes(name: str, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The dense call a nested tensor's call is judged as (See Note [Nested tensors]): for cat, its first
+    tensor and all the elements stacked alike; for a product (linear, matmul, SDPA's scores), an mm of the
+    first operand's stacked rows by the second's columns (a Linear's weight's rows, or every key); None where
+    a last dim is ragged."""
+    try:
+        stacked = [tuple(_stacked(t)) if t.is_nested else tuple(t.shape) for t in tensors]
+    except RuntimeError:
+        return None
+    first, second = stacked[0], stacked[1] if len(stacked) > 1 else (1,)
+    if name == "cat":
+        return first, (sum(t.numel() for t in tensors) // (first[-1] or 1), first[-1])
+    columns = (math.prod(second[:-1]) if name == "sdpa" else second[0] if name == "linear" or len(second) == 1
+               else second[-1])
+    return (math.prod(first[:-1]), first[-1]), (first[-1], columns)
+
+
+def _stacked(t: torch.Tensor) -> torch.Size:
+    last = t.size(-1)
+    return torch.Size((t.numel() // (last or 1), last))
+
+
 # Per op (by id, the op kept alive beside it): how strict's hot path may pass it (GuardMode.__torch_dispatch__).
 FULL, NO_KERNEL, SIZED, COMPOSITE_SIZED = "full", "no kernel", "sized", "composite sized"
 PLAIN: dict[int, str] = {}

@@ -29,7 +29,8 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, 
     if not record.is_product:
         sizes = f"input {record.a.numel} elements, output {record.b.numel}"
         return (f"mpsimpact guard: {record.describe()} in {record.phase} ({sizes}) would {what} on {release} "
-                f"({why}). {_family_advice(record, chunk)}")
+                f"({why}). " + (f"The guard does not split it: {why_not}; lower the batch size." if why_not
+                                else _family_advice(record, chunk)))
     unit = {"mm": "rows", "sdpa": "batch-head rows"}.get(record.family, "batches")
     advice = (f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode "
               "'chunk'." if chunk is not None else
