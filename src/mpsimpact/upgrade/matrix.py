@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.config import ATTENTIONS, EMBEDDED_MODEL, NEWER
+from mpsimpact.config import ATTENTIONS, BATCH_SIZE, EMBEDDED_MODEL, MAX_LENGTH, NEWER, TORCH_PROFILE
+from mpsimpact.config import Check, Validated, option
 from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
-from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
 from mpsimpact.upgrade.overlay import OverlayCache, OverlayError, probe_environment
 from mpsimpact.variables import is_offline
 
@@ -47,8 +47,8 @@ TRANSFORMERS = Check("--transformers", parse=_parse_versions,
 
 
 @dataclasses.dataclass(frozen=True)
-class MatrixConfig:
-    """What `mpsimpact matrix` was asked; embedded in matrix.json."""
+class MatrixConfig(Validated):
+    """What `mpsimpact matrix` was asked; embedded in matrix.json (`validate()`: every field's Check)."""
 
     scenario: str
     transformers: tuple[str, ...] = option(DEFAULT_VERSIONS, TRANSFORMERS)
@@ -58,10 +58,6 @@ class MatrixConfig:
     out: str | None = None
     offline: bool = False
     torch_profile: str | None = option(None, TORCH_PROFILE)
-
-    def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is built."""
-        validate(self)
 
 
 def split_versions(text: str) -> tuple[str, ...]:
@@ -213,25 +209,17 @@ def findings(result: dict[str, Any]) -> dict[str, Any]:
 
 def cells(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """{attention: {profile: {outcome, message, first_corrupted_text}}} for the heatmap and tables."""
-    table = {}
-    for name in ATTENTIONS:
-        impl = result["implementations"][name]
-        if "error" in impl:
-            table[name] = {}
-            continue
-        keep = ("outcome", "message", "first_corrupted_text")
-        table[name] = {profile: {k: o[k] for k in keep} for profile, o in impl["outcomes"].items()}
-    return table
+    keep = ("outcome", "message", "first_corrupted_text")
+    return {name: {profile: {k: o[k] for k in keep}  # none where the implementation failed (its "error")
+                   for profile, o in result["implementations"][name].get("outcomes", {}).items()}
+            for name in ATTENTIONS}
 
 
 def compare_op_paths(rows: list[dict[str, Any]]) -> None:
     """Marks, per attention implementation, whether a release's attention calls equal the first probed
     release's (the layouts that reach MPS are what changes the faults)."""
     probed = [r for r in rows if r["status"] == "probed"]
-    if not probed:
-        return
-    first = probed[0]
     for row in probed:
-        ops, base = row["findings"]["attention_ops"], first["findings"]["attention_ops"]
-        row["findings"]["same_ops_as"] = {name: first["transformers"] if ops[name] == base[name] else None
+        ops, base = row["findings"]["attention_ops"], probed[0]["findings"]["attention_ops"]
+        row["findings"]["same_ops_as"] = {name: probed[0]["transformers"] if ops[name] == base[name] else None
                                           for name in ops}
