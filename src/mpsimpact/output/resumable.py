@@ -61,10 +61,7 @@ class ResumableFolder:
         except OSError:
             _remove_link(self.log, f"the log of finished items ({log})")
             data = None
-        try:
-            text = (data or b"").decode("utf-8")
-        except UnicodeDecodeError:
-            text = (data or b"").decode("utf-8", "replace")  # a garbled line fails to parse and is dropped
+        text = (data or b"").decode("utf-8", "replace")  # a garbled line fails to parse and is dropped
         lines = text.splitlines(keepends=True)
         self.items: list[Any] = []
         for line in lines:
