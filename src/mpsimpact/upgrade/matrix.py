@@ -60,11 +60,6 @@ class MatrixConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
 
 
-def split_versions(text: str) -> tuple[str, ...]:
-    """"4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name."""
-    return tuple(part.strip() for part in text.split(","))
-
-
 def profile_columns(*profiles: FaultProfile) -> list[dict[str, str]]:
     """One torch profile per release group, oldest first, the conservative one for newer releases, and each
     of `profiles` (resolved once, by the command) unless one of those, in its own column (`column_of`)."""

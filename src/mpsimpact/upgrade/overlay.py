@@ -111,8 +111,7 @@ class UvBuilder:
     versions, then installs (without dependencies) only the pins that differ from them, never torch."""
 
     def __init__(self, python: str = sys.executable, timeout: float = INSTALL_TIMEOUT_S) -> None:
-        self.python = python
-        self.timeout = timeout
+        self.python, self.timeout = python, timeout
 
     def __call__(self, version: str, target: Path) -> dict[str, Any]:
         installed = installed_distributions()

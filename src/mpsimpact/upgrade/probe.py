@@ -50,12 +50,6 @@ def op_path(plan: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def runs_attention(plan: Any) -> str:
-    """Which attention the traced forward ran: "sdpa" (an SDPA call), "eager" (bmm calls) or "none"."""
-    families = {call.family for call in plan.trace}
-    return "sdpa" if "sdpa" in families else "eager" if "bmm" in families else "none"
-
-
 def outcomes(plan: Any, batch: int, heads: int, profiles: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per torch profile (by the string the job names it with): the forward pass's outcome and the faulting
     calls, grouped."""
@@ -102,10 +96,11 @@ def probe_implementation(config: Any, model_class: Any, job: dict[str, Any], nam
             raise
         with mock.patch("torch.jit.is_tracing", return_value=True):
             plan, workaround = trace_meta(model, *size, mask="2-D ones", profile=resolved[None], **forward), True
+    families = {call.family for call in plan.trace}  # which attention the traced forward ran: SDPA, bmm or none
     return {
         "requested": requested or "default", "gets": model.config._attn_implementation,
-        "runs": runs_attention(plan), "calls": len(plan.calls), "meta_mask_workaround": workaround,
-        "op_path": op_path(plan),
+        "runs": "sdpa" if "sdpa" in families else "eager" if "bmm" in families else "none",
+        "calls": len(plan.calls), "meta_mask_workaround": workaround, "op_path": op_path(plan),
         "outcomes": outcomes(plan, job["batch_size"], config.num_attention_heads,
                              {ref: resolved[ref] for ref in job["profiles"]})}
 
@@ -135,7 +130,6 @@ def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: Any
 
     from mpsimpact.errors import NotEmulatedError, OversizedOpError
 
-    checks: dict[str, Any] = {}
     out, emu, _ = _emulated(model, ids, index_bits, profile, None)
     off = {"faulted_calls": [f"{r.describe()}: {r.fault.kind} ({r.fault.rule})" for r in emu.records]}
     if isinstance(out, NotEmulatedError):
@@ -146,20 +140,17 @@ def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: Any
         bad = ((out - plain).abs().amax(dim=(1, 2)) > TOLERANCE["atol"]).nonzero().flatten().tolist()
         off |= {"status": "corrupted" if bad else "clean", "first_corrupted_text": bad[0] if bad else None,
                 "corrupted_count": len(bad)}
-    checks["off"] = off
     out, _, active = _emulated(model, ids, index_bits, profile, "raise")
     stopped = isinstance(out, OversizedOpError)
     message = _first_line(out) if isinstance(out, BaseException) else ""
-    checks["raise"] = {"status": "stopped" if stopped else "completed", "message": message}
+    raised = {"status": "stopped" if stopped else "completed", "message": message}
     out, emu, active = _emulated(model, ids, index_bits, profile, "chunk")
     equal = not isinstance(out, BaseException) and torch.allclose(out, plain, **TOLERANCE)
-    checks["chunk"] = {
-        "status": "equal" if equal else "differs" if not isinstance(out, BaseException) else "error",
-        "chunked_calls": len(active.chunked) if active is not None else 0,
-        "emulator_records": len(emu.records) if emu else 0,
-        **({"message": _first_line(out)} if isinstance(out, BaseException) else {})}
-    checks["guard_ok"] = bool(off["faulted_calls"]) and stopped and equal
-    return checks
+    chunk = {"status": "equal" if equal else "differs" if not isinstance(out, BaseException) else "error",
+             "chunked_calls": len(active.chunked) if active is not None else 0,
+             "emulator_records": len(emu.records) if emu else 0,
+             **({"message": _first_line(out)} if isinstance(out, BaseException) else {})}
+    return {"off": off, "raise": raised, "chunk": chunk, "guard_ok": bool(off["faulted_calls"]) and stopped and equal}
 
 
 def emulated_runs(release: str, profile: Any) -> dict[str, Any]:
