@@ -128,3 +128,26 @@ def test_the_public_faces_take_a_profile_value_as_it_is_and_resolve_a_string_onc
     with guard("chunk", profile="2.14.0"):
         pass
     assert counted["resolve_profile"] == ["2.14.0"]
+
+
+def test_a_matrix_resolves_its_releases_once_and_its_probe_each_column_once(counted, tiny, tmp_path):
+    import transformers
+
+    from mpsimpact.upgrade import matrix, overlay, probe
+
+    cache = overlay.OverlayCache(tmp_path / "envs", lambda version, target: {"installed": [], "reused": {}})
+    before_probe = {}
+
+    def in_process(path, job):  # the probe's process, run here: its strings are resolved there once more
+        before_probe.update(job=job, resolved=list(counted["resolve_profile"]))
+        return probe.probe(job)
+
+    config = matrix.MatrixConfig("sentiment", (transformers.__version__,), model=str(tiny), batch_size=2,
+                                 max_length=16, torch_profile="2.14.0")
+    report = matrix.build_matrix(config, cache=cache, prober=in_process)
+    assert report["rows"][0]["status"] == "probed" and report["release"]["judged"] == "2.14.0"
+    assert before_probe["resolved"] == ["2.14.0"]  # the command: its --torch-profile, once
+    job = before_probe["job"]
+    in_probe = counted["resolve_profile"][1:]  # the probe: every column's release and the emulated one, once each
+    assert in_probe == list(dict.fromkeys([None, *job["profiles"], job["emulated_profile"]]))  # None: installed
+    assert job["profiles"] == [c["profile"] for c in report["columns"]]

@@ -12,7 +12,7 @@ from mpsimpact.cli import app
 from mpsimpact.engine.faults import TensorSpec, classify_bmm, classify_mm, classify_sdpa, sdpa_path
 from mpsimpact.engine.profile_file import ProfileFileError
 from mpsimpact.engine.release import (
-    MEASURED_RELEASES, installed_profile, load_profile, parse_version, profile_from_json, resolve_profile,
+    MEASURED_RELEASES, installed_profile, load_profile, parse_version, profile_for, profile_from_json, resolve_profile,
 )
 from mpsimpact.runs.family_cells import family_grid
 from mpsimpact.runs.profile_fit import derive_profile
@@ -303,9 +303,9 @@ def test_matrix_adds_a_column_for_the_profile_asked_for(tmp_path):
     from mpsimpact.upgrade.matrix import profile_columns
 
     path = written(tmp_path, derived("2.5.1", bits=20))
-    columns = profile_columns(str(path))
+    columns = profile_columns(load_profile(path))  # a command's resolved profiles, not strings
     assert columns[-1] == {"profile": str(path), "group": "2.5.1 (file)"}
-    assert profile_columns("2.13.0") == profile_columns() and len(columns) == len(profile_columns()) + 1
+    assert profile_columns(profile_for("2.13.0")) == profile_columns() and len(columns) == len(profile_columns()) + 1
 
 
 def test_compare_says_how_the_profile_changed_in_plain_words(tmp_path):

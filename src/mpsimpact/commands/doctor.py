@@ -27,17 +27,14 @@ def main() -> None:
 def doctor_rows(env: dict, release) -> list[list[str]]:
     """The environment in words a person reads: yes and no, sizes with their unit, and rows with nothing to say
     left out (report.json keeps every field as it is)."""
-    def yes(flag: bool) -> str:
-        return "yes" if flag else "no"
-
     profile = f"torch {env['fault_profile']}: " + (
         "measured (the study)" if env["fault_profile_source"] == "study" and env["fault_profile_measured"] else
         f"measured by a sweep on {env['fault_profile_measured_on']}" if env["fault_profile_measured_on"] else
         "nobody measured it (judged conservatively)")
     rows = [["mpsimpact", env["mpsimpact"]], ["python", env["python"]], ["torch", env["torch"]],
             ["transformers", env["transformers"]], ["machine", env["machine"]],
-            ["Apple GPU (MPS)", yes(env["mps_available"])],
-            ["NVIDIA GPU (CUDA)", env["cuda_device"] or yes(env["cuda_available"])],
+            ["Apple GPU (MPS)", "yes" if env["mps_available"] else "no"],
+            ["NVIDIA GPU (CUDA)", env["cuda_device"] or ("yes" if env["cuda_available"] else "no")],
             ["host memory", f"{env['host_memory_gib']} GiB ({env['host_memory_available_gib']} GiB free)"]]
     if "mps_recommended_max_memory_gib" in env:
         rows.append(["Metal lends a process", f"{env['mps_recommended_max_memory_gib']} GiB"])

@@ -25,9 +25,9 @@ def main(
 ) -> None:
     """Per transformers release: its attention, what reaches MPS, whether the guard holds (exit 1 if not)."""
     from mpsimpact.output.files import claimed_out_dir
-    from mpsimpact.upgrade.matrix import split_versions
 
-    releases = None if transformers is None else split_versions(transformers)
+    # "4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name
+    releases = None if transformers is None else tuple(part.strip() for part in transformers.split(","))
     matrix_config = options.config_from(  # validated before anything heavy is imported
         config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
         max_length=max_length, out=out, offline=offline, torch_profile=torch_profile,

@@ -83,18 +83,14 @@ def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) 
     footnotes = Footnotes()
     console = Console()
     geometry = report["geometry"]
-    style = "bold yellow" if geometry["emulated"] else "bold green"
     console.print(kind.headline(report, plain=not verbose), style="bold", markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
-    console.print(geometry["mode"], style=style, markup=False)
-    console.print(kind.console_table(report, footnotes, verbose))
-    for line in kind.guard_lines(report):
+    console.print(geometry["mode"], style="bold yellow" if geometry["emulated"] else "bold green", markup=False)
+    console.print(kind.console_table(report, footnotes, verbose))  # fills the footnotes
+    notes = [f"note: {note}" for note in report["notes"][1:]]
+    for line in [*kind.guard_lines(report), *footnotes.lines(), *kind.console_lines(report, verbose), *notes]:
         console.print(line, markup=False)
-    for line in [*footnotes.lines(), *kind.console_lines(report, verbose)]:
-        console.print(line, markup=False)
-    for note in report["notes"][1:]:
-        console.print(f"note: {note}", markup=False)
     console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})", markup=False)
 
 

@@ -17,9 +17,6 @@ class Console(RichConsole):
     def print(self, *objects: Any, **kwargs: Any) -> None:  # noqa: A003 - rich's name
         text = objects[0] if len(objects) == 1 and isinstance(objects[0], str) else ""
         if "`" in text and not kwargs.get("soft_wrap") and ("[" not in text or kwargs.get("markup") is False):
-            objects = (self._kept_whole(text),)
+            objects = ("\n".join(wrapped(line, self.width) for line in text.split("\n")),)
             kwargs["soft_wrap"] = True
         super().print(*objects, **kwargs)
-
-    def _kept_whole(self, text: str) -> str:
-        return "\n".join(wrapped(line, self.width) for line in text.split("\n"))

@@ -163,20 +163,6 @@ def check_out_file(path: str | Path, flag: str) -> Path:
     return file
 
 
-def check_out_dir(folder: Path, flag: str = "--out", needed: int = MIN_FREE_BYTES) -> None:
-    """Raises UsageError unless `folder` can be created (or is an empty folder) and written, with `needed`
-    bytes free on its disk: checked before any work, so a run never computes for a folder it cannot write."""
-    refuse_folder_name(folder, flag)
-    if folder.is_dir() and not folder.is_symlink():
-        entries = os.listdir(folder)
-        if CLAIM_MARKER in entries:
-            _refuse_live_claim(folder, flag)
-        if any(name != CLAIM_MARKER for name in entries):
-            raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another {flag}.",
-                             option=flag)
-    check_writable_folder(folder, flag, needed)
-
-
 def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES) -> None:
     """Raises UsageError unless `folder` is a folder we can write in, or one we can create (its nearest
     existing parent is a writable folder; not a symbolic link), on a disk with `needed` bytes free. Creates
@@ -233,13 +219,22 @@ def default_out_dir(default_prefix: str) -> Path:
 
 
 def fresh_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_BYTES) -> Path:
-    """The report folder, `out` or outputs/<prefix>-<timestamp>/, checked (see `check_out_dir`; `needed`: the
-    bytes the command writes there, at most) but not claimed: creates nothing. Commands call
+    """The report folder, `out` or outputs/<prefix>-<timestamp>/, checked but not claimed (creates nothing): it
+    can be created (or is an empty folder) and written, with `needed` bytes (at most what the command writes
+    there) free on its disk, so a run never computes for a folder it cannot write. Commands call
     `claimed_out_dir` instead, which also claims it."""
     if out is not None and not str(out).strip():
         raise UsageError("--out must name a folder, got ''.", option="--out")
     folder = Path(out) if out else default_out_dir(default_prefix)
-    check_out_dir(folder, needed=needed)
+    refuse_folder_name(folder, "--out")
+    if folder.is_dir() and not folder.is_symlink():
+        entries = os.listdir(folder)
+        if CLAIM_MARKER in entries:
+            _refuse_live_claim(folder, "--out")
+        if any(name != CLAIM_MARKER for name in entries):
+            raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.",
+                             option="--out")
+    check_writable_folder(folder, "--out", needed)
     return folder
 
 
@@ -313,13 +308,11 @@ def _make_or_adopt(folder: Path) -> bool:
     if not folder.is_dir():
         raise UsageError(f"--out '{folder}' is a file, not a folder; pass another --out.", option="--out")
     entries = set(os.listdir(folder))
-    stale = False
-    if CLAIM_MARKER in entries:
+    stale = CLAIM_MARKER in entries
+    if stale:
         _refuse_live_claim(folder, "--out")
         (folder / CLAIM_MARKER).unlink(missing_ok=True)  # left by a killed process
-        entries.discard(CLAIM_MARKER)
-        stale = True
-    if entries:
+    if entries - {CLAIM_MARKER}:
         raise UsageError(f"Output folder '{folder}' already exists and is not empty; pass another --out.",
                          option="--out")
     return stale
@@ -420,8 +413,7 @@ def folder_written_atomically(out: Path) -> Iterator[Path]:
     try:
         yield partial
         with _locked_folder(out.parent):
-            claim = _CLAIMS.get(key)
-            if claim is not None:
+            if key in _CLAIMS:
                 (out / CLAIM_MARKER).unlink(missing_ok=True)
             if out.is_dir() and os.listdir(out):
                 raise UsageError(f"Output folder '{out}' was written by another process while this one ran; "

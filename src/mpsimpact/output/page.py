@@ -200,7 +200,4 @@ class FittedTable:
         yield from lines
 
 
-def fitted_table(title: str, header: list[str] | tuple[str, ...], rows: list[list[Any]], *,
-                 justify: str = "left", show_lines: bool = False) -> FittedTable:
-    """A console table that fits the terminal's (or a log's) width without breaking a word (FittedTable)."""
-    return FittedTable(title, header, rows, justify=justify, show_lines=show_lines)
+fitted_table = FittedTable  # the name the reports make their console tables by

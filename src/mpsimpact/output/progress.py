@@ -45,14 +45,10 @@ def log_steps(say: Callable[..., Any], clock: Callable[[], float] = time.perf_co
         def advance(n: int) -> None:
             before, done[0] = done[0], done[0] + n
             if any(before < mark <= done[0] for mark in marks):
-                say(f"{description}: {done[0]:,}/{total:,} ({_time_said(clock() - start, done[0], total)})")
+                elapsed, left = clock() - start, total - done[0]
+                pace = f", about {elapsed / max(done[0], 1) * left:.0f} s left" if left > 0 else ""
+                say(f"{description}: {done[0]:,}/{total:,} ({elapsed:.0f} s{pace})")
 
         return advance
 
     return make
-
-
-def _time_said(elapsed: float, done: int, total: int) -> str:
-    if done >= total:
-        return f"{elapsed:.0f} s"
-    return f"{elapsed:.0f} s, about {elapsed / max(done, 1) * (total - done):.0f} s left"

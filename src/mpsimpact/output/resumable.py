@@ -61,11 +61,7 @@ class ResumableFolder:
         except OSError:
             _remove_link(self.log, f"the log of finished items ({log})")
             data = None
-        try:
-            text = (data or b"").decode("utf-8")
-        except UnicodeDecodeError:
-            text = (data or b"").decode("utf-8", "replace")  # a garbled line fails to parse and is dropped
-        lines = text.splitlines(keepends=True)
+        lines = (data or b"").decode("utf-8", "replace").splitlines(keepends=True)  # a garbled line: dropped below
         self.items: list[Any] = []
         for line in lines:
             with contextlib.suppress(ValueError):  # a line a kill cut short (or garbled) is dropped

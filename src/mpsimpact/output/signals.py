@@ -25,16 +25,9 @@ class TerminatedBySignal(BaseException):
         self.name = signal.Signals(signum).name
         super().__init__(f"stopped by {self.name}")
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-CLEAN_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
 
 @contextlib.contextmanager
-def exit_cleanly_on_signals(signals: tuple[int, ...] = CLEAN_EXIT_SIGNALS) -> Iterator[None]:
+def exit_cleanly_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
     """Handles SIGTERM and SIGHUP (kill, CI timeouts, schedulers, a closed terminal) like Ctrl-C: the
     signal raises `TerminatedBySignal` in the main thread, partial folders, claims and temporary cache
     files are removed on the way out, a child process run with `subprocess.run` is killed by it, and
@@ -58,7 +51,7 @@ def exit_cleanly_on_signals(signals: tuple[int, ...] = CLEAN_EXIT_SIGNALS) -> It
     except TerminatedBySignal as stop:
         unclaim_all_out_dirs()
         print(f"stopped by {stop.name}; partial output removed.", file=sys.stderr, flush=True)
-        raise SystemExit(stop.exit_code) from None
+        raise SystemExit(128 + stop.signum) from None
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, cell_name, fitted_table
 from mpsimpact.config import DEFAULT_ATTENTION
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, cell_name, fitted_table, html_table, markdown_table
 from mpsimpact.output.page import format_cell as _show
+
 
 def _old_new(old: Any, new: Any) -> str:
     """'x' when unchanged, 'old -> new' otherwise."""
@@ -60,9 +61,7 @@ def result_line(comparison: Any) -> str:
 
 def _side(comparison: Any, index: int) -> str:
     """'old: /path: EMULATED MPS (torch 2.13.0) on cpu ...' (the mode says emulated or real)."""
-    name = ("old", "new")[index]
-    path = (comparison.old, comparison.new)[index]
-    return f"{name}: {path}: {comparison.modes[index]}"
+    return f"{('old', 'new')[index]}: {(comparison.old, comparison.new)[index]}: {comparison.modes[index]}"
 
 
 def render_markdown(comparison: Any) -> str:
@@ -71,28 +70,18 @@ def render_markdown(comparison: Any) -> str:
     lines += ["## Verdicts", "", *(f"- **{_tag(v)}**: {v.text}" for v in comparison.verdicts)]
     lines += ["", result_line(comparison), ""]
     for title, header, rows in tables(comparison):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-        lines.append("")
+        lines += [f"## {title}", "", *markdown_table(header, rows), ""]
     return "\n".join(lines)
 
 
 def render_html(comparison: Any) -> str:
     """compare.html: self-contained (inline CSS), with an emulated/real banner for each side."""
     esc = html.escape
-    banners = "".join(
-        f'<p class="banner" style="background:{BANNER_COLOURS[comparison.emulated[i]]}">{esc(_side(comparison, i))}</p>'
-        for i in (0, 1)
-    )
-    verdicts = "".join(
-        f'<li><span class="{_tag(v)}">{_tag(v)}</span> {esc(v.text)}</li>' for v in comparison.verdicts
-    )
-    sections = "".join(
-        f"<h2>{esc(title)}</h2><table><tr>{''.join(f'<th>{esc(h)}</th>' for h in header)}</tr>"
-        + "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in rows)
-        + "</table>"
-        for title, header, rows in tables(comparison)
-    )
+    banners = "".join(f'<p class="banner" style="background:{BANNER_COLOURS[comparison.emulated[i]]}">'
+                      f"{esc(_side(comparison, i))}</p>" for i in (0, 1))
+    verdicts = "".join(f'<li><span class="{_tag(v)}">{_tag(v)}</span> {esc(v.text)}</li>' for v in comparison.verdicts)
+    sections = "".join(f"<h2>{esc(title)}</h2>{html_table(header, rows)}"
+                       for title, header, rows in tables(comparison))
     title = f"mpsimpact compare: {esc(comparison.kind)}s"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>{HTML_STYLE}
@@ -109,8 +98,7 @@ def write_comparison_folder(out: Path, comparison: Any) -> Path:
     """Writes compare.md, compare.html and compare.json into a hidden partial folder, then renames
     it to `out`: an interrupted write leaves no complete-looking folder."""
     with folder_written_atomically(out) as partial:
-        data = json.dumps(comparison.to_json(), indent=2, default=str)
-        atomic_write_text(partial / "compare.json", data + "\n")
+        atomic_write_text(partial / "compare.json", json.dumps(comparison.to_json(), indent=2, default=str) + "\n")
         atomic_write_text(partial / "compare.md", render_markdown(comparison))
         atomic_write_text(partial / "compare.html", render_html(comparison))
     return Path(out)

@@ -260,9 +260,8 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
         console.print(line, markup=False)
     for title, header, rows in tables(report):
         console.print(fitted_table(title, header, rows, show_lines=True))
-    for note in notes(report):
-        console.print(f"note: {note}", markup=False)
-    console.print(result_line(report), markup=False)
+    for line in [*(f"note: {note}" for note in notes(report)), result_line(report)]:
+        console.print(line, markup=False)
     if folder is not None:
         console.print(f"Written to {folder}/ ({', '.join(FILES)})", markup=False)
 

@@ -102,11 +102,9 @@ def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], ve
     footnotes = Footnotes()
     title = (f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens "
              "(from shapes alone)")
-    console.print(console_table(rows, title, footnotes, verbose))
-    for line in footnotes.lines():
+    console.print(console_table(rows, title, footnotes, verbose))  # fills the footnotes
+    for line in [*footnotes.lines(), *(f"note: {note}" for note in sorted({r["note"] for r in rows if r["note"]}))]:
         console.print(line, markup=False)
-    for note in sorted({r["note"] for r in rows if r["note"]}):
-        console.print(f"note: {note}", markup=False)
 
 
 def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:

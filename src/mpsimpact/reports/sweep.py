@@ -61,9 +61,9 @@ class SweepConsole:
         """sweep.jsonl and families.jsonl (in grid order), profile.json, outcome_map.png and summary.json."""
         for name, items in zip(("sweep.jsonl", "families.jsonl"), rows_and_families):
             atomic_write_text(folder / name, "".join(json.dumps(r) + "\n" for r in items))
-        _write_json(folder / "profile.json", derived)
+        atomic_write_text(folder / "profile.json", json.dumps(derived, indent=2) + "\n")
         atomic_write_bytes(folder / "outcome_map.png", figure)
-        _write_json(folder / "summary.json", summary)
+        atomic_write_text(folder / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def summary(self, summary: dict[str, Any], out: Path, cached: Path) -> None:
         """The tables by observed class and by layout, the family cells, the files and the profile."""
@@ -80,10 +80,6 @@ class SweepConsole:
         print_families(self.console, summary["families"])
         self.console.print(f"Written to {out}/ ({', '.join(FILES)})")
         print_profile(self.console, summary["derived_profile"], out, cached)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def _resume_hint(config: SweepConfig, out: Path) -> str:

@@ -10,10 +10,9 @@ from typing import Any
 
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
-from mpsimpact.output.page import without_rule_names
+from mpsimpact.output.page import cell_name, without_rule_names
 from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind, stopped_in
 from mpsimpact.runs.kinds import kind_of
-from mpsimpact.output.page import cell_name
 from mpsimpact.runs.sweep import NOT_RUN
 from mpsimpact.config import DEFAULT_ATTENTION
 from mpsimpact.upgrade.folders import RunFolder, SweepFolder, load_folder
@@ -114,15 +113,12 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
 def _environment_rows(before, after) -> list[dict[str, Any]]:
     """Field, old value, new value; rows absent on both sides are left out."""
     old_env, new_env = before.environment(), after.environment()
-    rows = [{"field": "emulated or real", "old": _realness(before), "new": _realness(after)}]
+    old, new = ("emulated" if side.emulated else "real" for side in (before, after))
+    rows = [{"field": "emulated or real", "old": old, "new": new}]
     for field in [*old_env, *(f for f in new_env if f not in old_env)]:
         if old_env.get(field) is not None or new_env.get(field) is not None:
             rows.append({"field": field, "old": old_env.get(field), "new": new_env.get(field)})
     return rows
-
-
-def _realness(folder) -> str:
-    return "emulated" if folder.emulated else "real"
 
 
 def _differing_geometry(before, after) -> list[str]:
@@ -175,27 +171,21 @@ def _outcome(condition: dict[str, Any], positions: frozenset[int] | None, kind: 
     status, where = condition.get("status"), stopped_in(condition)
     count, wrong = condition.get("corrupted_count") or 0, condition.get("wrong_values_before_stop") or 0
     first, parts = condition.get("first_corrupted_index"), kind.corrupted_parts(condition)
-    if status == "completed":
+    if status == "completed":  # "corrupts 683 texts, first at position 1365" (and gradient tensors in training)
         state = "corrupted" if parts else "clean"
-        detail = "is clean" if state == "clean" else _corrupts(parts, first)
+        at = f", first at position {first}" if first is not None else ""
+        detail = "corrupts " + " and ".join(parts) + at if parts else "is clean"
     elif status == "stopped_by_guard":
         when = f"after {wrong} wrong values" if wrong else "before any wrong value"
         state, detail = "stopped", f"stops{where} {when}"
-    elif status == "error" and stop_kind(condition) == "abort":
-        after = f" after corrupting {count} texts" if count else ""
-        state, detail = "abort", f"dies (the process aborts){where}{after}"
     elif status == "error":
-        after = f" after corrupting {count} texts" if count else ""
-        state, detail = "error", f"fails with an error{where}{after}"
+        state = "abort" if stop_kind(condition) == "abort" else "error"
+        dies = "dies (the process aborts)" if state == "abort" else "fails with an error"
+        detail = f"{dies}{where}" + (f" after corrupting {count} texts" if count else "")
     else:
         state, detail = str(status), f"was not run ({status})"
     exact = positions if state == "corrupted" else None
     return _Outcome(state, detail, count, first, exact, wrong, (state, count, first, tuple(parts), where, wrong))
-
-
-def _corrupts(parts: list[str], first: int | None) -> str:
-    """'corrupts 683 texts, first at position 1365' (and gradient tensors in training)."""
-    return "corrupts " + " and ".join(parts) + (f", first at position {first}" if first is not None else "")
 
 
 def _compare_runs(old: RunFolder, new: RunFolder) -> dict[str, Any]:
@@ -269,30 +259,19 @@ def _bug_verdict(key: tuple[str, str], old: _Outcome, new: _Outcome) -> Verdict:
     if old.state == "clean":
         return Verdict(f"new failure: {_label(key)} now {new.detail}", True)
     if old.state != new.state:
-        return Verdict(f"{prefix}bug still present, but different ({_before_now(old, new)})", True)
-    if old.positions is not None and new.positions is not None:
-        return _same_texts_verdict(prefix, old.positions, new.positions)
+        return Verdict(f"{prefix}bug still present, but different (before: {old.detail}; now: {new.detail})", True)
+    if old.positions is not None and new.positions is not None:  # two exact corrupted sets
+        before, now = old.positions, new.positions
+        if before == now:
+            return Verdict(f"{prefix}bug still present (same {len(now)} texts)", False)
+        return Verdict(f"{prefix}bug still present, different texts ({len(before)} -> {len(now)} corrupted: "
+                       f"{len(now - before)} newly, {len(before - now)} no longer; first at position "
+                       f"{min(before, default=None)} -> {min(now, default=None)})", True)
     if old.signature == new.signature:
-        if new.state == "corrupted":
-            same = (f"same count: {new.count} texts, first at position {new.first}; no samples to compare "
-                    "texts")
-        else:
-            same = f"{_label(key)} {new.detail} in both runs"
+        same = (f"same count: {new.count} texts, first at position {new.first}; no samples to compare texts"
+                if new.state == "corrupted" else f"{_label(key)} {new.detail} in both runs")
         return Verdict(f"{prefix}bug still present ({same})", False)
-    return Verdict(f"{prefix}bug still present, different texts ({_before_now(old, new)})", True)
-
-
-def _before_now(old: _Outcome, new: _Outcome) -> str:
-    return f"before: {old.detail}; now: {new.detail}"
-
-
-def _same_texts_verdict(prefix: str, old: frozenset[int], new: frozenset[int]) -> Verdict:
-    """Compares two exact corrupted sets."""
-    if old == new:
-        return Verdict(f"{prefix}bug still present (same {len(new)} texts)", False)
-    return Verdict(f"{prefix}bug still present, different texts ({len(old)} -> {len(new)} corrupted: "
-                   f"{len(new - old)} newly, {len(old - new)} no longer; first at position "
-                   f"{min(old, default=None)} -> {min(new, default=None)})", True)
+    return Verdict(f"{prefix}bug still present, different texts (before: {old.detail}; now: {new.detail})", True)
 
 
 def _stops_in_time(outcome: _Outcome) -> bool:
@@ -364,8 +343,7 @@ def _profile_verdicts(old: SweepFolder, new: SweepFolder) -> list[Verdict]:
     before, after = old.profile(), new.profile()
     if before is None or after is None:
         return []
-    text, changed = describe_change(before, after)
-    return [Verdict(text, changed)]
+    return [Verdict(*describe_change(before, after))]  # (text, changed)
 
 
 def _faulted(sweep: SweepFolder, leave_out: set[tuple] = frozenset()) -> int:

@@ -70,9 +70,8 @@ def _read_text(path: Path) -> str:
 def _read_jsonl(path: Path, allow_nan: bool = False) -> list[dict[str, Any]]:
     """One parsed object per non-empty line (bounded as `_read_json`), or a UsageError naming the file and
     line."""
-    lines = _read_text(path).splitlines()
     rows = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         try:
             if line.strip():
                 rows.append(parse_json(line, allow_nan=allow_nan))
@@ -89,10 +88,6 @@ def _damaged(path: Path, problem: str) -> UsageError:
 def _is_count(value: Any, below: int | None = None) -> bool:
     """A whole number >= 0 (not a bool), below `below` when given."""
     return type(value) is int and value >= 0 and (below is None or value < below)
-
-
-def _is_fraction(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value) and 0 <= value <= 1
 
 
 def _check_schema(path: Path, data: dict[str, Any], default: int | None) -> int:
@@ -216,7 +211,7 @@ def _condition_problem(condition: dict[str, Any], batch: int, kind: RunKind) -> 
         return f"first_corrupted_index is {json.dumps(first)[:40]}, not a position below {batch}"
     for name in kind.fractions:
         value = condition.get(name)
-        if value is not None and not _is_fraction(value):
+        if value is not None and not (type(value) in (int, float) and math.isfinite(value) and 0 <= value <= 1):
             return f"{name} is {json.dumps(value)[:40]}, not a number between 0 and 1"
     if condition.get("status") == "completed" and (condition.get("corrupted_count") or 0) and first is None:
         return "it corrupted texts but has no first corrupted position"

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.config import ATTENTIONS, EMBEDDED_MODEL, NEWER
-from mpsimpact.engine.release import judge_release
+from mpsimpact.config import ATTENTIONS, BATCH_SIZE, EMBEDDED_MODEL, MAX_LENGTH, NEWER, TORCH_PROFILE
+from mpsimpact.config import Check, Validated, option
+from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
-from mpsimpact.config import BATCH_SIZE, MAX_LENGTH, TORCH_PROFILE, Check, option, validate
 from mpsimpact.upgrade.overlay import OverlayCache, OverlayError, probe_environment
 from mpsimpact.variables import is_offline
 
@@ -47,8 +47,8 @@ TRANSFORMERS = Check("--transformers", parse=_parse_versions,
 
 
 @dataclasses.dataclass(frozen=True)
-class MatrixConfig:
-    """What `mpsimpact matrix` was asked; embedded in matrix.json."""
+class MatrixConfig(Validated):
+    """What `mpsimpact matrix` was asked; embedded in matrix.json (`validate()`: every field's Check)."""
 
     scenario: str
     transformers: tuple[str, ...] = option(DEFAULT_VERSIONS, TRANSFORMERS)
@@ -59,33 +59,23 @@ class MatrixConfig:
     offline: bool = False
     torch_profile: str | None = option(None, TORCH_PROFILE)
 
-    def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is built."""
-        validate(self)
 
-
-def split_versions(text: str) -> tuple[str, ...]:
-    """"4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name."""
-    return tuple(part.strip() for part in text.split(","))
-
-
-def profile_columns(*profiles: str) -> list[dict[str, str]]:
+def profile_columns(*profiles: FaultProfile) -> list[dict[str, str]]:
     """One torch profile per release group, oldest first, the conservative one for newer releases, and each
-    of `profiles` (a release or a profile.json, as --torch-profile takes: its FaultProfile.ref) unless one of
-    those; a column of one of `profiles` says which ("judged", "installed")."""
-    from mpsimpact.engine.release import CONSERVATIVE, STUDY, group_representatives, resolve_profile
+    of `profiles` (resolved once, by the command) unless one of those, in its own column (`column_of`)."""
+    from mpsimpact.engine.release import CONSERVATIVE, group_representatives
 
     columns = [{"profile": p.release, "group": p.group} for p in group_representatives()]
     columns.append({"profile": CONSERVATIVE, "group": NEWER})
-    for asked in map(resolve_profile, profiles):
-        group = asked.group if asked.source == STUDY else f"{asked.release} (file)"
+    for asked in profiles:
         if asked.ref not in {c["profile"] for c in columns}:
-            columns.append({"profile": asked.ref, "group": group})
+            columns.append({"profile": asked.ref, "group": column_of(asked)})
     return columns
 
 
-def probe_job(config: MatrixConfig) -> dict[str, Any]:
-    """What every environment's probe is asked: the model's config source, task and geometry."""
+def probe_job(config: MatrixConfig, release: JudgedRelease | None = None) -> dict[str, Any]:
+    """What every environment's probe is asked: the model's config source, task and geometry, and the profiles
+    of the matrix's columns, as strings (`release`: the command's judged release; None: judged here)."""
     from mpsimpact.models.classifier import embedded_model_path
     from mpsimpact.prediction.meta_model import usable_positions
     from mpsimpact.runs.scenario import get_scenario
@@ -96,11 +86,12 @@ def probe_job(config: MatrixConfig) -> dict[str, Any]:
     model_config = scenario_cls(model=config.model).load_config()  # fails early on a bad --model
     if length > usable_positions(model_config):
         raise UsageError(f"--max-length {length} exceeds the model's {usable_positions(model_config)} positions.")
+    release = release or judge_release(config.torch_profile)
     return {
         "model": config.model or str(embedded_model_path()),
         "task": "sequence-classification" if config.model else "base",
         "batch_size": batch, "max_length": length,
-        "profiles": [c["profile"] for c in profile_columns(*released(config))],
+        "profiles": [c["profile"] for c in profile_columns(release.profile, release.installed)],
         "emulated_profile": EMULATED_PROFILE,
     }
 
@@ -114,12 +105,12 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
     started = time.perf_counter()
     cache = cache or OverlayCache()
     cache.check_root()
-    job = probe_job(config)
+    release = judge_release(config.torch_profile)  # once, here: the columns, the job and the sentence take it
+    job = probe_job(config, release)
     offline = config.offline or is_offline()  # the package index (HF_HUB_OFFLINE is about models)
     progress = progress or (lambda *_: None)
     rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
     compare_op_paths(rows)
-    release = judge_release(config.torch_profile)
     return {
         "release": release.to_json() | {"on_a_mac": None if release.is_installed else (
             f"On a Mac, the installed torch {release.installed.label}: its column ({column_of(release.installed)}) "
@@ -129,19 +120,14 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
         "config": dataclasses.asdict(config) | {"batch_size": job["batch_size"], "max_length": job["max_length"]},
         "model": config.model or EMBEDDED_MODEL, "job": job, "offline": offline, "cache": str(cache.root),
         "emulated": {"profile": EMULATED_PROFILE, **TINY_RUN},
-        "environment": collect_environment(), "columns": profile_columns(*released(config)), "rows": rows,
+        "environment": collect_environment(), "columns": profile_columns(release.profile, release.installed),
+        "rows": rows,
         "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
 
-def released(config: MatrixConfig) -> tuple[str, str]:
-    """The releases the matrix must show beside the groups': the one judged and the installed one."""
-    release = judge_release(config.torch_profile)
-    return release.profile.ref, release.installed.ref
-
-
-def column_of(profile: Any) -> str:
+def column_of(profile: FaultProfile) -> str:
     """The matrix column (release group) a profile falls in."""
     from mpsimpact.engine.release import STUDY
 
@@ -218,25 +204,17 @@ def findings(result: dict[str, Any]) -> dict[str, Any]:
 
 def cells(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """{attention: {profile: {outcome, message, first_corrupted_text}}} for the heatmap and tables."""
-    table = {}
-    for name in ATTENTIONS:
-        impl = result["implementations"][name]
-        if "error" in impl:
-            table[name] = {}
-            continue
-        keep = ("outcome", "message", "first_corrupted_text")
-        table[name] = {profile: {k: o[k] for k in keep} for profile, o in impl["outcomes"].items()}
-    return table
+    keep = ("outcome", "message", "first_corrupted_text")
+    return {name: {profile: {k: o[k] for k in keep}  # none where the implementation failed (its "error")
+                   for profile, o in result["implementations"][name].get("outcomes", {}).items()}
+            for name in ATTENTIONS}
 
 
 def compare_op_paths(rows: list[dict[str, Any]]) -> None:
     """Marks, per attention implementation, whether a release's attention calls equal the first probed
     release's (the layouts that reach MPS are what changes the faults)."""
     probed = [r for r in rows if r["status"] == "probed"]
-    if not probed:
-        return
-    first = probed[0]
     for row in probed:
-        ops, base = row["findings"]["attention_ops"], first["findings"]["attention_ops"]
-        row["findings"]["same_ops_as"] = {name: first["transformers"] if ops[name] == base[name] else None
+        ops, base = row["findings"]["attention_ops"], probed[0]["findings"]["attention_ops"]
+        row["findings"]["same_ops_as"] = {name: probed[0]["transformers"] if ops[name] == base[name] else None
                                           for name in ops}

@@ -111,8 +111,7 @@ class UvBuilder:
     versions, then installs (without dependencies) only the pins that differ from them, never torch."""
 
     def __init__(self, python: str = sys.executable, timeout: float = INSTALL_TIMEOUT_S) -> None:
-        self.python = python
-        self.timeout = timeout
+        self.python, self.timeout = python, timeout
 
     def __call__(self, version: str, target: Path) -> dict[str, Any]:
         installed = installed_distributions()
@@ -217,19 +216,18 @@ class OverlayCache:
         with self._locked(version, fcntl.LOCK_SH, offline) as lock:
             marker = self.read_marker(version)
             stale = stale_reason(marker, installed_distributions()) if marker is not None else None
-            if marker is not None and stale is None:
-                yield Overlay(version, self.path_for(version), True, round(time.perf_counter() - started, 2), marker)
-                return
-            if offline:
+            cached = marker is not None and stale is None
+            if not cached and offline:
                 why = f"stale ({stale})" if stale else "not in the cache"
                 raise OverlayError(f"transformers {version}: {why} at {self.path_for(version)}; run once with the "
                                    "package index reachable (without --offline)", version=version, stage="missing")
-            self._relock(lock, version, fcntl.LOCK_EX)
-            marker = self.read_marker(version)  # another process may have built it while we waited
-            cached = marker is not None and stale_reason(marker, installed_distributions()) is None
             if not cached:
-                marker = self._build(version)
-            self._relock(lock, version, fcntl.LOCK_SH)
+                self._relock(lock, version, fcntl.LOCK_EX)
+                marker = self.read_marker(version)  # another process may have built it while we waited
+                cached = marker is not None and stale_reason(marker, installed_distributions()) is None
+                if not cached:
+                    marker = self._build(version)
+                self._relock(lock, version, fcntl.LOCK_SH)
             yield Overlay(version, self.path_for(version), cached, round(time.perf_counter() - started, 2), marker)
 
     @contextlib.contextmanager
@@ -256,26 +254,23 @@ class OverlayCache:
             return
         if how == fcntl.LOCK_EX:
             fcntl.flock(fd, fcntl.LOCK_UN)  # an upgrade is never atomic: say so, so two upgraders cannot deadlock
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        what = "building or using" if how == fcntl.LOCK_EX else "building"
-        warn(f"transformers {version}: waiting for another mpsimpact process {what} {self.path_for(version)} "
-             f"(up to {self.lock_timeout:.0f} s).")
-        deadline = time.monotonic() + self.lock_timeout
+        deadline = None
         while True:
-            time.sleep(min(0.2, max(self.lock_timeout, 0.01)))
             try:
                 fcntl.flock(fd, how | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                if deadline is None:  # the first try: one line saying whom it waits for
+                    what = "building or using" if how == fcntl.LOCK_EX else "building"
+                    warn(f"transformers {version}: waiting for another mpsimpact process {what} "
+                         f"{self.path_for(version)} (up to {self.lock_timeout:.0f} s).")
+                    deadline = time.monotonic() + self.lock_timeout
+                elif time.monotonic() > deadline:
                     raise OverlayError(f"transformers {version}: another mpsimpact process held "
                                        f"{self.lock_path(version)} for more than {self.lock_timeout:.0f} s; "
                                        "try again when it has finished",
                                        version=version, stage="locked") from None
+            time.sleep(min(0.2, max(self.lock_timeout, 0.01)))
 
     def _build(self, version: str) -> dict[str, Any]:
         """Builds into a hidden partial folder, writes the marker last, then renames it into place (under
@@ -309,18 +304,14 @@ class OverlayCache:
         return marker
 
 
-def package_parent() -> Path:
-    """The folder holding the running mpsimpact package (src/ in a checkout, site-packages installed)."""
-    return Path(__file__).resolve().parents[2]
-
-
 def probe_environment(overlay: Path, job: dict[str, Any], timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """Runs `python -m mpsimpact.upgrade.probe` with `overlay` first on PYTHONPATH; its JSON result.
 
     Raises:
         OverlayError: the probe crashed, timed out or reported an error (its first line).
     """
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(overlay), str(package_parent())]), "PYTHONNOUSERSITE": "1",
+    package_parent = Path(__file__).resolve().parents[2]  # the running mpsimpact's: src/ or site-packages
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(overlay), str(package_parent)]), "PYTHONNOUSERSITE": "1",
                         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
         # -P: the working folder is not put on sys.path, so nothing there shadows the overlay.

@@ -50,23 +50,18 @@ def op_path(plan: Any) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
-def runs_attention(plan: Any) -> str:
-    """Which attention the traced forward ran: "sdpa" (an SDPA call), "eager" (bmm calls) or "none"."""
-    families = {call.family for call in plan.trace}
-    return "sdpa" if "sdpa" in families else "eager" if "bmm" in families else "none"
-
-
-def outcomes(plan: Any, batch: int, heads: int, profiles: list[str]) -> dict[str, dict[str, Any]]:
-    """Per torch profile: the forward pass's outcome and the faulting calls, grouped."""
+def outcomes(plan: Any, batch: int, heads: int, profiles: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per torch profile (by the string the job names it with): the forward pass's outcome and the faulting
+    calls, grouped."""
     from mpsimpact.prediction.outcome import predict
 
     result = {}
-    for profile in profiles:
+    for ref, profile in profiles.items():
         decided = plan.under(profile)
         forward = predict(decided, batch, heads, "forward")
         faults = Counter((c.op, re.sub(r"\.\d+(\.|$)", r".*\1", c.module), c.fault.kind, c.fault.rule)
                          for c in decided.faults)
-        result[profile] = {
+        result[ref] = {
             "outcome": forward.outcome, "message": forward.describe(),
             "first_corrupted_text": forward.first_corrupted_text,
             "first_corrupted_head": forward.first_corrupted_head,
@@ -75,7 +70,8 @@ def outcomes(plan: Any, batch: int, heads: int, profiles: list[str]) -> dict[str
     return result
 
 
-def probe_implementation(config: Any, model_class: Any, job: dict[str, Any], name: str) -> dict[str, Any]:
+def probe_implementation(config: Any, model_class: Any, job: dict[str, Any], name: str,
+                         resolved: dict[str, Any]) -> dict[str, Any]:
     """One attention implementation: what the model gets, its op path and outcomes per profile.
 
     transformers' mask helpers skip the mask when all of it is ones, which reads values that meta
@@ -94,20 +90,22 @@ def probe_implementation(config: Any, model_class: Any, job: dict[str, Any], nam
     size = job["batch_size"], job["max_length"]
     forward = {"output_attentions": True} if requested is None else {}
     try:
-        plan, workaround = trace_meta(model, *size, mask="2-D ones", **forward), False
+        plan, workaround = trace_meta(model, *size, mask="2-D ones", profile=resolved[None], **forward), False
     except RuntimeError as error:
         if "meta tensors" not in str(error):
             raise
         with mock.patch("torch.jit.is_tracing", return_value=True):
-            plan, workaround = trace_meta(model, *size, mask="2-D ones", **forward), True
+            plan, workaround = trace_meta(model, *size, mask="2-D ones", profile=resolved[None], **forward), True
+    families = {call.family for call in plan.trace}  # which attention the traced forward ran: SDPA, bmm or none
     return {
         "requested": requested or "default", "gets": model.config._attn_implementation,
-        "runs": runs_attention(plan), "calls": len(plan.calls), "meta_mask_workaround": workaround,
-        "op_path": op_path(plan),
-        "outcomes": outcomes(plan, job["batch_size"], config.num_attention_heads, job["profiles"])}
+        "runs": "sdpa" if "sdpa" in families else "eager" if "bmm" in families else "none",
+        "calls": len(plan.calls), "meta_mask_workaround": workaround, "op_path": op_path(plan),
+        "outcomes": outcomes(plan, job["batch_size"], config.num_attention_heads,
+                             {ref: resolved[ref] for ref in job["profiles"]})}
 
 
-def _emulated(model: Any, ids: Any, index_bits: int, profile: str,
+def _emulated(model: Any, ids: Any, index_bits: int, profile: Any,
               guard_mode: str | None) -> tuple[Any, Any, Any]:
     """(output or the exception, the emulator, the guard) of one forward under emulated MPS."""
     import torch
@@ -126,13 +124,12 @@ def _emulated(model: Any, ids: Any, index_bits: int, profile: str,
         return error, emu, active
 
 
-def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: str) -> dict[str, Any]:
+def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: Any) -> dict[str, Any]:
     """Guard off must fault (the emulator records it), raise must stop, chunk must equal `plain`."""
     import torch
 
     from mpsimpact.errors import NotEmulatedError, OversizedOpError
 
-    checks: dict[str, Any] = {}
     out, emu, _ = _emulated(model, ids, index_bits, profile, None)
     off = {"faulted_calls": [f"{r.describe()}: {r.fault.kind} ({r.fault.rule})" for r in emu.records]}
     if isinstance(out, NotEmulatedError):
@@ -143,24 +140,22 @@ def guard_checks(model: Any, ids: Any, plain: Any, index_bits: int, profile: str
         bad = ((out - plain).abs().amax(dim=(1, 2)) > TOLERANCE["atol"]).nonzero().flatten().tolist()
         off |= {"status": "corrupted" if bad else "clean", "first_corrupted_text": bad[0] if bad else None,
                 "corrupted_count": len(bad)}
-    checks["off"] = off
     out, _, active = _emulated(model, ids, index_bits, profile, "raise")
     stopped = isinstance(out, OversizedOpError)
     message = _first_line(out) if isinstance(out, BaseException) else ""
-    checks["raise"] = {"status": "stopped" if stopped else "completed", "message": message}
+    raised = {"status": "stopped" if stopped else "completed", "message": message}
     out, emu, active = _emulated(model, ids, index_bits, profile, "chunk")
     equal = not isinstance(out, BaseException) and torch.allclose(out, plain, **TOLERANCE)
-    checks["chunk"] = {
-        "status": "equal" if equal else "differs" if not isinstance(out, BaseException) else "error",
-        "chunked_calls": len(active.chunked) if active is not None else 0,
-        "emulator_records": len(emu.records) if emu else 0,
-        **({"message": _first_line(out)} if isinstance(out, BaseException) else {})}
-    checks["guard_ok"] = bool(off["faulted_calls"]) and stopped and equal
-    return checks
+    chunk = {"status": "equal" if equal else "differs" if not isinstance(out, BaseException) else "error",
+             "chunked_calls": len(active.chunked) if active is not None else 0,
+             "emulator_records": len(emu.records) if emu else 0,
+             **({"message": _first_line(out)} if isinstance(out, BaseException) else {})}
+    return {"off": off, "raise": raised, "chunk": chunk, "guard_ok": bool(off["faulted_calls"]) and stopped and equal}
 
 
-def emulated_runs(profile: str) -> dict[str, Any]:
-    """The tiny BERT under emulated MPS, with this version's default attention and with eager."""
+def emulated_runs(release: str, profile: Any) -> dict[str, Any]:
+    """The tiny BERT under emulated MPS (`release`, resolved as `profile`), with this version's default
+    attention and with eager."""
     import torch
     from transformers import AutoModel, BertConfig
 
@@ -175,7 +170,7 @@ def emulated_runs(profile: str) -> dict[str, Any]:
             plain = model(input_ids=ids).last_hidden_state  # (B, L, 16)
         runs[label] = {"attention": model.config._attn_implementation,
                        **guard_checks(model, ids, plain, TINY_RUN["index_bits"], profile)}
-    return {"model": "tiny random BERT (hidden 16, 4 heads, 2 layers)", "profile": profile, **TINY_RUN,
+    return {"model": "tiny random BERT (hidden 16, 4 heads, 2 layers)", "profile": release, **TINY_RUN,
             "runs": runs}
 
 
@@ -186,9 +181,14 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
     import transformers
 
     imported = time.perf_counter()
+    from mpsimpact.engine.release import resolve_profile
     from mpsimpact.prediction.meta_model import build_meta_model, load_model_config
 
     config, _ = load_model_config(job["model"])
+    # Each release once in this process, for every implementation and emulated run; None: the installed torch's,
+    # which each trace is decided under first (its "calls").
+    refs = dict.fromkeys([None, *job["profiles"], job["emulated_profile"]])
+    resolved = {ref: resolve_profile(ref) for ref in refs}
     auto = (transformers.AutoModelForSequenceClassification if job["task"] == "sequence-classification"
             else transformers.AutoModel)
     result: dict[str, Any] = {
@@ -200,9 +200,10 @@ def probe(job: dict[str, Any]) -> dict[str, Any]:
         "model_type": config.model_type, "heads": config.num_attention_heads,
         "layers": config.num_hidden_layers,
         "default_attention": build_meta_model(auto, config).config._attn_implementation,
-        "implementations": {name: probe_implementation(config, auto, job, name) for name in IMPLEMENTATIONS}}
+        "implementations": {name: probe_implementation(config, auto, job, name, resolved)
+                            for name in IMPLEMENTATIONS}}
     traced = time.perf_counter()
-    result["emulated"] = emulated_runs(job["emulated_profile"])
+    result["emulated"] = emulated_runs(job["emulated_profile"], resolved[job["emulated_profile"]])
     result["timing"] = {"import_s": round(imported - started, 2), "trace_s": round(traced - imported, 2),
                         "emulated_s": round(time.perf_counter() - traced, 2)}
     return result

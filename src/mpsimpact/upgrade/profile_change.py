@@ -70,9 +70,8 @@ def family_behaviours(profile: FaultProfile) -> dict[str, str | None]:
 
 def other_behaviours(profile: FaultProfile) -> dict[str, str | None]:
     """The mm and SDPA behaviours and every family row's (OPEN where not measured)."""
-    found = {name: OPEN if profile.judges_conservatively(aspect) else phrase(profile)
-             for name, (aspect, phrase) in OTHER_BEHAVIOURS.items()}
-    return found | family_behaviours(profile)
+    return {name: OPEN if profile.judges_conservatively(aspect) else phrase(profile)
+            for name, (aspect, phrase) in OTHER_BEHAVIOURS.items()} | family_behaviours(profile)
 
 
 def behaviours(profile: FaultProfile) -> dict[str, str | None]:
@@ -94,14 +93,12 @@ def describe_change(old: FaultProfile, new: FaultProfile) -> tuple[str, bool]:
     before_others, after_others = other_behaviours(old), other_behaviours(new)
     changed, still, unknown, unchanged = [], [], [], 0
     if "the op families" in before_others or "the op families" in after_others:  # one side measured none
-        before_others = {k: v for k, v in before_others.items() if FAMILY_ROW not in k} | {
-            "the op families": before_others.get("the op families", "measured")}
-        after_others = {k: v for k, v in after_others.items() if FAMILY_ROW not in k} | {
-            "the op families": after_others.get("the op families", "measured")}
+        before_others, after_others = ({k: v for k, v in side.items() if FAMILY_ROW not in k}
+                                       | {"the op families": side.get("the op families", "measured")}
+                                       for side in (before_others, after_others))
     others = [name for name in before_others | after_others
               if (before_others.get(name, OPEN), after_others.get(name, OPEN)) != (OPEN, OPEN)]
-    before |= before_others
-    after |= after_others
+    before, after = before | before_others, after | after_others
     for name in [*BEHAVIOURS, *others]:  # a family row neither profile measured is left out
         was, now = before.get(name, OPEN), after.get(name, OPEN)
         if OPEN in (was, now):
