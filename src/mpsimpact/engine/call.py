@@ -112,14 +112,8 @@ class CallRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "index": self.index,
-            "op": self.op,
-            "phase": self.phase,
-            "module": self.module,
-            "a": self.a.to_json(),
-            "b": self.b.to_json(),
-            "out_numel": self.out_numel,
-            "fault": self.fault.to_json(),
+            "index": self.index, "op": self.op, "phase": self.phase, "module": self.module,
+            "a": self.a.to_json(), "b": self.b.to_json(), "out_numel": self.out_numel, "fault": self.fault.to_json(),
             **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
             **({"within_sdpa": self.within} if self.within is not None else {}),
             **({"family": self.family} if not self.is_product else {}),

@@ -86,13 +86,9 @@ class FaultPlan:
         return next((c for c in self.calls if c.fault.is_stop), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "index_bits": self.index_bits,
-            "profile": self.profile,
-            "calls": len(self.calls),
-            "faults": [call.to_json() for call in self.faults],
-            **({"mac": self.mac.to_json()} if self.mac is not None else {}),
-        }
+        return {"index_bits": self.index_bits, "profile": self.profile, "calls": len(self.calls),
+                "faults": [call.to_json() for call in self.faults],
+                **({"mac": self.mac.to_json()} if self.mac is not None else {})}
 
 
 def decide(call: CallRecord, index_bits: int, profile: FaultProfile, mac: MacMemory | None = None) -> Fault:
