@@ -353,28 +353,21 @@ def cache_root() -> Path:
 @functools.lru_cache(maxsize=16)
 def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
     if root and root.strip():
-        return _checked_root(CACHE_VARIABLE, root, Path(root))
-    if xdg and os.path.isabs(xdg):
-        return _checked_root("XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact")
-    return _checked_root("HOME", home or "", Path.home() / ".cache" / "mpsimpact")
-
-
-def _checked_root(variable: str, value: str, root: Path) -> Path:
-    problem = name_problem(root)
+        variable, value, folder = CACHE_VARIABLE, root, Path(root)
+    elif xdg and os.path.isabs(xdg):
+        variable, value, folder = "XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact"
+    else:
+        variable, value, folder = "HOME", home or "", Path.home() / ".cache" / "mpsimpact"
+    problem = name_problem(folder)
     if problem is not None:
         raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}",
                                        "point it at a shorter path")
-    return root
+    return folder
 
 
 def cached_profile_path(release: str) -> Path:
     """Where a profile.json of `release` ("2.15.0") is found for the installed torch of that release."""
-    return _profile_path(cache_root(), release)
-
-
-@functools.lru_cache(maxsize=16)
-def _profile_path(root: Path, release: str) -> Path:
-    return root / "profiles" / f"{release}.json"
+    return cache_root() / "profiles" / f"{release}.json"
 
 
 def installed_profile() -> FaultProfile:
@@ -544,10 +537,7 @@ def measured_profiles() -> tuple[FaultProfile, ...]:
 
 def group_representatives() -> tuple[FaultProfile, ...]:
     """One measured release per release group (the last of each), oldest first: the version table's rows."""
-    chosen: dict[str, FaultProfile] = {}
-    for profile in measured_profiles():
-        chosen[profile.group] = profile
-    return tuple(chosen.values())
+    return tuple({profile.group: profile for profile in measured_profiles()}.values())
 
 
 def view_equal_limit_message(profile: FaultProfile) -> str:
