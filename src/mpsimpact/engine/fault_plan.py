@@ -50,10 +50,8 @@ class FaultPlan:
                    mac: MacMemory | None = None) -> FaultPlan:
         """The calls MPS makes under `profile`, each re-decided by that release's rules; on `mac`, a call whose
         tensor reaches its largest buffer is refused first (Note [The Mac's largest buffer])."""
-        kept = []
-        for call in runs_on_mps(trace, profile):
-            fault = decide(call, index_bits, profile, mac)
-            kept.append(call.evolve(index=len(kept), fault=fault))
+        kept = (call.evolve(index=index, fault=decide(call, index_bits, profile, mac))
+                for index, call in enumerate(runs_on_mps(trace, profile)))
         return cls(tuple(kept), index_bits, tuple(trace), profile, mac)
 
     def under(self, profile: Profile) -> FaultPlan:
@@ -93,5 +91,4 @@ class FaultPlan:
 
 def decide(call: CallRecord, index_bits: int, profile: FaultProfile, mac: MacMemory | None = None) -> Fault:
     """One call's fault: the Mac's refusal of a tensor past its largest buffer first, else the release's rules."""
-    refused = buffer_fault(call, mac, index_bits, profile.release) if mac is not None else None
-    return refused or classify_record(call, index_bits, profile)
+    return buffer_fault(call, mac, index_bits, profile.release) or classify_record(call, index_bits, profile)

@@ -117,9 +117,7 @@ class TensorSpec:
         if _is_dense(self.shape, self.stride):
             return "contiguous" if self.storage_offset == 0 else "offset"
         swapped = self.transpose()
-        if _is_dense(swapped.shape, swapped.stride):
-            return "transposed"
-        return "strided"
+        return "transposed" if _is_dense(swapped.shape, swapped.stride) else "strided"
 
     @property
     def is_view(self) -> bool:
@@ -368,13 +366,10 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, p
     """
     sa, sb = spec_of(a), spec_of(b)
     grad = TensorSpec.contiguous((sa.shape[0], sa.shape[1], sb.shape[2]), sa.dtype)
-    faults = (
-        classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
-        classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile),
-    )
-    release = profile.release
-    marked = (f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)
-    return tuple(marked)  # type: ignore[return-value]
+    faults = (classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
+              classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile))
+    measured = profile.release == "2.14.0"
+    return tuple(f if f.is_ok or measured else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore
 
 
 @takes_release

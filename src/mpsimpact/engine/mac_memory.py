@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
+from mpsimpact.errors import UsageError
 
 # Note [The Mac's largest buffer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -126,9 +127,8 @@ class MacMemory:
 
     def describe(self) -> str:
         """One sentence for a report: which Mac, its largest buffer and working set, and where each came from."""
-        lends = f"{self.working_set / GIB:.1f} GiB"
         return (f"{self.label[0].upper()}{self.label[1:]}: {self.buffer_words()}; Metal lends a process about "
-                f"{lends} in all")
+                f"{self.working_set / GIB:.1f} GiB in all")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -233,8 +233,7 @@ def this_mac(cache: Path, measure: bool = True) -> MacMemory:
     import torch
 
     machine = machine_key()
-    found = read_measured(cache, machine)
-    if found is not None:
+    if (found := read_measured(cache, machine)) is not None:
         return found
     if measure:
         return measure_mac(cache, machine)
@@ -290,8 +289,6 @@ def resolve_mac(memory: str | None, cache: Path, flag: str = "--memory") -> MacM
     Raises:
         UsageError: "auto" without an Apple GPU, or a value that is not a size.
     """
-    from mpsimpact.errors import UsageError
-
     if memory is None:
         return None
     if str(memory).strip().lower() == "auto":

@@ -175,8 +175,6 @@ def describe_measurement(measured_on: dict[str, Any]) -> str:
     "emulating 2.5.1 on cpu (no Mac)"."""
     torch, machine, date = (measured_on.get(k) for k in ("torch", "machine", "date"))
     device = measured_on.get("device")
-    if measured_on.get("emulated"):
-        where = f"emulating {measured_on.get('emulated_release')} on {device} (no Mac)"
-    else:
-        where = str(device)
+    where = (f"emulating {measured_on.get('emulated_release')} on {device} (no Mac)" if measured_on.get("emulated")
+             else str(device))
     return ", ".join(str(part) for part in (f"torch {torch}", machine, where, date) if part)

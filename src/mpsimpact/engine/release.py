@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import re
 from pathlib import Path
@@ -358,8 +359,7 @@ def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
         variable, value, folder = "XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact"
     else:
         variable, value, folder = "HOME", home or "", Path.home() / ".cache" / "mpsimpact"
-    problem = name_problem(folder)
-    if problem is not None:
+    if (problem := name_problem(folder)) is not None:
         raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}",
                                        "point it at a shorter path")
     return folder
@@ -510,8 +510,6 @@ def takes_release(function: Any) -> Any:
     Raises:
         ValueError, ProfileFileError: as `resolve_profile`, for a release that cannot be resolved.
     """
-    import inspect
-
     parameters = inspect.signature(function).parameters
     keyword_only = parameters["profile"].kind is inspect.Parameter.KEYWORD_ONLY  # after *args (trace_faults)
     where = 1 << 30 if keyword_only else list(parameters).index("profile")
