@@ -295,8 +295,7 @@ def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | Non
 @functools.lru_cache(maxsize=256)
 def parse_version(version: str) -> tuple[int, int, int] | None:
     """(major, minor, patch) of "2.13.0+cpu", "2.12.1", "2.15.0.dev20261101"; None if unreadable."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if not match:
+    if not (match := re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)):
         return None
     return int(match[1]), int(match[2]), int(match[3] or 0)
 

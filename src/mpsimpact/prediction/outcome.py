@@ -339,8 +339,7 @@ def _describe(prediction: Prediction) -> str:
         return (f"{prediction.corrupted_count} of {prediction.batch} samples silently wrong, from sample "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
     if prediction.outcome == "unmeasured":
-        calls = unmeasured_calls(prediction.unmeasured)
-        return f"unmeasured: {calls} nobody measured on MPS (judged conservatively)"
+        return f"unmeasured: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
         which = "the one sample" if prediction.batch == 1 else "which samples is not characterised: any may be"
         return f"silently wrong ({which})"
