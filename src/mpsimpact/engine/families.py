@@ -71,8 +71,7 @@ def _cat_of_counts(numels: list[int], index_bits: int, profile: FaultProfile) ->
     if total <= dim_max(index_bits):
         return OK
     readings = (_sized_fault("cat", "cat", total, one_d, index_bits, profile) for one_d in (True, False))
-    faults = sorted((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop))
-    return faults[0] if faults else OK
+    return min((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop), default=OK)
 
 
 @takes_release

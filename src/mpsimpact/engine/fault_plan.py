@@ -91,4 +91,5 @@ class FaultPlan:
 
 def decide(call: CallRecord, index_bits: int, profile: FaultProfile, mac: MacMemory | None = None) -> Fault:
     """One call's fault: the Mac's refusal of a tensor past its largest buffer first, else the release's rules."""
-    return buffer_fault(call, mac, index_bits, profile.release) or classify_record(call, index_bits, profile)
+    refused = buffer_fault(call, mac, index_bits, profile.release) if mac is not None else None
+    return refused or classify_record(call, index_bits, profile)

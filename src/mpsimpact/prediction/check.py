@@ -79,9 +79,8 @@ def pad_for_the_head(config: Any, model_class: Any) -> str:
     """A sequence-classification head pools each sample's last token before padding, and refuses batches of
     more than one without a pad token: a config with none gets one for the trace (the last id, which the
     zero token ids never meet, so every token counts). Returns what was done, in words ("" when nothing)."""
-    if getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None):
-        return ""
-    if "ForSequenceClassification" not in getattr(model_class, "__name__", ""):
+    if (getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None)
+            or "ForSequenceClassification" not in getattr(model_class, "__name__", "")):
         return ""
     config.pad_token_id = config.vocab_size - 1
     return f"; pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
