@@ -192,12 +192,12 @@ def _step(layer: _LayerPass, rows: slice, forward, hidden_states, args: tuple, k
     step (None) until the product is made, then an emit step (the block's output)."""
     layer.rows, layer.attended = rows, False
     batch = hidden_states.shape[0]
-    sliced = [a[rows] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == batch else a
-              for a in args]
-    named = {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
-             for k, v in kwargs.items()}
+
+    def cut(value: Any) -> Any:
+        return value[rows] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch else value
+
     try:
-        result = forward(hidden_states[rows], *sliced, **named)
+        result = forward(hidden_states[rows], *map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
     except _Filled:
         return None
     if not layer.attended:

@@ -93,19 +93,12 @@ def shown_path(path: str | os.PathLike[str], room: int = 120) -> str:
 
 
 def _system_limit(path: Path, name: str, fallback: int) -> int:
-    folder = next((p for p in (path.parent, *path.parent.parents) if _is_folder(p)), Path("."))
+    folder = next((p for p in (path.parent, *path.parent.parents) if os.path.isdir(p)), Path("."))
     try:
         found = os.pathconf(folder, name)
     except (OSError, ValueError):
         return fallback
     return found if found and found > 0 else fallback
-
-
-def _is_folder(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.stat(path).st_mode)
-    except (OSError, ValueError):
-        return False
 
 
 def name_problem(path: str | os.PathLike[str]) -> str | None:
@@ -146,8 +139,7 @@ def path_problem(path: str | os.PathLike[str], limit: int | None = None, what: s
     """What keeps `path` from being read as a file, as a predicate, or None: a name the system cannot take
     (`name_problem`), nothing there, a dangling or looping link, anything but a regular file (a link to one is
     followed), or more than `limit` bytes. Opens nothing (see Note [Only regular files])."""
-    problem = name_problem(path)
-    if problem is not None:
+    if (problem := name_problem(path)) is not None:
         return problem
     try:
         found = os.stat(path)
@@ -177,16 +169,14 @@ def read_file_bytes(path: str | os.PathLike[str], limit: int, what: str = "this 
     Raises:
         FileProblemError: `path_problem`'s predicate, or "cannot be read (...)"; nothing else was opened.
     """
-    problem = path_problem(path, limit, what)
-    if problem is not None:
+    if (problem := path_problem(path, limit, what)) is not None:
         raise FileProblemError(problem)
     try:  # non-blocking: a FIFO swapped in after the look above still cannot hold us
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
         raise FileProblemError(f"cannot be read ({error.strerror})") from None
     with os.fdopen(fd, "rb") as file:
-        problem = kind_problem(os.fstat(fd).st_mode)
-        if problem is not None:
+        if (problem := kind_problem(os.fstat(fd).st_mode)) is not None:
             raise FileProblemError(problem)
         try:
             data = file.read(limit + 1)

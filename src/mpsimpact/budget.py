@@ -44,8 +44,7 @@ def memory_budget(device: torch.device | str | None = None) -> int | None:
     """Bytes of transient scores one piece may hold on `device`; None means unbounded (meta tensors)."""
     if _budget is not None:
         return _budget
-    env = attention_budget()
-    if env is not None:
+    if (env := attention_budget()) is not None:
         return env
     kind = torch.device(device).type if device is not None else "cpu"
     if kind == "meta":

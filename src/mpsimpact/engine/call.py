@@ -32,12 +32,6 @@ def out_elements(family: str, a: Any, b: Any) -> int:
     return math.prod(b.shape)
 
 
-def largest_spec(tensors: Iterable[Any]) -> TensorSpec | None:
-    """The spec of the tensor (or spec) with the most elements; None if there is none."""
-    specs = [spec_of(t) for t in tensors]
-    return max(specs, key=lambda s: s.numel, default=None)
-
-
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
     """One op call as a dispatch mode saw it, with the fault decided for it.
@@ -70,7 +64,8 @@ class CallRecord:
     def of_op(cls, index: int, op: str, inputs: Iterable[Any], outputs: Iterable[Any], fault: Fault,
               phase: str = "forward", **fields: Any) -> CallRecord:
         """The record of a call of any family but the products: its first input and largest output."""
-        a, b = next((spec_of(t) for t in inputs), None), largest_spec(outputs)
+        a = next((spec_of(t) for t in inputs), None)
+        b = max(map(spec_of, outputs), key=lambda s: s.numel, default=None)
         if a is None and b is None:
             a = b = TensorSpec.contiguous(())
         return cls(index, op, a or b, b or a, fault, phase, **fields)  # type: ignore[arg-type]
@@ -79,9 +74,7 @@ class CallRecord:
         """A copy with `changes` (field names): dataclasses.replace without its per-call introspection, which
         plan and check pay for every call of every rebuilt plan (the record is frozen, with no __post_init__)."""
         new = object.__new__(CallRecord)
-        fields = new.__dict__
-        fields.update(self.__dict__)
-        fields.update(changes)
+        new.__dict__.update(self.__dict__, **changes)
         return new
 
     @property
@@ -112,14 +105,8 @@ class CallRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "index": self.index,
-            "op": self.op,
-            "phase": self.phase,
-            "module": self.module,
-            "a": self.a.to_json(),
-            "b": self.b.to_json(),
-            "out_numel": self.out_numel,
-            "fault": self.fault.to_json(),
+            "index": self.index, "op": self.op, "phase": self.phase, "module": self.module,
+            "a": self.a.to_json(), "b": self.b.to_json(), "out_numel": self.out_numel, "fault": self.fault.to_json(),
             **({"needs_grad": self.needs_grad} if self.family == "sdpa" else {}),
             **({"within_sdpa": self.within} if self.within is not None else {}),
             **({"family": self.family} if not self.is_product else {}),

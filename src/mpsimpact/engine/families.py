@@ -64,15 +64,14 @@ def classify_cat(inputs: Iterable[Any], *, dim: int = 0, index_bits: int = MPS_I
     return classify_op("cat", specs, out, index_bits=index_bits, profile=profile)
 
 
-def _cat_of_counts(numels: list[int], index_bits: int, prof: FaultProfile) -> Fault:
-    if prof.judges_conservatively("families"):
-        return conservative(lambda p: _cat_of_counts(numels, index_bits, p), prof)
+def _cat_of_counts(numels: list[int], index_bits: int, profile: FaultProfile) -> Fault:
+    if profile.judges_conservatively("families"):
+        return conservative(lambda p: _cat_of_counts(numels, index_bits, p), profile)
     total = sum(numels)
     if total <= dim_max(index_bits):
         return OK
-    readings = (_sized_fault("cat", "cat", total, one_d, index_bits, prof) for one_d in (True, False))
-    faults = sorted((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop))
-    return faults[0] if faults else OK
+    readings = (_sized_fault("cat", "cat", total, one_d, index_bits, profile) for one_d in (True, False))
+    return min((f for f in readings if not f.is_ok), key=lambda f: (f.inferred, not f.is_stop), default=OK)
 
 
 @takes_release
@@ -98,15 +97,14 @@ def classify_op(op: Any, inputs: Iterable[Any] = (), out: Any = None, *, index_b
         return _classify_product(op_base_name(op), family, tensors, index_bits, profile)
     if family == "view":
         return OK  # no kernel runs
-    prof = profile
-    if prof.judges_conservatively("families"):
-        return conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p), prof)
+    if profile.judges_conservatively("families"):
+        return conservative(lambda p: classify_op(op, tensors, out, index_bits=index_bits, profile=p), profile)
     specs, most = [spec_of(x) for x in (*tensors, *_tensors([out]))], dim_max(index_bits)
     numel = max((s.numel for s in specs), default=0)
     if numel <= most:
         return OK
     long_dim = any(size > most for s in specs for size in s.shape)
-    return _sized_fault(op_base_name(op), family, numel, long_dim, index_bits, prof)
+    return _sized_fault(op_base_name(op), family, numel, long_dim, index_bits, profile)
 
 
 def _tensors(items: Iterable[Any]) -> list[Any]:
@@ -142,16 +140,16 @@ def _classify_product(name: str, family: str, tensors: list[Any], index_bits: in
 
 
 def _sized_fault(name: str, family: str, numel: int, long_dim: bool, index_bits: int,
-                 prof: FaultProfile) -> Fault:
+                 profile: FaultProfile) -> Fault:
     """What this release's first-pass code for `family` says of a call whose largest tensor has `numel`
     (> DIM_MAX) elements, with or without a dimension past DIM_MAX. See Note [Op families past INT_MAX]."""
     limit, view_limit = limits(index_bits)
-    code = prof.family_codes(family)[0 if long_dim else 1]
+    code = profile.family_codes(family)[0 if long_dim else 1]
     band = numel <= limit  # every row was measured above LIMIT
     measured_op = name == family or name in MEASURED_OPS.get(family, ())
-    inferred, release = band or not long_dim or not measured_op, prof.release
+    inferred, release = band or not long_dim or not measured_op, profile.release
     if code in ("abort", "error", "wrong"):
-        return _dimension_fault(family, code, inferred, prof)
+        return _dimension_fault(family, code, inferred, profile)
     if code == "wrap" and not band:
         message = (f"returns the result of the first numel mod 2**{index_bits} elements "
                    f"(ones(N).sum() returns N mod 2**{index_bits})")
@@ -172,16 +170,16 @@ def _sized_fault(name: str, family: str, numel: int, long_dim: bool, index_bits:
         return Fault("wrong_other", None, None, message, "cat-int32-offsets", release=release)
     if code == "ok":
         return OK
-    return unmeasured(family, prof, "a dimension past INT_MAX" if long_dim else f"{numel} elements")
+    return unmeasured(family, profile, "a dimension past INT_MAX" if long_dim else f"{numel} elements")
 
 
-def _dimension_fault(family: str, code: str, inferred: bool, prof: FaultProfile) -> Fault:
+def _dimension_fault(family: str, code: str, inferred: bool, profile: FaultProfile) -> Fault:
     """A dimension past INT_MAX: the abort, the INT_MAX error in the release's spelling, or wrong values."""
     rule = f"dim-int-max:{family}"
     if code == "abort":
         message = CAT_ABORT_MESSAGE if family == "cat" else FAMILY_ABORT_MESSAGE
-        return Fault("abort", None, None, message, rule, release=prof.release, inferred=inferred)
+        return Fault("abort", None, None, message, rule, release=profile.release, inferred=inferred)
     if code == "error":
-        return Fault("error", None, None, prof.view_message, rule, release=prof.release, inferred=inferred)
-    message = f"{family} with a dimension past INT_MAX: wrong on MPS {prof.release}; values not characterised"
-    return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=inferred)
+        return Fault("error", None, None, profile.view_message, rule, release=profile.release, inferred=inferred)
+    message = f"{family} with a dimension past INT_MAX: wrong on MPS {profile.release}; values not characterised"
+    return Fault("wrong_other", None, None, message, rule, release=profile.release, inferred=inferred)

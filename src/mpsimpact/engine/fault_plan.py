@@ -50,10 +50,8 @@ class FaultPlan:
                    mac: MacMemory | None = None) -> FaultPlan:
         """The calls MPS makes under `profile`, each re-decided by that release's rules; on `mac`, a call whose
         tensor reaches its largest buffer is refused first (Note [The Mac's largest buffer])."""
-        kept = []
-        for call in runs_on_mps(trace, profile):
-            fault = decide(call, index_bits, profile, mac)
-            kept.append(call.evolve(index=len(kept), fault=fault))
+        kept = (call.evolve(index=index, fault=decide(call, index_bits, profile, mac))
+                for index, call in enumerate(runs_on_mps(trace, profile)))
         return cls(tuple(kept), index_bits, tuple(trace), profile, mac)
 
     def under(self, profile: Profile) -> FaultPlan:
@@ -86,13 +84,9 @@ class FaultPlan:
         return next((c for c in self.calls if c.fault.is_stop), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "index_bits": self.index_bits,
-            "profile": self.profile,
-            "calls": len(self.calls),
-            "faults": [call.to_json() for call in self.faults],
-            **({"mac": self.mac.to_json()} if self.mac is not None else {}),
-        }
+        return {"index_bits": self.index_bits, "profile": self.profile, "calls": len(self.calls),
+                "faults": [call.to_json() for call in self.faults],
+                **({"mac": self.mac.to_json()} if self.mac is not None else {})}
 
 
 def decide(call: CallRecord, index_bits: int, profile: FaultProfile, mac: MacMemory | None = None) -> Fault:

@@ -84,12 +84,8 @@ class TensorSpec:
     @classmethod
     def of(cls, tensor: Any) -> TensorSpec:
         """Reads the spec of a real, meta or fake tensor without touching its data."""
-        return cls(
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            int(tensor.storage_offset()),
-            str(tensor.dtype).removeprefix("torch."),
-        )
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()),
+                   str(tensor.dtype).removeprefix("torch."))
 
     @classmethod
     def contiguous(cls, shape: tuple[int, ...], dtype: str = "float32") -> TensorSpec:
@@ -121,9 +117,7 @@ class TensorSpec:
         if _is_dense(self.shape, self.stride):
             return "contiguous" if self.storage_offset == 0 else "offset"
         swapped = self.transpose()
-        if _is_dense(swapped.shape, swapped.stride):
-            return "transposed"
-        return "strided"
+        return "transposed" if _is_dense(swapped.shape, swapped.stride) else "strided"
 
     @property
     def is_view(self) -> bool:
@@ -138,12 +132,8 @@ class TensorSpec:
         return dataclasses.replace(TensorSpec.contiguous(self.shape, self.dtype), storage_offset=self.storage_offset)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "storage_offset": self.storage_offset,
-            "dtype": self.dtype,
-        }
+        return {"shape": list(self.shape), "stride": list(self.stride), "storage_offset": self.storage_offset,
+                "dtype": self.dtype}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,81 +261,84 @@ def classify_bmm(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, profile: P
     Returns:
         The `Fault`. See Note [MPS 32-bit index faults].
     """
-    prof, sa, sb = profile, spec_of(a), spec_of(b)
-    if prof.judges_conservatively("bmm"):
-        return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
-    if prof.alternatives:
-        return undecided(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), prof)
+    sa, sb = spec_of(a), spec_of(b)
+    if profile.judges_conservatively("bmm"):
+        return conservative(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), profile)
+    if profile.alternatives:
+        return undecided(lambda p: classify_bmm(sa, sb, index_bits=index_bits, profile=p), profile)
     strided = "".join(name for name, s in (("a", sa), ("b", sb)) if s.layout == "strided")
     if not strided:
-        return _classify_measured(sa, sb, index_bits, prof)
+        return _classify_measured(sa, sb, index_bits, profile)
     # Unmeasured layouts: what a contiguous copy would get (the measured operands may decide alone);
     # if that is ok, still unsafe wherever a transposed view would not be.
     copy = {name: (s.as_layout("contiguous") if name in strided else s) for name, s in (("a", sa), ("b", sb))}
-    fault = _classify_measured(copy["a"], copy["b"], index_bits, prof)
+    fault = _classify_measured(copy["a"], copy["b"], index_bits, profile)
     if not fault.is_ok:
         return dataclasses.replace(fault, inferred=True) if set(fault.operand or "") & set(strided) else fault
     swap = {name: (s.as_layout("transposed") if name in strided else s) for name, s in (("a", sa), ("b", sb))}
-    as_view = _classify_measured(swap["a"], swap["b"], index_bits, prof)
+    as_view = _classify_measured(swap["a"], swap["b"], index_bits, profile)
     if as_view.is_ok:
         return OK
     message = f"unmeasured layout (general strides); as a transposed view MPS would give {as_view.kind}"
-    return Fault("wrong_other", strided, None, message, "unmeasured-layout", release=prof.release, inferred=True)
+    return Fault("wrong_other", strided, None, message, "unmeasured-layout", release=profile.release, inferred=True)
 
 
-def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, prof: FaultProfile) -> Fault:
-    limit, view_limit = limits(index_bits)
+def _classify_measured(sa: TensorSpec, sb: TensorSpec, index_bits: int, profile: FaultProfile) -> Fault:
+    limit, view_limit, release = *limits(index_bits), profile.release
     named = (("a", sa), ("b", sb))
     if sa.shape[0] * sa.shape[1] * sb.shape[2] > limit:  # rule 1, terminal
-        if prof.output_rule == "correct":
+        if profile.output_rule == "correct":
             return OK
-        if prof.output_rule == "fp32-wrong":
-            return OK if sa.dtype == "float16" else Fault("wrong_other", None, None, rule="output-fp32", release=prof.release)
+        if profile.output_rule == "fp32-wrong":
+            return OK if sa.dtype == "float16" else Fault("wrong_other", rule="output-fp32", release=release)
         transposed = "".join(name for name, s in named if s.layout == "transposed")
-        return Fault("wrong_all", transposed, 0, rule="output-transposed", release=prof.release) if transposed else OK
+        return Fault("wrong_all", transposed, 0, rule="output-transposed", release=release) if transposed else OK
     for name, s in named:
-        if s.is_view and (fault := _view_fault(name, s, limit, view_limit, prof)) is not None:
+        if s.is_view and (fault := _view_fault(name, s, limit, view_limit, profile)) is not None:
             return fault
-    if not prof.input_wrap:
+    if not profile.input_wrap:
         return OK
-    wraps = prof.view_rule == "abort"  # 2.5.1 .. 2.8.0 wrap views above LIMIT too
+    wraps = profile.view_rule == "abort"  # 2.5.1 .. 2.8.0 wrap views above LIMIT too
     wrapped = [(name, s) for name, s in named if (wraps or not s.is_view) and s.numel > limit]
     firsts = {name: wrap_start_batch(s.per_batch, limit) for name, s in wrapped}
     firsts = {name: first for name, first in firsts.items() if first < sa.shape[0]}
     if not firsts:
         return OK
-    return Fault("wrong_tail", "".join(firsts), min(firsts.values()), rule="input-wrap", wrap_elements=limit, release=prof.release)
+    return Fault("wrong_tail", "".join(firsts), min(firsts.values()), rule="input-wrap", wrap_elements=limit,
+                 release=release)
 
 
-def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, prof: FaultProfile) -> Fault | None:
+def _view_fault(name: str, s: TensorSpec, limit: int, view_limit: int, profile: FaultProfile) -> Fault | None:
     """Rule 2, per release: what a view operand of this size does, or None if nothing."""
-    size = s.extent if prof.slice_extent and s.layout == "offset" else s.numel
-    if prof.view_rule == "none":
+    size = s.extent if profile.slice_extent and s.layout == "offset" else s.numel
+    release = profile.release
+    if profile.view_rule == "none":
         return None
-    if prof.view_rule == "truncate":
-        return Fault("truncated", name, 0, rule="view-truncated", release=prof.release) if s.numel >= limit else None
-    if prof.view_rule == "abort":
+    if profile.view_rule == "truncate":
+        return Fault("truncated", name, 0, rule="view-truncated", release=release) if s.numel >= limit else None
+    if profile.view_rule == "abort":
         if s.numel > limit:
             return None  # wraps (rule 3)
         if size == limit:
-            return Fault("error", name, None, view_equal_limit_message(prof), "view-int-max", release=prof.release)
+            return Fault("error", name, None, view_equal_limit_message(profile), "view-int-max", release=release)
         if view_limit <= size < limit:
-            return Fault("abort", name, None, NDARRAY_ABORT_MESSAGE, "view-abort", release=prof.release)
+            return Fault("abort", name, None, NDARRAY_ABORT_MESSAGE, "view-abort", release=release)
         return None
     if size >= view_limit:
-        return Fault("error", name, None, prof.view_message, "view-int-max", release=prof.release)
+        return Fault("error", name, None, profile.view_message, "view-int-max", release=release)
     return None
 
 
 def conservative(classify: Any, asked: FaultProfile) -> Fault:
     """An unmeasured release: unsafe if any measured release faults; the newest such fault, labelled
     with the release asked for and the measured one whose fault it is."""
-    faults = [f for f in (classify(p) for p in reversed(measured_profiles())) if not f.is_ok]
-    if not faults:
-        return OK
-    worst = faults[0]
-    return dataclasses.replace(worst, rule=f"conservative:{worst.rule}", inferred=True,
-                               release=f"{asked.release}, unmeasured: as on {worst.release}")
+    worst = next((f for f in map(classify, reversed(measured_profiles())) if not f.is_ok), None)
+    return OK if worst is None else _judged_unmeasured(worst, f"{asked.release}, unmeasured: as on {worst.release}")
+
+
+def _judged_unmeasured(worst: Fault, release: str) -> Fault:
+    """A fault labelled as the conservative profile labels its faults (`release` says why)."""
+    return dataclasses.replace(worst, rule=f"conservative:{worst.rule}", inferred=True, release=release)
 
 
 # Where the settings a sweep left open disagree on a call, the worst decides: wrong values without an error
@@ -353,16 +346,15 @@ def conservative(classify: Any, asked: FaultProfile) -> Fault:
 _SEVERITY = ("ok", "error", "abort", "wrong_tail", "truncated", "wrong_all", "wrong_other")
 
 
-def undecided(classify: Any, prof: FaultProfile) -> Fault:
+def undecided(classify: Any, profile: FaultProfile) -> Fault:
     """A profile whose sweep left several settings of the bmm fields open (`FaultProfile.alternatives`):
     where they agree on a call, that decision, exactly; where they differ, the cells did not decide it:
     the worst of them, labelled as the conservative profile labels its faults."""
-    faults = [classify(p) for p in prof.settings()]
+    faults = [classify(p) for p in profile.settings()]
     if all(f == faults[0] for f in faults):
         return faults[0]
     worst = max(faults, key=lambda f: _SEVERITY.index(f.kind))
-    return dataclasses.replace(worst, rule=f"conservative:{worst.rule}", inferred=True,
-                               release=f"{prof.release}, unmeasured: its sweep left this call open")
+    return _judged_unmeasured(worst, f"{profile.release}, unmeasured: its sweep left this call open")
 
 
 @takes_release
@@ -374,50 +366,46 @@ def classify_bmm_backward(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, p
     """
     sa, sb = spec_of(a), spec_of(b)
     grad = TensorSpec.contiguous((sa.shape[0], sa.shape[1], sb.shape[2]), sa.dtype)
-    faults = (
-        classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
-        classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile),
-    )
-    release = profile.release
-    marked = (f if f.is_ok or release == "2.14.0" else dataclasses.replace(f, inferred=True) for f in faults)
-    return tuple(marked)  # type: ignore[return-value]
+    faults = (classify_bmm(grad, sb.transpose(), index_bits=index_bits, profile=profile),
+              classify_bmm(sa.transpose(), grad, index_bits=index_bits, profile=profile))
+    measured = profile.release == "2.14.0"
+    return tuple(f if f.is_ok or measured else dataclasses.replace(f, inferred=True) for f in faults)  # type: ignore
 
 
 @takes_release
 def classify_mm(a: Any, b: Any, *, bias: Any = None, index_bits: int = MPS_INDEX_BITS, profile: Profile = None) -> Fault:
     """Decides a 2-D `mm`/`addmm` on every operand and the output; for a Linear, `a` is its input rows,
     `b` the weight transposed and `bias` the added input. See Note [MPS 32-bit index faults]."""
-    prof = profile
-    if prof.judges_conservatively("mm"):
-        return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p), prof)
+    if profile.judges_conservatively("mm"):
+        return conservative(lambda p: classify_mm(a, b, bias=bias, index_bits=index_bits, profile=p), profile)
     limit = limits(index_bits)[0]
     named = [("a", spec_of(a)), ("b", spec_of(b))] + ([("bias", spec_of(bias))] if bias is not None else [])
     out_numel = named[0][1].shape[0] * named[1][1].shape[1]
     if out_numel >= limit:
-        if not prof.mm_aborts:
-            return unmeasured("mm", prof, f"an output of {out_numel} elements")
+        if not profile.mm_aborts:
+            return unmeasured("mm", profile, f"an output of {out_numel} elements")
         message = (f"[MPSNDArrayMatrixMultiplication encodeToCommandBuffer:] destination: output of mm with "
                    f"{out_numel} elements {ENCODE_FAILED_MESSAGE} (the process aborts)")
-        return Fault("abort", None, None, message, "mm-encode", release=prof.release,
-                     inferred=prof.release != "2.14.0")  # measured on 2.14.0
+        return Fault("abort", None, None, message, "mm-encode", release=profile.release,
+                     inferred=profile.release != "2.14.0")  # measured on 2.14.0
     for name, s in named:
         measured = name == "a" and s.layout == "contiguous"  # the first-pass Linear's input
-        if s.numel <= limit or (measured and not prof.mm_aborts):  # such an input is right before 2.8.0
+        if s.numel <= limit or (measured and not profile.mm_aborts):  # such an input is right before 2.8.0
             continue
-        if not prof.mm_aborts:
-            return unmeasured("mm", prof, f"operand {name} ({s.layout}) of {s.numel} elements")
+        if not profile.mm_aborts:
+            return unmeasured("mm", profile, f"operand {name} ({s.layout}) of {s.numel} elements")
         how = "measured; its text was not recorded" if measured else "inferred from the input's"
         message = (f"operand {name} of mm with {s.numel} elements, more than 2**{index_bits}: the "
                    f"process aborts ({how})")
-        return Fault("abort", name, None, message, "mm-operand", release=prof.release, inferred=not measured)
+        return Fault("abort", name, None, message, "mm-operand", release=profile.release, inferred=not measured)
     return OK
 
 
-def unmeasured(family: str, prof: FaultProfile, what: str) -> Fault:
+def unmeasured(family: str, profile: FaultProfile, what: str) -> Fault:
     """Nobody measured this case on MPS: conservative (wrong_other, inferred); the guard stops it."""
-    message = f"unmeasured: nobody measured {family} with {what} on MPS {prof.release}; judged conservatively"
+    message = f"unmeasured: nobody measured {family} with {what} on MPS {profile.release}; judged conservatively"
     rule = f"unmeasured:{family}"
-    return Fault("wrong_other", None, None, message, rule, release=prof.release, inferred=True)
+    return Fault("wrong_other", None, None, message, rule, release=profile.release, inferred=True)
 
 
 @takes_release
@@ -435,15 +423,14 @@ def classify_sdpa(query: Any, key: Any, *, index_bits: int = MPS_INDEX_BITS, pro
     """Decides MPS's fused SDPA op: wrong above 2**index_bits score elements (B*H*Lq*Lk) on 2.5.1 ..
     2.12.1, values not characterised (pytorch PR #179592); correct from 2.13.0. Only meaningful where
     `sdpa_path` is "fused"; on the math path the bmm rules decide."""
-    prof = profile
-    if prof.judges_conservatively("sdpa"):
-        return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p), prof)
+    if profile.judges_conservatively("sdpa"):
+        return conservative(lambda p: classify_sdpa(query, key, index_bits=index_bits, profile=p), profile)
     limit, _ = limits(index_bits)
     sq, sk = spec_of(query), spec_of(key)
     scores = math.prod(sq.shape[:-1]) * sk.shape[-2]
-    if prof.sdpa_fused and prof.sdpa_fused_wrong and scores > limit:
-        message = f"fused SDPA with {scores} score elements is wrong on MPS {prof.release}; values not characterised"
-        return Fault("wrong_other", "ab", None, message, "sdpa-fused", release=prof.release)
+    if profile.sdpa_fused and profile.sdpa_fused_wrong and scores > limit:
+        message = f"fused SDPA with {scores} score elements is wrong on MPS {profile.release}; values not characterised"
+        return Fault("wrong_other", "ab", None, message, "sdpa-fused", release=profile.release)
     return OK
 
 

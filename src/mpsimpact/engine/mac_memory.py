@@ -5,13 +5,19 @@ sizes in, a Fault out. See Note [The Mac's largest buffer]."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
+import os
+import platform
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
+from mpsimpact.errors import UsageError
 
 # Note [The Mac's largest buffer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -121,9 +127,8 @@ class MacMemory:
 
     def describe(self) -> str:
         """One sentence for a report: which Mac, its largest buffer and working set, and where each came from."""
-        lends = f"{self.working_set / GIB:.1f} GiB"
         return (f"{self.label[0].upper()}{self.label[1:]}: {self.buffer_words()}; Metal lends a process about "
-                f"{lends} in all")
+                f"{self.working_set / GIB:.1f} GiB in all")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {
@@ -192,9 +197,6 @@ def read_measured(cache: Path, machine: str) -> MacMemory | None:
 
 def write_measured(cache: Path, machine: str, mac: MacMemory) -> Path:
     """Keeps `mac` (measured) for `machine` in the cache, written beside and renamed over (never half-written)."""
-    import os
-    import tempfile
-
     path = measured_path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"machine": machine, "unified_gb": mac.unified_gb, "largest_buffer": mac.largest_buffer,
@@ -212,34 +214,30 @@ def write_measured(cache: Path, machine: str, mac: MacMemory) -> Path:
 
 def machine_key() -> str:
     """This machine as the cache knows it: its chip and its memory in bytes ("Apple M2 Pro, 17179869184 bytes")."""
-    import os
-    import platform
-    import subprocess
-
     try:
         chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
                               timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         chip = ""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{chip or platform.machine()}, {total} bytes"
+    return f"{chip or platform.machine()}, {_unified_bytes()} bytes"
+
+
+def _unified_bytes() -> int:
+    """This machine's memory in bytes (a Mac's unified memory)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def this_mac(cache: Path, measure: bool = True) -> MacMemory:
     """This Mac's limits: measured on it (kept in the cache with the machine; measured now where it was not
     and `measure`), else assumed from its unified memory with the working set Metal reports."""
-    import os
-
     import torch
 
     machine = machine_key()
-    found = read_measured(cache, machine)
-    if found is not None:
+    if (found := read_measured(cache, machine)) is not None:
         return found
     if measure:
         return measure_mac(cache, machine)
-    unified = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return dataclasses.replace(MacMemory.of_size(round(unified)),
+    return dataclasses.replace(MacMemory.of_size(round(_unified_bytes() / GIB)),
                                working_set=int(torch.mps.recommended_max_memory()))
 
 
@@ -247,13 +245,9 @@ def measure_mac(cache: Path, machine: str | None = None) -> MacMemory:
     """Measures this Mac's largest buffer (the largest torch.empty(n, dtype=uint8, device="mps") MPS accepts, each
     freed at once; `largest_allocation`, to 1 MiB) and its working set (torch.mps.recommended_max_memory()),
     and keeps them in the cache with the machine."""
-    import datetime
-    import os
-    import platform
-
     import torch
 
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = _unified_bytes()
 
     def allocates(n_bytes: int) -> bool:
         try:
@@ -295,8 +289,6 @@ def resolve_mac(memory: str | None, cache: Path, flag: str = "--memory") -> MacM
     Raises:
         UsageError: "auto" without an Apple GPU, or a value that is not a size.
     """
-    from mpsimpact.errors import UsageError
-
     if memory is None:
         return None
     if str(memory).strip().lower() == "auto":

@@ -66,10 +66,6 @@ def _shown(value: Any, room: int = 80) -> str:
     return text if len(text) <= room else f"{text[:room]}… ({len(text):,} characters)"
 
 
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
 def read_profile_fields(path: Path, families: frozenset[str]) -> dict[str, Any]:
     """The FaultProfile fields a profile.json holds (`families`: the family names a file may use); the file
     is read only when it is a regular file of at most MAX_PROFILE_BYTES (see Note [Only regular files]).
@@ -104,13 +100,14 @@ def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str,
     if version > PROFILE_SCHEMA:
         raise ProfileFileError(f"Profile '{path}' has schema_version {version}, newer than this mpsimpact "
                                f"reads ({PROFILE_SCHEMA}); upgrade mpsimpact to use it.", path)
-    release = read.get("release", lambda v: _is_str(v) and bool(_RELEASE.match(v)),
+    release = read.get("release", lambda v: isinstance(v, str) and bool(_RELEASE.match(v)),
                        "a release such as 2.15.0")
     measured_on = read.get("measured_on", lambda v: isinstance(v, dict), "an object")
     emulated = read.get("measured_on.emulated", lambda v: isinstance(v, bool), "true or false")
     rules = read.get("rules", lambda v: isinstance(v, dict) and set(ASPECTS) <= set(v),
                      f"an object with the keys {', '.join(ASPECTS)}")
-    fields = _bmm_fields(read) | _mm_fields(read) | _sdpa_fields(read) | _family_fields(read, families)
+    fields = (_bmm_fields(read) | _flags(read, "mm", ("mm_aborts",))
+              | _flags(read, "sdpa", ("sdpa_fused", "sdpa_fused_wrong")) | _family_fields(read, families))
     unmeasured = tuple(a for a in ASPECTS if rules[a] is None or rules[a] == [])
     read.get("unmeasured", lambda v: v == list(unmeasured),
              f"{json.dumps(list(unmeasured))} (its null rules)")
@@ -126,7 +123,7 @@ def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str,
 
 def _are_notes(value: Any) -> bool:
     return value is None or (isinstance(value, list) and len(value) <= MAX_NOTES
-                             and all(_is_str(note) and len(note) <= MAX_NOTE_CHARS for note in value))
+                             and all(isinstance(note, str) and len(note) <= MAX_NOTE_CHARS for note in value))
 
 
 def _bmm_fields(read: _Reader) -> dict[str, Any]:
@@ -143,7 +140,7 @@ def _bmm_fields(read: _Reader) -> dict[str, Any]:
                 raise read.bad(f"{where}.{name}", "one of " + ", ".join(BMM_CHOICES[name]), value)
             if name in ("slice_extent", "input_wrap") and not isinstance(value, bool):
                 raise read.bad(f"{where}.{name}", "true or false", value)
-            if name.endswith("message") and not _is_str(value):
+            if name.endswith("message") and not isinstance(value, str):
                 raise read.bad(f"{where}.{name}", "a text", value)
         checked.append(tuple((name, setting[name]) for name in BMM_FIELDS))
     if not checked:
@@ -156,14 +153,6 @@ def _flags(read: _Reader, aspect: str, names: tuple[str, ...]) -> dict[str, bool
         isinstance(v, dict) and set(v) == set(names) and all(isinstance(x, bool) for x in v.values())),
         f"null or an object of true/false values for {', '.join(names)}")
     return dict(value or {})
-
-
-def _mm_fields(read: _Reader) -> dict[str, Any]:
-    return _flags(read, "mm", ("mm_aborts",))
-
-
-def _sdpa_fields(read: _Reader) -> dict[str, Any]:
-    return _flags(read, "sdpa", ("sdpa_fused", "sdpa_fused_wrong"))
 
 
 def _family_fields(read: _Reader, families: frozenset[str]) -> dict[str, Any]:
@@ -186,8 +175,6 @@ def describe_measurement(measured_on: dict[str, Any]) -> str:
     "emulating 2.5.1 on cpu (no Mac)"."""
     torch, machine, date = (measured_on.get(k) for k in ("torch", "machine", "date"))
     device = measured_on.get("device")
-    if measured_on.get("emulated"):
-        where = f"emulating {measured_on.get('emulated_release')} on {device} (no Mac)"
-    else:
-        where = str(device)
+    where = (f"emulating {measured_on.get('emulated_release')} on {device} (no Mac)" if measured_on.get("emulated")
+             else str(device))
     return ", ".join(str(part) for part in (f"torch {torch}", machine, where, date) if part)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import re
 from pathlib import Path
@@ -294,8 +295,7 @@ def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | Non
 @functools.lru_cache(maxsize=256)
 def parse_version(version: str) -> tuple[int, int, int] | None:
     """(major, minor, patch) of "2.13.0+cpu", "2.12.1", "2.15.0.dev20261101"; None if unreadable."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if not match:
+    if not (match := re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)):
         return None
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
@@ -353,28 +353,20 @@ def cache_root() -> Path:
 @functools.lru_cache(maxsize=16)
 def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
     if root and root.strip():
-        return _checked_root(CACHE_VARIABLE, root, Path(root))
-    if xdg and os.path.isabs(xdg):
-        return _checked_root("XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact")
-    return _checked_root("HOME", home or "", Path.home() / ".cache" / "mpsimpact")
-
-
-def _checked_root(variable: str, value: str, root: Path) -> Path:
-    problem = name_problem(root)
-    if problem is not None:
+        variable, value, folder = CACHE_VARIABLE, root, Path(root)
+    elif xdg and os.path.isabs(xdg):
+        variable, value, folder = "XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact"
+    else:
+        variable, value, folder = "HOME", home or "", Path.home() / ".cache" / "mpsimpact"
+    if (problem := name_problem(folder)) is not None:
         raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}",
                                        "point it at a shorter path")
-    return root
+    return folder
 
 
 def cached_profile_path(release: str) -> Path:
     """Where a profile.json of `release` ("2.15.0") is found for the installed torch of that release."""
-    return _profile_path(cache_root(), release)
-
-
-@functools.lru_cache(maxsize=16)
-def _profile_path(root: Path, release: str) -> Path:
-    return root / "profiles" / f"{release}.json"
+    return cache_root() / "profiles" / f"{release}.json"
 
 
 def installed_profile() -> FaultProfile:
@@ -517,8 +509,6 @@ def takes_release(function: Any) -> Any:
     Raises:
         ValueError, ProfileFileError: as `resolve_profile`, for a release that cannot be resolved.
     """
-    import inspect
-
     parameters = inspect.signature(function).parameters
     keyword_only = parameters["profile"].kind is inspect.Parameter.KEYWORD_ONLY  # after *args (trace_faults)
     where = 1 << 30 if keyword_only else list(parameters).index("profile")
@@ -544,10 +534,7 @@ def measured_profiles() -> tuple[FaultProfile, ...]:
 
 def group_representatives() -> tuple[FaultProfile, ...]:
     """One measured release per release group (the last of each), oldest first: the version table's rows."""
-    chosen: dict[str, FaultProfile] = {}
-    for profile in measured_profiles():
-        chosen[profile.group] = profile
-    return tuple(chosen.values())
+    return tuple({profile.group: profile for profile in measured_profiles()}.values())
 
 
 def view_equal_limit_message(profile: FaultProfile) -> str:

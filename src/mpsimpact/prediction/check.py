@@ -9,18 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.errors import ModelLoadError, UsageError
-from mpsimpact.prediction.safe_size import BoundarySearch, bisect_clean, is_clean, longest_safe_length
 from mpsimpact.prediction.meta_model import (
     MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, resolve_task,
 )
 from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
 from mpsimpact.prediction.outcome import PredictionSection, Subject
 from mpsimpact.prediction.safe_size import (
-    TRACE_TEXTS, fit_lengths, largest_safe_batch, per_text, plan_at, plan_signature, scalable,
+    TRACE_TEXTS, BoundarySearch, bisect_clean, fit_lengths, is_clean, largest_safe_batch, longest_safe_length,
+    per_text, plan_at, plan_signature, scalable,
 )
 from mpsimpact.engine.mac_memory import resolve_mac
 from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, cache_root, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
+
 
 def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
     """(sequence length, the longest length searched) after checking --seq-len against the model."""
@@ -33,11 +34,11 @@ def geometry(config: Any, cfg: CheckConfig) -> tuple[int, int]:
     return length, hard or max(LENGTH_CEILING, length)
 
 
-def profile_info(release: JudgedRelease) -> dict[str, Any]:
+def profile_info(judged: JudgedRelease) -> dict[str, Any]:
     """Which release's rules decide, why, and whether that release was measured."""
-    profile = release.profile
-    source = {ASKED: "--torch-profile", ON_THIS_MAC: f"the installed torch {release.installed.label}"}.get(
-        release.reason, f"a release measured on Macs where the bug is silent ({release.reason})")
+    profile = judged.profile
+    source = {ASKED: "--torch-profile", ON_THIS_MAC: f"the installed torch {judged.installed.label}"}.get(
+        judged.reason, f"a release measured on Macs where the bug is silent ({judged.reason})")
     return {"release": profile.release, "label": profile.label, "group": profile.group,
             "measured": profile.measured, "conservative": profile.conservative, "source": source,
             "notes": list(profile.notes)}
@@ -48,7 +49,7 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     and says what was built and why."""
     import transformers
 
-    release = judge_release(cfg.torch_profile)
+    judged = judge_release(cfg.torch_profile)
     config, where = load_model_config(cfg.model)
     model_class, task, task_basis = resolve_task(config, cfg.task)
     padding = pad_for_the_head(config, model_class)
@@ -59,10 +60,10 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     mac = resolve_mac(cfg.memory, cache_root())
-    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, release.profile,
+    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, judged.profile,
                       cfg.target_len, cfg.cache, mac=mac)
     info = {
-        "release": release,
+        "judged": judged,
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,
         "task": task, "task_basis": task_basis, "attention": module.config._attn_implementation,
         "attention_basis": basis, "heads": heads_of(config), "layers": getattr(config, "num_hidden_layers", None),
@@ -78,9 +79,8 @@ def pad_for_the_head(config: Any, model_class: Any) -> str:
     """A sequence-classification head pools each sample's last token before padding, and refuses batches of
     more than one without a pad token: a config with none gets one for the trace (the last id, which the
     zero token ids never meet, so every token counts). Returns what was done, in words ("" when nothing)."""
-    if getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None):
-        return ""
-    if "ForSequenceClassification" not in getattr(model_class, "__name__", ""):
+    if (getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None)
+            or "ForSequenceClassification" not in getattr(model_class, "__name__", "")):
         return ""
     config.pad_token_id = config.vocab_size - 1
     return f"; pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
@@ -97,24 +97,21 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     ceiling = batch_ceiling(batch)
     two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
     if not scalable(two, four):
-        return _capped(bisect_clean(trace_at, ceiling, "the calls change with the batch size"))
+        return dataclasses.replace(bisect_clean(trace_at, ceiling, "the calls change with the batch size"),
+                                   ceiling=True)
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
         scaled = plan_at(calls, batch, model.index_bits, model.profile, model.mac)
         if plan_signature(scaled) != plan_signature(trace_at(batch)):
             why = f"the scaled calls differ from the trace at batch {batch}"
-            return _capped(bisect_clean(trace_at, ceiling, why))
+            return dataclasses.replace(bisect_clean(trace_at, ceiling, why), ceiling=True)
         basis += f"; the scaling agrees with the trace at batch {batch}"
     found = largest_safe_batch(calls, heads_of(model.config), model.index_bits, model.profile, ceiling, model.mac)
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
     return BoundarySearch(found, ceiling, basis, ceiling=True)
-
-
-def _capped(search: BoundarySearch) -> BoundarySearch:
-    return dataclasses.replace(search, ceiling=True)
 
 
 # The most ops one trace of the length search may hold: a model that runs ops per token (a state-space or
@@ -146,10 +143,8 @@ def safe_length(model: MetaModel, cfg: CheckConfig, batch: int, length: int, hig
     high, cost_note = affordable_length(model, batch, high)
     by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
                                     known=length, mac=model.mac)
-    by_length = dataclasses.replace(by_length, ceiling=bool(cost_note) or length_limit(model.config)[0] is None)
-    if cost_note:
-        by_length = dataclasses.replace(by_length, basis=f"{by_length.basis}; {cost_note}")
-    return by_length
+    return dataclasses.replace(by_length, ceiling=bool(cost_note) or length_limit(model.config)[0] is None,
+                               basis=f"{by_length.basis}; {cost_note}" if cost_note else by_length.basis)
 
 
 def searched(high: int, search: Callable[[], BoundarySearch]) -> BoundarySearch:
@@ -166,7 +161,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
     cfg.validate()
     model, info = prepare(cfg)
-    release = info.pop("release")
+    judged = info.pop("judged")
     length, high = geometry(model.config, cfg)
     batch, heads = cfg.batch_size, info["heads"]
     plan = model.trace(batch, length)  # the asked geometry: where it cannot be traced, that is the answer
@@ -174,7 +169,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
     by_batch = searched(batch_ceiling(batch), lambda: safe_batch(model, batch, length))
     subject = Subject(heads, info["class"], info["supports_attention_interface"], info["parameters"],
                       int(getattr(model.config, "hidden_size", 0) or 0), model.module.dtype, model.backward)
-    section = PredictionSection(release, plan, batch, length, subject)
+    section = PredictionSection(judged, plan, batch, length, subject)
     target = (cfg.target_len or length) if info["encoder_decoder"] else None
     return {
         "config": dataclasses.asdict(cfg),
@@ -183,7 +178,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
                                    f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)") + info["padding"]},
         "release": section.release_json(),
         **({"mac": model.mac.to_json()} if model.mac is not None else {}),
-        "torch_profile": profile_info(release),
+        "torch_profile": profile_info(judged),
         "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
                      "index_bits": cfg.index_bits},
         **section.to_json({"largest_safe_batch": by_batch.largest_safe,

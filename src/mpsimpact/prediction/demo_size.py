@@ -10,9 +10,8 @@ from typing import Any
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import MEASURED, MacMemory, call_bytes, smallest_showing
-from mpsimpact.prediction import memory
 from mpsimpact.prediction.outcome import predict
-from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib
+from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib, largest_fitting_batch
 from mpsimpact.prediction.safe_size import largest_safe_batch, plan_at
 from mpsimpact.config import GIB
 
@@ -108,7 +107,7 @@ def largest_pass_batch(config: Any, length: int, dtype: str, budget: int, attent
     def estimate(batch: int) -> float:
         return estimate_peak_bytes(config, batch, length, DTYPE_BYTES[dtype], attention) * HEADROOM
 
-    return int(memory.largest_fitting_batch(estimate, budget))
+    return int(largest_fitting_batch(estimate, budget))
 
 
 def fits(option: dict[str, Any], mac: MacMemory) -> bool:

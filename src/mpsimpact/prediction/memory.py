@@ -56,9 +56,9 @@ def estimate_peak_bytes(config: Any, batch: int, length: int, dtype_bytes: int =
         return blocked_peak_bytes(config, batch, length, dtype_bytes)
     hidden, heads = config.hidden_size, config.num_attention_heads
     inter = getattr(config, "intermediate_size", 4 * hidden)
-    attention, feed_forward = batch * heads * length * length, batch * length * inter
+    scores, feed_forward = batch * heads * length * length, batch * length * inter
     states = batch * length * hidden
-    return peak_bytes(parameter_count(config, length), states, attention, heads, feed_forward, dtype_bytes)
+    return peak_bytes(parameter_count(config, length), states, scores, heads, feed_forward, dtype_bytes)
 
 
 # Token ids and the attention mask, as the tokenizer gives them to the device: int64.
@@ -91,13 +91,6 @@ def largest_softmax(plan: Any) -> Any | None:
     return max(softmaxes, key=lambda c: c.b.numel, default=None)
 
 
-def softmax_upcast(plan: Any, dtype: Any) -> bool:
-    """Whether the traced forward's largest softmax runs in fp32 in a 16-bit model (an eager softmax with
-    dtype=torch.float32): the trace must hold every op (`every_op`), or at least that softmax."""
-    largest = largest_softmax(plan)
-    return largest is not None and dtype.itemsize < UPCAST_BYTES and largest.b.dtype == "float32"
-
-
 def traced_peak_bytes(plan: Any, parameters: int, batch: int, length: int, hidden: int, heads: int,
                       dtype: Any, backward: bool) -> tuple[int, str]:
     """`peak_bytes` of any traced model (its largest bmm tensor and mm output from the plan, its softmax's
@@ -108,8 +101,9 @@ def traced_peak_bytes(plan: Any, parameters: int, batch: int, length: int, hidde
     mm = max((c.out_numel for c in forward if c.family == "mm"), default=0)
     layer_mm = max((c.out_numel for c in forward if c.family == "mm" and re.search(r"\.\d+\.", c.module)),
                    default=mm)
-    states, upcast = batch * length * hidden, softmax_upcast(plan, dtype)
-    softmax = largest_softmax(plan)
+    softmax, states = largest_softmax(plan), batch * length * hidden
+    # a 16-bit model whose largest softmax runs in fp32 (an eager softmax with dtype=torch.float32)
+    upcast = softmax is not None and dtype.itemsize < UPCAST_BYTES and softmax.b.dtype == "float32"
     live = (softmax.live_bytes or 0) if softmax is not None and softmax.b.numel * 2 >= bmm else 0
     total = peak_bytes(parameters, states, bmm, heads, mm, dtype.itemsize, upcast, live)
     basis = (f"{str(dtype).removeprefix('torch.')}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state "

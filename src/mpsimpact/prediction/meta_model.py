@@ -49,6 +49,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a config's 
 # gives) comes before the 4-D one, which some models would broadcast wrongly (DeBERTa builds its own (B, 1, L, L)
 # from a 2-D mask). No variant changes a matmul.
 MASKS = ("none", "2-D ones", "4-D ones")
+PASS_A_MODEL = "pass a model folder, a config.json or a hub id."  # what every refused model source is told
 
 
 def _looks_like_path(source: str) -> bool:
@@ -87,22 +88,18 @@ def _check_local_source(path: Path, source: str) -> None:
     that looks like a path must exist. A hub id (nothing of that name here) passes."""
     problem = name_problem(path) if _looks_like_path(source) or len(source) > NAME_MAX else None
     if problem is not None:
-        raise UsageError(f"Model '{shown_path(source)}' {problem}; pass a model folder, a config.json or a hub "
-                         "id.")
+        raise UsageError(f"Model '{shown_path(source)}' {problem}; {PASS_A_MODEL}")
     if path.is_dir():
         problem = path_problem(path / "config.json", MAX_CONFIG_BYTES, "a config")
         if problem == "does not exist":
-            raise ModelLoadError(f"Folder '{source}' has no config.json; pass a model folder, a config.json or a "
-                                 "hub id.")
+            raise ModelLoadError(f"Folder '{source}' has no config.json; {PASS_A_MODEL}")
         if problem is not None:
-            raise ModelLoadError(f"Folder '{source}': its config.json {problem}; pass a model folder, a "
-                                 "config.json or a hub id.")
+            raise ModelLoadError(f"Folder '{source}': its config.json {problem}; {PASS_A_MODEL}")
     elif os.path.lexists(path):
-        problem = path_problem(path, MAX_CONFIG_BYTES, "a config")
-        if problem is not None:
-            raise UsageError(f"Model '{source}' {problem}; pass a model folder, a config.json or a hub id.")
+        if (problem := path_problem(path, MAX_CONFIG_BYTES, "a config")) is not None:
+            raise UsageError(f"Model '{source}' {problem}; {PASS_A_MODEL}")
     elif _looks_like_path(source):
-        raise UsageError(f"'{source}' does not exist; pass a model folder, a config.json or a hub id.")
+        raise UsageError(f"'{source}' does not exist; {PASS_A_MODEL}")
 
 
 def _cached_config_file(source: str) -> Path | None:
@@ -128,7 +125,7 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
     try:
         data = read_file_bytes(file, MAX_CONFIG_BYTES, "a config")
     except FileProblemError as error:
-        raise ModelLoadError(f"Config '{file}' {error}; pass a model folder, a config.json or a hub id.") from None
+        raise ModelLoadError(f"Config '{file}' {error}; {PASS_A_MODEL}") from None
     try:
         fields = parse_json(data, allow_nan=True)  # Mamba-2 configs hold Infinity
     except ValueError as error:

@@ -9,14 +9,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.modes.chunking import Blocks, attention_blocks
+from mpsimpact.modes.chunking import attention_blocks, split_bmm, split_sdpa
 from mpsimpact.budget import bytes_per_score_of, target_budget
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
-from mpsimpact.engine.call import CallRecord
+from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import allocates
-from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.piecewise import has_split
 
 
@@ -81,16 +80,14 @@ class Prediction:
         return "clean"
 
     def to_json(self) -> dict[str, Any]:
+        stop = self.stop
         return {
-            "outcome": self.outcome,
-            "first_corrupted_text": self.first_corrupted_text,
-            "first_corrupted_head": self.first_corrupted_head,
-            "corrupted_count": self.corrupted_count,
+            "outcome": self.outcome, "first_corrupted_text": self.first_corrupted_text,
+            "first_corrupted_head": self.first_corrupted_head, "corrupted_count": self.corrupted_count,
             "corrupted_fraction": self.corrupted_count / self.batch,
-            "uncharacterised_faults": len(self.uncharacterised),
-            "unmeasured_faults": len(self.unmeasured),
-            "stops": None if self.stop is None else {"call": self.stop.to_json(), "kind": self.stop.fault.kind,
-                                                     "message": self.stop.fault.message},
+            "uncharacterised_faults": len(self.uncharacterised), "unmeasured_faults": len(self.unmeasured),
+            "stops": None if stop is None else {"call": stop.to_json(), "kind": stop.fault.kind,
+                                                "message": stop.fault.message},
             "silent_faults": [call.to_json() for call in self.silent],
         }
 
@@ -160,15 +157,6 @@ def is_attention_call(call: CallRecord, batch: int, heads: int) -> bool:
     if call.family == "sdpa" or (call.family == "bmm" and call.a.shape[0] == batch * heads):
         return True
     return not call.is_product and len(call.a.shape) == 4 and call.a.shape[:2] == (batch, heads)
-
-
-def safe_eager_blocks(calls: list[CallRecord], batch: int, heads: int, index_bits: int,
-                      scores: int | None = None) -> Blocks | None:
-    """The pieces mps_safe_eager (mpsimpact.attention) would use for these attention calls: its own
-    `attention_blocks` at their largest geometry (grouped heads counted as copied, as eager does), within
-    `scores` score elements a piece where given (the memory budget, see Note [Attention memory budget])."""
-    length, keys, dim = attention_geometry(calls)
-    return attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits, scores)
 
 
 def attention_geometry(calls: list[CallRecord]) -> tuple[int, int, int]:
@@ -260,17 +248,18 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
     others = [c for c in faults if c not in attention]
     if not attention:
         return f"{name} does not help: no faulting call is in attention."
-    per_score = bytes_per_score_of(attention[0].a.dtype)
-    budget = target_budget("mps")
-    blocks = safe_eager_blocks(attention, batch, heads, index_bits, max(1, budget // per_score))
+    per_score, budget = bytes_per_score_of(attention[0].a.dtype), target_budget("mps")
+    # The pieces mps_safe_eager (mpsimpact.attention) would use: its own `attention_blocks` at the calls' largest
+    # geometry (grouped heads counted as copied, as eager does), within the memory budget (Note [Attention memory
+    # budget]).
+    length, keys, dim = attention_geometry(attention)
+    blocks = attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits, max(1, budget // per_score))
     if blocks is None:
         return f"{name} cannot make them safe: one query row of a head already crosses a limit."
-    length = max(c.a.shape[-2] for c in attention)
     unit = (f"blocks of {blocks.block} query rows of one head" if blocks.block < length else
             f"{blocks.rows // heads} samples" if blocks.rows >= heads else f"{blocks.rows} heads of one sample")
     if blocks.key_block is not None:
         unit += f" over blocks of {blocks.key_block} keys (online softmax)"
-    keys = attention_geometry(attention)[1]
     rows = blocks.rows - blocks.rows % heads if blocks.rows >= heads else blocks.rows  # whole samples a piece
     piece = per_score * rows * blocks.block * (blocks.key_block or keys)
     tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
@@ -308,7 +297,7 @@ def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False
     pass adds: step_outcome), and the calls where MPS stops the run."""
     prediction = predict(plan, batch, heads, "forward")
     whole = predict(plan, batch, heads, "all") if training else None
-    outcome, words = step_outcome(prediction, whole, lambda p: _describe(p, batch))
+    outcome, words = step_outcome(prediction, whole, _describe)
     profile = plan.fault_profile
     if profile is not None and (unknown := undecided_at(profile, whole or prediction)) is not None:
         words = (f"cannot tell: {cannot_tell(profile.release, unknown)}; judged as the worst measured release would "
@@ -338,7 +327,7 @@ def _note(prediction: Prediction) -> str:
     return "some calls are wrong in a pattern nobody characterised (kind wrong_other)"
 
 
-def _describe(prediction: Any, batch: int) -> str:
+def _describe(prediction: Prediction) -> str:
     if prediction.stop is not None:
         what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
         stop = prediction.stop
@@ -347,13 +336,12 @@ def _describe(prediction: Any, batch: int) -> str:
                     "the Mac cannot allocate that tensor, before any wrong value")
         return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
     if prediction.first_corrupted_text is not None:
-        return (f"{prediction.corrupted_count} of {batch} samples silently wrong, from sample "
+        return (f"{prediction.corrupted_count} of {prediction.batch} samples silently wrong, from sample "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
     if prediction.outcome == "unmeasured":
-        calls = unmeasured_calls(prediction.unmeasured)
-        return f"unmeasured: {calls} nobody measured on MPS (judged conservatively)"
+        return f"unmeasured: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
-        which = "the one sample" if batch == 1 else "which samples is not characterised: any may be"
+        which = "the one sample" if prediction.batch == 1 else "which samples is not characterised: any may be"
         return f"silently wrong ({which})"
     return "clean"
 
@@ -369,8 +357,6 @@ def site(call: CallRecord, shapes: bool = False) -> str:
     """Where a call is, in a talk's words: 'the scaling of the attention scores', 'eager attention's P V
     product', 'gelu in encoder.layer.0'; with `shapes`, the op and its shapes after them in brackets
     ('... (mul on 16x12x256x256)'), for --verbose and the files."""
-    from mpsimpact.engine.call import op_cell
-
     if allocates(call.op):  # an empty tensor made whole (blocked_eager's P): where a Mac's buffer refuses it
         square = len(call.b.shape) == 4 and call.b.shape[-1] == call.b.shape[-2]
         words = f"{'the attention probabilities P' if square else 'a tensor'}, allocated whole"
@@ -426,12 +412,12 @@ def cannot_tell(release: str, call: CallRecord) -> str:
             "`mpsimpact sweep` on a Mac measures it")
 
 
-def on_a_mac(release: Any, installed: Prediction) -> str | None:
+def on_a_mac(judged: Any, installed: Prediction) -> str | None:
     """What the installed torch would do to this run on a Mac, with the flag that shows it; None when the
-    installed release is the one judged (`release`: engine.release.JudgedRelease)."""
-    if release.is_installed:
+    installed release is the one judged (`judged`: engine.release.JudgedRelease)."""
+    if judged.is_installed:
         return None
-    profile = release.installed
+    profile = judged.installed
     unknown = undecided_at(profile, installed)
     if unknown is not None:
         return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
@@ -458,10 +444,10 @@ class PredictionSection:
     def release_json(self) -> dict[str, Any]:
         """The judged release and why, with what the installed torch would do to this run on a Mac, and the flag
         that shows it (None where the installed release is the one judged)."""
-        release = self.release
-        installed = None if release.is_installed else predict(
-            self.plan.on_mac(None).under(release.installed), self.batch, self.subject.heads)
-        return release.to_json() | {"on_a_mac": on_a_mac(release, installed)}
+        judged = self.release
+        installed = None if judged.is_installed else predict(
+            self.plan.on_mac(None).under(judged.installed), self.batch, self.subject.heads)
+        return judged.to_json() | {"on_a_mac": on_a_mac(judged, installed)}
 
     def to_json(self, safe: dict[str, Any]) -> dict[str, Any]:
         """The words of plan and check: the calls traced, the faulting ones, the outcome, `safe` (the largest

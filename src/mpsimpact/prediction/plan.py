@@ -10,10 +10,10 @@ from mpsimpact.errors import UsageError
 from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
 from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
 from mpsimpact.prediction.memory import in_gib
-from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.meta_model import trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
 from mpsimpact.engine.mac_memory import resolve_mac
-from mpsimpact.engine.release import cache_root
+from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, cache_root, judge_release, profile_for
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -34,11 +34,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         config: what was asked (validated here).
         scenario: the scenario instance (runs.scenario.Scenario) whose model and defaults are planned.
     """
-    from mpsimpact.engine.release import judge_release
-    from mpsimpact.prediction.meta_model import usable_positions
-
     config.validate()
-    release = judge_release(config.torch_profile)  # once, here: the value travels down
+    judged = judge_release(config.torch_profile)  # once, here: the value travels down
     batch = config.batch_size or scenario.default_batch_size
     length = config.max_length or scenario.default_max_length
     model_config = scenario.load_config()
@@ -47,7 +44,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    profile, mac = release.profile, resolve_mac(config.memory, cache_root())
+    profile, mac = judged.profile, resolve_mac(config.memory, cache_root())
     traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None, profile=profile)
               for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
@@ -57,7 +54,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     subject = Subject(heads, type(meta).__name__, parameters=sum(p.numel() for p in meta.parameters()),
                       hidden=model_config.hidden_size, dtype=next(meta.parameters()).dtype,
                       training=config.backward)
-    section = PredictionSection(release, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
+    section = PredictionSection(judged, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
                                 length, subject)
     report = {
         "config": dataclasses.asdict(config) | {"batch_size": batch, "max_length": length},
@@ -89,7 +86,6 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
     smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
-    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, profile_for
     from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
                                                 recommend, working_set_words)
 

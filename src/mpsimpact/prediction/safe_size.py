@@ -51,6 +51,12 @@ def _flat(spec: TensorSpec) -> tuple[int, ...]:
     return (*spec.shape, *spec.stride, spec.storage_offset)
 
 
+def _unflat(values: list[int], like: TensorSpec) -> TensorSpec:
+    """The spec whose `_flat` is `values`, of `like`'s rank and dtype."""
+    ndim = len(like.shape)
+    return TensorSpec(tuple(values[:ndim]), tuple(values[ndim:2 * ndim]), values[-1], like.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class LengthFittedCall:
     """One traced call with each entry of its operands' shapes, strides and offsets fitted in L."""
@@ -61,14 +67,9 @@ class LengthFittedCall:
 
     def at(self, length: int) -> CallRecord:
         """The call at `length` (its fault not yet decided)."""
-        a, b = _spec_at(self.call.a, self.a, length), _spec_at(self.call.b, self.b, length)
+        a, b = (_unflat([_value(fit, length) for fit in fits], spec)
+                for spec, fits in ((self.call.a, self.a), (self.call.b, self.b)))
         return self.call.evolve(a=a, b=b)
-
-
-def _spec_at(spec: TensorSpec, fits: tuple[Fit, ...], length: int) -> TensorSpec:
-    values = [_value(fit, length) for fit in fits]
-    ndim = len(spec.shape)
-    return TensorSpec(tuple(values[:ndim]), tuple(values[ndim:2 * ndim]), values[-1], spec.dtype)
 
 
 def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFittedCall]:
@@ -87,12 +88,6 @@ def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFi
     return fitted
 
 
-def plan_at_length(calls: list[LengthFittedCall], length: int, index_bits: int,
-                   profile: FaultProfile, mac: MacMemory | None = None) -> FaultPlan:
-    """The fault plan at `length`, rebuilt from the fitted calls by arithmetic alone (as `plan_at`)."""
-    return FaultPlan.from_trace(tuple(fitted.at(length) for fitted in calls), index_bits, profile, mac)
-
-
 def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list[LengthFittedCall]:
     """The fitted calls MPS runs under `profile` (FaultPlan.from_trace keeps the same), one per distinct
     op and operand fits: a model's layers repeat their calls, and equal fits give equal calls at any length."""
@@ -100,12 +95,6 @@ def _distinct_runs(calls: list[LengthFittedCall], profile: FaultProfile) -> list
     for fitted in runs_on_mps(calls, profile):
         distinct.setdefault((fitted.call.op, fitted.call.family, fitted.a, fitted.b), fitted)
     return list(distinct.values())
-
-
-def _clean_at(kept: list[LengthFittedCall], length: int, index_bits: int, profile: FaultProfile,
-              mac: MacMemory | None = None) -> bool:
-    """is_clean(plan_at_length(...)) for the calls of _distinct_runs, by arithmetic on them alone."""
-    return all(decide(fitted.at(length), index_bits, profile, mac).is_ok for fitted in kept)
 
 
 def is_clean(plan: FaultPlan) -> bool:
@@ -190,16 +179,16 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
     lengths = fit_lengths(high, known)
     try:
         calls = fit_calls([trace_at(n) for n in lengths], lengths)
-        kept = _distinct_runs(calls, profile)
+        kept = _distinct_runs(calls, profile)  # whether each length is clean, by arithmetic on them alone
         first_bad = next((L for L in candidate_lengths(calls, high, index_bits, mac)
-                          if not _clean_at(kept, L, index_bits, profile, mac)), None)
+                          if any(not decide(f.at(L), index_bits, profile, mac).is_ok for f in kept)), None)
     except _Unscalable as error:
         return bisect_clean(trace_at, high, f"the calls do not scale as quadratics in the length: {error}")
     answer = high if first_bad is None else first_bad - 1
     checks = [L for L in (answer, answer + 1) if 1 <= L <= high]
     for length in checks:
-        try:
-            expected = plan_at_length(calls, length, index_bits, profile, mac)
+        try:  # the fault plan at `length`, rebuilt from the fitted calls by arithmetic alone (as `plan_at`)
+            expected = FaultPlan.from_trace(tuple(f.at(length) for f in calls), index_bits, profile, mac)
         except _Unscalable:
             return bisect_clean(trace_at, high, f"the fit does not hold at length {length}")
         traced = trace_at(length)
@@ -264,9 +253,8 @@ class PerTextCall:
 def _scaled(two: TensorSpec, four: TensorSpec, batch: int) -> TensorSpec:
     if two == four:
         return two
-    entries = [x + (y - x) // TRACE_TEXTS * (batch - TRACE_TEXTS) for x, y in zip(_flat(two), _flat(four))]
-    ndim = len(two.shape)
-    return TensorSpec(tuple(entries[:ndim]), tuple(entries[ndim:2 * ndim]), entries[-1], two.dtype)
+    return _unflat([x + (y - x) // TRACE_TEXTS * (batch - TRACE_TEXTS) for x, y in zip(_flat(two), _flat(four))],
+                   two)
 
 
 TRACE_TEXTS = 2
@@ -307,31 +295,24 @@ def scalable(two: FaultPlan, four: FaultPlan) -> bool:
         for c2, c4 in zip(two.trace, four.trace))
 
 
-def is_safe(calls: list[PerTextCall], batch: int, index_bits: int, profile: FaultProfile,
-            mac: MacMemory | None = None) -> bool:
-    """Whether every call MPS makes is "ok" at `batch` texts (pure arithmetic on rescaled shapes)."""
-    return all(call.fault.is_ok for call in plan_at(calls, batch, index_bits, profile, mac).calls)
-
-
 def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int, profile: FaultProfile,
                        ceiling: int = 1 << 24, mac: MacMemory | None = None) -> int:
     """The largest batch B such that every batch up to B is safe. The rules change outcome only
     where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch (on `mac`, where a
     call's bytes reach its largest buffer), so only those candidate sizes are checked."""
-    limits_ = (1 << (index_bits - 1), 1 << index_bits)
+    limit, view_limit = limits(index_bits)
     candidates = set(_buffer_batches(calls, mac.buffer_at(index_bits))) if mac is not None else set()
     for p in calls:
         a, b = p.at(1)  # per-text shapes (only used for element counts)
         out = out_elements(p.call.family, a, b)
-        for per_text in (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out):
-            for limit in limits_:
-                if per_text:
-                    candidates.update({limit // per_text, limit // per_text + 1, -(-limit // per_text)})
+        for per_text in filter(None, (a.numel if p.a_scales else 0, b.numel if p.b_scales else 0, out)):
+            for bound in (view_limit, limit):
+                candidates.update({bound // per_text, bound // per_text + 1, -(-bound // per_text)})
         if p.call.family == "bmm":  # where the first wrapped row enters the batch
             for spec in (a, b):
-                candidates.add(-(-limits_[1] // spec.per_batch) // a.shape[0] + 1)
+                candidates.add(-(-limit // spec.per_batch) // a.shape[0] + 1)
     for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
-        if not is_safe(calls, batch, index_bits, profile, mac):
+        if plan_at(calls, batch, index_bits, profile, mac).faults:  # pure arithmetic on rescaled shapes
             return batch - 1
     return ceiling
 

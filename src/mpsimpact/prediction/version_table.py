@@ -15,7 +15,6 @@ from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, measured_profiles, profile_for
 
 
-
 def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
     """One cell: the forward pass's outcome, and for a training step what the backward adds."""
     outcome, message = step_outcome(forward, whole, Prediction.describe, outputs="logits")
