@@ -223,6 +223,17 @@ class MatmulMode(TorchDispatchMode):
     linear (which reach it whole under inference mode) and hands each matmul call to
     `on_matmul`; `on_other` sees every other op."""
 
+    _passing = False  # inside a call decided at its entry (a fused SDPA): MPS runs it as one op
+
+    def _as_one_op(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs a call decided at its entry as one op: what runs it here (a CPU kernel, or on meta its
+        math decomposition) is not what MPS runs, so this mode lets its ops through."""
+        passing, self._passing = self._passing, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._passing = passing
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             return self.dispatch(func, args, kwargs or {})

@@ -107,7 +107,6 @@ class EmulateMode(MatmulMode):
         self.calls = 0
         self.records: list[CallRecord] = []
         self._grouped = False
-        self._passing = False  # inside a fused SDPA call: MPS runs it as one op, decided at its entry
         # Plan replay of the other families: each planned call by (sdpa scope, op name, occurrence), and
         # the calls of each (scope, name) made so far (see `peek_op`).
         others = [c for c in (plan.calls if plan else ()) if not c.is_product]
@@ -312,11 +311,7 @@ class EmulateMode(MatmulMode):
         fault, _ = self._decide(index, "sdpa", None, query, key)
         if not fault.is_ok:
             self._refuse(self._record(index, "sdpa", query, key, fault))
-        passing, self._passing = self._passing, True  # what runs it here is not what MPS runs
-        try:
-            return proceed(*args, **kwargs)
-        finally:
-            self._passing = passing
+        return self._as_one_op(proceed, *args, **kwargs)  # what runs it here is not what MPS runs
 
     def _math_path_with_dropout(self, proceed, args: tuple, kwargs: dict, device: torch.device) -> Any:
         """The math path with dropout: MPS draws its random mask in the math kernel, this device's SDPA kernel
@@ -329,11 +324,7 @@ class EmulateMode(MatmulMode):
         if len(self.records) != altered:
             return out
         rng.set_rng_state(state)
-        passing, self._passing = self._passing, True
-        try:
-            return proceed(*args, **kwargs)
-        finally:
-            self._passing = passing
+        return self._as_one_op(proceed, *args, **kwargs)
 
     def _math_path(self, *args: Any, **kwargs: Any) -> Any:
         """SDPA's math path; under a plan, its other calls are looked up in the scope of that SDPA call

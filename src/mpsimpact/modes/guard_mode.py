@@ -150,7 +150,6 @@ class GuardMode(MatmulMode):
         self.chunk_sizes: list[int] = []  # parallel to `chunked`
         self.warned: list[CallRecord] = []  # mode "warn": the calls it let run (and warned of, once a site)
         self._warned: set[tuple[str, int]] = set()
-        self._passing = False  # inside a fused SDPA call decided at its entry: MPS runs it as one op
         self._paused_trace: Any = None  # torch.jit.trace's state, paused while the guard decides a call
 
     @functools.cached_property
@@ -439,15 +438,6 @@ class GuardMode(MatmulMode):
                             current_phase())
         return self._act(record, fault, None, lambda: None, lambda: self._as_one_op(proceed, *args, **kwargs),
                          active, why_not="the guard does not split a nested tensor's call")
-
-    def _as_one_op(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Runs a fused SDPA call decided at its entry: what runs it here (a CPU kernel, or on meta its
-        math decomposition) is not what MPS runs, so our dispatch mode lets it through."""
-        passing, self._passing = self._passing, True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._passing = passing
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """A composite op is judged whole (softmax.int as softmax, an 'other' op on what it makes) unless
