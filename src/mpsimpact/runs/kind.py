@@ -50,10 +50,11 @@ class RunKind(abc.ABC):
                              "--versions` predicts sdpa.")
 
     @abc.abstractmethod
-    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict,
+    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, sections: dict,
             progress) -> tuple[dict, dict]:
-        """Every condition against the reference; returns (report body with "conditions",
-        "repeated_texts", "tokens" and "reference"; arrays for figures and files)."""
+        """Every condition against the reference (`sections`: each attention's fault plan and prediction,
+        outcome.PredictionSection); returns (report body with "conditions", "repeated_texts", "tokens" and
+        "reference"; arrays for figures and files)."""
 
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
         """PNG figures by file name."""
