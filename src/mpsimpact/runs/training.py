@@ -76,7 +76,7 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
     """Forward and backward of one step; whether it completed. Its graph dies with this frame,
     also when the step stops."""
     held: dict[str, Any] = {}
-    stage = "forward"
+    phase = "forward"
     try:
         stepping = (condition(geometry, plan, guard_mode, training=True) if geometry
                     else contextlib.nullcontext((None, None)))
@@ -86,11 +86,11 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
             logits = module(**inputs)
             if step == 0:
                 out["logits"] = logits.detach().float().cpu().numpy()
-            stage = "backward"
+            phase = "backward"
             torch.nn.functional.cross_entropy(logits, labels).backward()
     except (OversizedOpError, RuntimeError) as error:
         out.update(status="stopped_by_guard" if isinstance(error, OversizedOpError) else "error",
-                   message=str(error).splitlines()[0], phase=stage, step=step)
+                   message=str(error).splitlines()[0], phase=phase, step=step)
     finally:
         if held.get("emu") is not None:
             out["altered_calls"] += [r.to_json() | {"step": step} for r in held["emu"].records]
@@ -108,27 +108,24 @@ def trusted_matmuls(geometry: Geometry | None, plan) -> frozenset[str]:
     return MATMULS - {call.family for call in plan.calls if not call.fault.is_ok}
 
 
+def _tensor_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |value - reference| / max |reference| (max |value - reference| for a reference of zeros)."""
+    return float((value - reference).abs().max().item() / (reference.abs().max().item() or 1.0))
+
+
 def gradient_errors(gradients: Mapping[str, torch.Tensor],
                     reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter tensor: max |g - g_ref| / max |g_ref|."""
-    errors = {}
-    for name, ref in reference.items():
-        scale = ref.abs().max().item() or 1.0
-        errors[name] = float((gradients[name].detach().float().cpu() - ref).abs().max().item() / scale)
-    return errors
+    return {name: _tensor_error(gradients[name].detach().float().cpu(), ref) for name, ref in reference.items()}
 
 
 def update_error(trained: torch.nn.Module, reference: torch.nn.Module,
                  initial: Mapping[str, torch.Tensor]) -> float:
     """max over parameters of |delta - delta_ref| / max |delta_ref| (the update, not the weights)."""
-    worst = 0.0
     ref_params = dict(reference.named_parameters())
-    for name, p in trained.named_parameters():
-        delta = p.detach().cpu() - initial[name]
-        ref_delta = ref_params[name].detach().cpu() - initial[name]
-        scale = ref_delta.abs().max().item() or 1.0
-        worst = max(worst, (delta - ref_delta).abs().max().item() / scale)
-    return worst
+    errors = (_tensor_error(p.detach().cpu() - initial[name], ref_params[name].detach().cpu() - initial[name])
+              for name, p in trained.named_parameters())
+    return max([0.0, *errors])  # a running max from 0: a NaN never wins
 
 
 def evaluate(module: torch.nn.Module, tokenizer, texts, length: int) -> np.ndarray:
