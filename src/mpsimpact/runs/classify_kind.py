@@ -3,6 +3,8 @@ condition, logits judged against a CPU (or same-dtype) reference; its columns, f
 
 from __future__ import annotations
 
+import io
+import json
 from typing import Any
 
 import numpy as np
@@ -80,8 +82,9 @@ class ClassifyKind(RunKind):
                           self.figure_line(report))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
-        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
-                "logits.npz": logits_npz(arrays)}
+        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),  # full-precision logits:
+                "logits.npz": npz_bytes({"reference": arrays["reference"], "gold": arrays["gold"]},
+                                        arrays.get("logits", {}))}
 
     def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
         """samples.jsonl's, or where it is missing, recomputed from logits.npz at the report's threshold."""
@@ -137,12 +140,15 @@ class ClassifyKind(RunKind):
 
 
 def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):
-    """The same-dtype, small-batch reference that judges half precision (reference.same_dtype_reference)."""
-    from mpsimpact.runs.reference import CHUNK, same_dtype_reference
+    """Half precision's judge: the module as it is (dtype, device), over small batches of texts far
+    below every limit, padded to the run length exactly as the device pass is; no emulation, no
+    guard: an independent computation on the same kernels."""
+    from mpsimpact.runs.reference import CHUNK, run_chunked
 
     info["same_dtype"] = {"device": geometry.device, "dtype": geometry.dtype, "batch": CHUNK}
     advance = progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts))
-    return same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device, advance)
+    return run_chunked(module, model.tokenizer, texts, geometry.run_length, advance=advance, device=geometry.device,
+                       padding="max_length")
 
 
 def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
@@ -158,8 +164,6 @@ def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: 
 
 def samples_jsonl(report: dict, arrays: dict) -> str:
     """One line per text and completed condition."""
-    import json
-
     names, ref, gold = report["label_names"], arrays["reference"], arrays["gold"]
     ref_pred = ref.argmax(axis=1)
     threshold = report["reference"].get("threshold", report["config"]["threshold"])
@@ -176,13 +180,8 @@ def samples_jsonl(report: dict, arrays: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def logits_npz(arrays: dict) -> bytes:
-    """Full-precision logits: the reference and each completed condition (for comparisons)."""
-    import io
-
-    import numpy as np
-
+def npz_bytes(arrays: dict[str, np.ndarray], conditions: dict[str, np.ndarray]) -> bytes:
+    """An .npz of `arrays` and each completed condition's outputs as "guard_<condition key>" (for comparisons)."""
     buffer = io.BytesIO()
-    np.savez(buffer, reference=arrays["reference"], gold=arrays["gold"],
-             **{f"guard_{k}": v for k, v in arrays.get("logits", {}).items()})
+    np.savez(buffer, **arrays, **{f"guard_{k}": v for k, v in conditions.items()})
     return buffer.getvalue()

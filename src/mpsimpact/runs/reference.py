@@ -185,14 +185,6 @@ def store_reference(key: str, logits: np.ndarray) -> bool:
     return True
 
 
-def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequence[str], run_length: int, device: str,
-                         advance: Callable[[int], None] | None = None) -> np.ndarray:
-    """Half precision's judge: the module as it is (dtype, device), over small batches of texts far
-    below every limit, padded to the run length exactly as the device pass is; no emulation, no
-    guard: an independent computation on the same kernels."""
-    return run_chunked(module, tokenizer, texts, run_length, advance=advance, device=device, padding="max_length")
-
-
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:
     """CPU fp32 reference at the run length, from the on-disk cache when present (an entry of another shape
     than these texts by this model's labels, or of other rows for a model without labels, an embedder, is
