@@ -256,12 +256,16 @@ class FamilyCell:
     def inputs(self) -> tuple[Input, ...]:
         return self.spec.inputs(self.index_bits)
 
+    def on_meta(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The cell's inputs and output on meta: their shapes and dtypes, nothing allocated."""
+        made = make_inputs(self, "meta")
+        return made, self.spec.run(made, "meta", self.index_bits)
+
     def largest_tensor_bytes(self) -> int:
         """Bytes of the largest input or output the cell allocates on the device (what a Mac's largest buffer
         must hold; the op's own intermediates, e.g. the scores of SDPA's math path, are not counted: a device
         that refuses them is caught as it runs, runs.cell.observe)."""
-        made = make_inputs(self, "meta")
-        out = self.spec.run(made, "meta", self.index_bits)
+        made, out = self.on_meta()
         return max(x.numel() * x.element_size() for x in (*made.values(), out))
 
     def bytes_needed(self) -> int:
@@ -269,10 +273,8 @@ class FamilyCell:
         the reference, or, for an op judged by blocks of rows (`rows_of`), one block of them (a block holds
         at most CHUNK_ELEMENTS of the output and of each input); the fp32 draws and the two float64 chunks
         compared (a chunk at a time); and the scores of SDPA's math path (of one block)."""
-        made = make_inputs(self, "meta")
-        out = self.spec.run(made, "meta", self.index_bits)
-        tensors = (*made.values(), out)
-        device = sum(x.numel() * x.element_size() for x in tensors)
+        made, out = self.on_meta()
+        device = sum(x.numel() * x.element_size() for x in (*made.values(), out))
         share = min(1.0, self.block_rows(made, out) / out.shape[0]) if self.spec.rows_of else 1.0
         on_cpu = sum(math.ceil(x.numel() * share) * x.element_size() if name in self.spec.rows_of or x is out
                      else x.numel() * x.element_size() for name, x in (*made.items(), ("", out)))
@@ -288,9 +290,8 @@ class FamilyCell:
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: every element drawn, computed and compared a few times."""
-        made = make_inputs(self, "meta")
-        elements = sum(x.numel() for x in made.values()) + self.spec.run(made, "meta", self.index_bits).numel()
-        return 4 * elements / SPEEDS.get(device, SPEEDS["cpu"])[1]
+        made, out = self.on_meta()
+        return 4 * (sum(x.numel() for x in made.values()) + out.numel()) / SPEEDS.get(device, SPEEDS["cpu"])[1]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

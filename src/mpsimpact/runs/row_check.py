@@ -6,6 +6,7 @@ read back."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +56,7 @@ def reread_rows(items: list[Any], cells: list[Any], problem_of: Callable[[dict[s
             judged.append((number, None, "its cell is not one of this sweep's"))
             continue
         judged.append((number, row, problem_of(row, cell)))
-    seen: dict[tuple, int] = {}
-    for _, row, problem in judged:
-        if row is not None and problem is None:
-            key = cell_key(row["cell"])
-            seen[key] = seen.get(key, 0) + 1
+    seen = Counter(cell_key(row["cell"]) for _, row, problem in judged if row is not None and problem is None)
     kept, dropped = [], []
     for number, row, problem in judged:
         if problem is None and seen[cell_key(row["cell"])] > 1:

@@ -62,22 +62,17 @@ def load_model_config(model_name: str | None) -> Any:
     return load_any(str(embedded_model_path()) if model_name is None else model_name)[0]
 
 
-
 def register(cls: type[Scenario]) -> type[Scenario]:
     """Class decorator: makes `cls` available under `cls.name` (= its file name = CLI word)."""
     _REGISTRY[cls.name] = cls
     return cls
 
 
-def _import_scenarios() -> None:
+def available() -> dict[str, type[Scenario]]:
+    """Every registered scenario, by name."""
     package = importlib.import_module("mpsimpact.scenarios")
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"mpsimpact.scenarios.{info.name}")
-
-
-def available() -> dict[str, type[Scenario]]:
-    """Every registered scenario, by name."""
-    _import_scenarios()
     return dict(sorted(_REGISTRY.items()))
 
 
