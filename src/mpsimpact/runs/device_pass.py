@@ -227,17 +227,6 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     return result
 
 
-@contextlib.contextmanager
-def layer_progress(layers: list[torch.nn.Module], advance):
-    """Advances a progress bar as each layer finishes its forward."""
-    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def run_conditions(config: Any, module, inputs, geometry: Geometry, sections: dict, heads: int, progress):
     """Every condition, attention implementation by guard mode (`sections`: each one's plan and prediction,
     outcome.PredictionSection): yields (key, result); the module is back on eager attention afterwards."""
@@ -259,8 +248,13 @@ def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_m
         return skipped_abort(guard_mode, prediction)
     layers = transformer_layers(module)
     label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
-    with layer_progress(layers, progress(label, len(layers))):
+    advance = progress(label, len(layers))  # as each layer finishes its forward
+    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
+    try:
         result = device_pass(module, inputs, geometry, plan, guard_mode)
+    finally:
+        for handle in handles:
+            handle.remove()
     result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
     return result
 

@@ -253,9 +253,6 @@ class FamilyCell:
     def spec(self) -> FamilyTest:
         return TESTS_BY_NAME[self.test]
 
-    def inputs(self) -> tuple[Input, ...]:
-        return self.spec.inputs(self.index_bits)
-
     def on_meta(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The cell's inputs and output on meta: their shapes and dtypes, nothing allocated."""
         made = make_inputs(self, "meta")
@@ -305,7 +302,7 @@ def family_grid(index_bits: int) -> list[FamilyCell]:
 def make_inputs(cell: FamilyCell, device: str, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """The cell's inputs on `device` (meta: shapes only)."""
     made = {}
-    for name, shape, dtype, fill in cell.inputs():
+    for name, shape, dtype, fill in cell.spec.inputs(cell.index_bits):
         dt = _DT[dtype]
         if device == "meta":
             made[name] = torch.empty(shape, dtype=dt, device="meta")

@@ -223,12 +223,13 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
                      "judged conservatively.")
     if skipped:
-        notes.append(f"{len(skipped)} of {len(rows)} cells were not run ({' or '.join(not_run_counts(skipped))}) and decide "
+        why = " or ".join(not_run_counts(skipped))
+        notes.append(f"{len(skipped)} of {len(rows)} cells were not run ({why}) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
     if family_skipped:
-        names = ", ".join(row["name"] for row in family_skipped)
-        notes.append(f"Family cells not run ({' or '.join(not_run_counts(family_skipped))}): {names}; what they decide is "
+        names, why = ", ".join(row["name"] for row in family_skipped), " or ".join(not_run_counts(family_skipped))
+        notes.append(f"Family cells not run ({why}): {names}; what they decide is "
                      "'unmeasured' (conservative).")
     if not settings and not control and len(skipped) < len(rows):
         notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "
