@@ -40,10 +40,9 @@ def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
     labels = list(counts["device"])
     x = np.arange(len(labels))
     fig, ax = pyplot().subplots(figsize=(6, 4))
-    ax.bar(x - 0.2, [counts["reference"][k] for k in labels], width=0.4, label="reference (CPU fp32)",
-           color="tab:gray")
-    ax.bar(x + 0.2, [counts["device"][k] for k in labels], width=0.4, label="device", color="tab:red")
-    for offset, key in ((-0.2, "reference"), (0.2, "device")):
+    for offset, key, label, color in ((-0.2, "reference", "reference (CPU fp32)", "tab:gray"),
+                                      (0.2, "device", "device", "tab:red")):
+        ax.bar(x + offset, [counts[key][k] for k in labels], width=0.4, label=label, color=color)
         for i, k in enumerate(labels):
             ax.text(i + offset, counts[key][k], str(counts[key][k]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, labels)

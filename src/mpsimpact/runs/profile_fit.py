@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -110,12 +111,8 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def failure_texts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each distinct text MPS printed, with its kind and how many cells printed it."""
-    counts: dict[tuple[str, str], int] = {}
-    for row in rows:
-        text = failure_text(row)
-        if text is not None:
-            kind = "abort" if row["observed"] == "crash" else row["observed"]
-            counts[(kind, text)] = counts.get((kind, text), 0) + 1
+    counts = Counter(("abort" if row["observed"] == "crash" else row["observed"], text)
+                     for row in rows if (text := failure_text(row)) is not None)
     return [{"kind": kind, "text": text, "cells": n} for (kind, text), n in sorted(counts.items())]
 
 
