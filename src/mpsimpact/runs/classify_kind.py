@@ -16,6 +16,7 @@ from mpsimpact.output.page import Footnotes, format_cell
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
+from mpsimpact.runs.metrics import relative_error, summarize
 from mpsimpact.runs.reference import device_reference, reference_logits
 
 
@@ -66,7 +67,11 @@ class ClassifyKind(RunKind):
         conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts,
                                   "errors": {}, "preds": {}}
         for key, result in run_conditions(config, module, inputs, geometry, sections, model.heads, progress):
-            _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
+            logits = result.pop("logits", None)
+            if logits is not None:
+                result.update(summarize(logits, judge, gold, model.label_names, config.corruption_threshold))
+                arrays["errors"][key], arrays["preds"][key] = relative_error(logits, judge), logits.argmax(axis=1)
+                arrays.setdefault("logits", {})[key] = logits
             if "flips" in result and not fp32:
                 result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())
                 result["fp32_reference_accuracy"] = info["accuracy"]
@@ -88,8 +93,6 @@ class ClassifyKind(RunKind):
 
     def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
         """samples.jsonl's, or where it is missing, recomputed from logits.npz at the report's threshold."""
-        from mpsimpact.runs.metrics import relative_error
-
         if name != "logits.npz":
             return super().read_positions(name, run, files)
         if any(c.get("attention") for c in run["conditions"]):
@@ -129,14 +132,9 @@ class ClassifyKind(RunKind):
                 f"(chi-square p = {format_cell(condition['significance']['chi2_collapse_p'])})."]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
-        lines = []
-        for condition in report["conditions"]:
-            if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
-                c = condition["collapse"]
-                lines.append(f"guard off: corrupted texts collapse onto '{c['class']}': "
-                             f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} "
-                             "in the reference")
-        return lines
+        off = [c.get("collapse", {}) for c in report["conditions"] if c["guard"] == "off"]
+        return [f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device vs "
+                f"{c['reference_share']:.1%} in the reference" for c in off if c.get("class")]
 
 
 def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):
@@ -149,17 +147,6 @@ def _half_reference(module, model, texts: list[str], geometry: Geometry, info: d
     advance = progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts))
     return run_chunked(module, model.tokenizer, texts, geometry.run_length, advance=advance, device=geometry.device,
                        padding="max_length")
-
-
-def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
-    from mpsimpact.runs.metrics import relative_error, summarize
-
-    logits = result.pop("logits", None)
-    if logits is not None:
-        result.update(summarize(logits, ref, gold, label_names, threshold))
-        arrays["errors"][key] = relative_error(logits, ref)
-        arrays["preds"][key] = logits.argmax(axis=1)
-        arrays.setdefault("logits", {})[key] = logits
 
 
 def samples_jsonl(report: dict, arrays: dict) -> str:

@@ -88,8 +88,7 @@ class EmbedKind(RunKind):
             if c["status"] == "completed" else ["-"] * 3), f"{c['wall_s']:.1f}s"]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
-        tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""
-        return [f"{tag}{line}" for line in retrieval_lines(report)]
+        return [self.console_title(report, line) for line in retrieval_lines(report)]  # led by the label too
 
 
 def retrieval_lines(report: dict) -> list[str]:
