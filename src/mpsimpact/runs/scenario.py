@@ -33,7 +33,8 @@ class Scenario(abc.ABC):
     default_max_length: ClassVar[int] = 512
     kind: ClassVar[Any]  # a runs.kind.RunKind (kinds register themselves there)
 
-    def __init__(self, model: str | None = None, dataset: str | None = None) -> None:
+    def __init__(self, model: str | None = None, dataset: str | None = None, **options: Any) -> None:
+        self.options = {"model": model, "dataset": dataset, **options}
         self.model_name, self.dataset_name = model, dataset  # --model and --dataset; None: the embedded ones
         self.model: Any = None
         self.data: Any = None
