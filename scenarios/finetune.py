@@ -26,8 +26,8 @@ class FinetuneScenario(SentimentScenario):
         from mpsimpact.models.dataset import LabelledTexts, load_embedded
 
         super().load()
-        self.eval_data = self.data
+        held = self.data
         if self.dataset_name is None:
             self.data = load_embedded("train")
-        held = self.eval_data
-        self.eval_data = LabelledTexts(held.texts[-EVAL_TEXTS:], held.labels[-EVAL_TEXTS:], held.label_names, f"{held.source}, last {EVAL_TEXTS}")
+        self.eval_data = LabelledTexts(held.texts[-EVAL_TEXTS:], held.labels[-EVAL_TEXTS:], held.label_names,
+                                       f"{held.source}, last {EVAL_TEXTS}")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mpsimpact.runs.embed_kind import EmbedKind
-from mpsimpact.runs.scenario import Scenario, load_model_config, register
+from mpsimpact.runs.scenario import Scenario, register
 
 QUERIES = 256
 
@@ -32,7 +32,6 @@ class RetrievalScenario(Scenario):
         if dataset is not None:
             raise UsageError("run retrieval embeds the embedded tweet corpus; --dataset is not supported.")
         super().__init__(model=model)
-        self.model_name = model
         self.queries: tuple[str, ...] = ()
 
     def load(self) -> None:
@@ -42,10 +41,6 @@ class RetrievalScenario(Scenario):
         self.model = load_embedder(self.model_name)
         self.data = load_embedded("heldout")
         self.queries = load_embedded("train").texts[:QUERIES]
-
-    def load_config(self) -> Any:
-        """The transformer's config alone: enough to trace, no weights."""
-        return load_model_config(self.model_name)
 
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
         """The SentenceTransformer's transformer on `meta` (embedder.meta_embedder)."""

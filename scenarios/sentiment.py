@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mpsimpact.runs.classify_kind import ClassifyKind
-from mpsimpact.runs.scenario import Scenario, load_model_config, register
+from mpsimpact.runs.scenario import Scenario, register
 
 
 @register
@@ -24,11 +24,6 @@ class SentimentScenario(Scenario):
     default_max_length = 512
     kind = ClassifyKind()
 
-    def __init__(self, model: str | None = None, dataset: str | None = None) -> None:
-        super().__init__(model=model, dataset=dataset)
-        self.model_name = model
-        self.dataset_name = dataset
-
     @property
     def is_embedded(self) -> bool:
         return self.model_name is None
@@ -39,10 +34,6 @@ class SentimentScenario(Scenario):
 
         self.model = load_embedded_classifier() if self.is_embedded else load_hub_classifier(self.model_name)
         self.data = load_texts(self.dataset_name, self.model.label_names)
-
-    def load_config(self) -> Any:
-        """The model's config alone: enough to trace, no weights."""
-        return load_model_config(self.model_name)
 
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
         """The classifier built on `meta` with an attention implementation, for the shape-only tracer."""

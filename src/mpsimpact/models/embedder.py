@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.models.classifier import (LoadedModel, check_eager, check_model_folder, embedded_model_path,
-                                        implementation, quiet_transformers, with_blocks)
+from mpsimpact.models.classifier import (LoadedModel, PooledEncoder, check_eager, check_model_folder,
+                                        embedded_model_path, implementation, quiet_transformers, with_blocks)
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.errors import ModelLoadError
 from mpsimpact.prediction.meta_model import build_meta_model
@@ -30,19 +30,6 @@ class SentenceEmbedder(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         features = {"input_ids": input_ids, "attention_mask": attention_mask}
         return self.model(features)["sentence_embedding"]  # (B, D)
-
-
-class PooledEncoder(nn.Module):
-    """The tracer's stand-in: the transformer, masked mean pooling and L2 normalisation. Pooling
-    and normalisation make no bmm/mm call, so it makes exactly the SentenceTransformer's calls."""
-
-    def __init__(self, encoder: nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return nn.functional.normalize(hidden.mean(dim=1), dim=-1)  # (B, L, D) -> (B, D)
 
 
 def load_sentence_transformer(source: str | None = None) -> Any:

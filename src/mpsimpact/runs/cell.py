@@ -255,10 +255,6 @@ class CellClock:
         self.estimates = [cell.estimated_seconds(device) for cell in cells]
         self.spent, self.estimated_done, self.done = 0.0, 0.0, 0
 
-    @property
-    def total_estimate(self) -> float:
-        return sum(self.estimates)
-
     def finished(self, seconds: float) -> None:
         self.spent += seconds
         self.estimated_done += self.estimates[self.done]

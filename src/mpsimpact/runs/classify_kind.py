@@ -3,6 +3,8 @@ condition, logits judged against a CPU (or same-dtype) reference; its columns, f
 
 from __future__ import annotations
 
+import io
+import json
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,7 @@ from mpsimpact.output.page import Footnotes, format_cell
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.runs.kind import PASS_COLUMNS, RunKind, pass_cells
 from mpsimpact.runs.device_pass import Geometry, build_batch, run_conditions, tokenize
+from mpsimpact.runs.metrics import relative_error, summarize
 from mpsimpact.runs.reference import device_reference, reference_logits
 
 
@@ -64,7 +67,11 @@ class ClassifyKind(RunKind):
         conditions, arrays = [], {"reference": judge, "fp32_reference": ref, "gold": gold, "texts": texts,
                                   "errors": {}, "preds": {}}
         for key, result in run_conditions(config, module, inputs, geometry, sections, model.heads, progress):
-            _score(result, key, judge, gold, model.label_names, config.corruption_threshold, arrays)
+            logits = result.pop("logits", None)
+            if logits is not None:
+                result.update(summarize(logits, judge, gold, model.label_names, config.corruption_threshold))
+                arrays["errors"][key], arrays["preds"][key] = relative_error(logits, judge), logits.argmax(axis=1)
+                arrays.setdefault("logits", {})[key] = logits
             if "flips" in result and not fp32:
                 result["flips_vs_fp32"] = int((arrays["preds"][key] != ref.argmax(1)).sum())
                 result["fp32_reference_accuracy"] = info["accuracy"]
@@ -80,13 +87,12 @@ class ClassifyKind(RunKind):
                           self.figure_line(report))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
-        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),
-                "logits.npz": logits_npz(arrays)}
+        return {"samples.jsonl": samples_jsonl(report, arrays).encode("utf-8"),  # full-precision logits:
+                "logits.npz": npz_bytes({"reference": arrays["reference"], "gold": arrays["gold"]},
+                                        arrays.get("logits", {}))}
 
     def read_positions(self, name: str, run: dict, files: Any) -> dict[str, frozenset[int]]:
         """samples.jsonl's, or where it is missing, recomputed from logits.npz at the report's threshold."""
-        from mpsimpact.runs.metrics import relative_error
-
         if name != "logits.npz":
             return super().read_positions(name, run, files)
         if any(c.get("attention") for c in run["conditions"]):
@@ -126,40 +132,25 @@ class ClassifyKind(RunKind):
                 f"(chi-square p = {format_cell(condition['significance']['chi2_collapse_p'])})."]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
-        lines = []
-        for condition in report["conditions"]:
-            if condition.get("collapse", {}).get("class") and condition["guard"] == "off":
-                c = condition["collapse"]
-                lines.append(f"guard off: corrupted texts collapse onto '{c['class']}': "
-                             f"{c['device_share']:.1%} on the device vs {c['reference_share']:.1%} "
-                             "in the reference")
-        return lines
+        off = [c.get("collapse", {}) for c in report["conditions"] if c["guard"] == "off"]
+        return [f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device vs "
+                f"{c['reference_share']:.1%} in the reference" for c in off if c.get("class")]
 
 
 def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):
-    """The same-dtype, small-batch reference that judges half precision (reference.same_dtype_reference)."""
-    from mpsimpact.runs.reference import CHUNK, same_dtype_reference
+    """Half precision's judge: the module as it is (dtype, device), over small batches of texts far
+    below every limit, padded to the run length exactly as the device pass is; no emulation, no
+    guard: an independent computation on the same kernels."""
+    from mpsimpact.runs.reference import CHUNK, run_chunked
 
     info["same_dtype"] = {"device": geometry.device, "dtype": geometry.dtype, "batch": CHUNK}
     advance = progress(f"reference ({geometry.device} {geometry.dtype}, batches of {CHUNK})", len(texts))
-    return same_dtype_reference(module, model.tokenizer, texts, geometry.run_length, geometry.device, advance)
-
-
-def _score(result: dict[str, Any], key: str, ref, gold, label_names, threshold: float, arrays: dict) -> None:
-    from mpsimpact.runs.metrics import relative_error, summarize
-
-    logits = result.pop("logits", None)
-    if logits is not None:
-        result.update(summarize(logits, ref, gold, label_names, threshold))
-        arrays["errors"][key] = relative_error(logits, ref)
-        arrays["preds"][key] = logits.argmax(axis=1)
-        arrays.setdefault("logits", {})[key] = logits
+    return run_chunked(module, model.tokenizer, texts, geometry.run_length, advance=advance, device=geometry.device,
+                       padding="max_length")
 
 
 def samples_jsonl(report: dict, arrays: dict) -> str:
     """One line per text and completed condition."""
-    import json
-
     names, ref, gold = report["label_names"], arrays["reference"], arrays["gold"]
     ref_pred = ref.argmax(axis=1)
     threshold = report["reference"].get("threshold", report["config"]["threshold"])
@@ -176,13 +167,8 @@ def samples_jsonl(report: dict, arrays: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def logits_npz(arrays: dict) -> bytes:
-    """Full-precision logits: the reference and each completed condition (for comparisons)."""
-    import io
-
-    import numpy as np
-
+def npz_bytes(arrays: dict[str, np.ndarray], conditions: dict[str, np.ndarray]) -> bytes:
+    """An .npz of `arrays` and each completed condition's outputs as "guard_<condition key>" (for comparisons)."""
     buffer = io.BytesIO()
-    np.savez(buffer, reference=arrays["reference"], gold=arrays["gold"],
-             **{f"guard_{k}": v for k, v in arrays.get("logits", {}).items()})
+    np.savez(buffer, **arrays, **{f"guard_{k}": v for k, v in conditions.items()})
     return buffer.getvalue()

@@ -16,17 +16,14 @@ from mpsimpact.config import DEVICES, GIB
 
 def machine_name() -> str:
     """E.g. "Linux x86_64" or "macOS 15.1 arm64 (Apple M2 Ultra)"."""
-    if platform.system() == "Darwin":
-        chip = _sysctl("machdep.cpu.brand_string")
-        return f"macOS {platform.mac_ver()[0]} {platform.machine()}" + (f" ({chip})" if chip else "")
-    return f"{platform.system()} {platform.machine()}"
-
-
-def _sysctl(key: str) -> str:
+    if platform.system() != "Darwin":
+        return f"{platform.system()} {platform.machine()}"
     try:
-        return subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5).stdout.strip()
+        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return ""
+        chip = ""
+    return f"macOS {platform.mac_ver()[0]} {platform.machine()}" + (f" ({chip})" if chip else "")
 
 
 def has_device(name: str) -> bool:

@@ -41,7 +41,7 @@ class Geometry:
     max_length: int
     run_length: int
     index_bits: int = MPS_INDEX_BITS
-    release: Any = None  # the FaultProfile emulated (or guarded and planned); None: the installed torch's
+    profile: Any = None  # the FaultProfile emulated (or guarded and planned); None: the installed torch's
     attention: str = "eager"  # the attention implementation of the pass
     dtype: str = "float32"  # the device passes' dtype
     attentions: tuple[str, ...] = ("eager",)  # the implementations the run compares, one pass set each
@@ -57,23 +57,22 @@ class Geometry:
         from mpsimpact.engine.release import installed_profile
         from mpsimpact.output.page import EMULATED_LABEL
 
-        release = self.release if self.release is not None else installed_profile()
+        profile = self.profile if self.profile is not None else installed_profile()
         if not self.emulated:
             if self.device != "mps":
                 return f"{self.device} control (no emulation)"
-            other = release.release != installed_profile().release
-            planned = f", guarded and planned as torch {release.label}" if other else ""
+            other = profile.release != installed_profile().release
+            planned = f", guarded and planned as torch {profile.label}" if other else ""
             return f"real MPS (torch {installed_profile().label}){planned}"
         scale = (f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed
                  else "at full scale")
         precision = "" if self.dtype == "float32" else f", {self.dtype}"
-        return f"{EMULATED_LABEL} (torch {release.label}) on {self.device} {scale}{precision}"
+        return f"{EMULATED_LABEL} (torch {profile.label}) on {self.device} {scale}{precision}"
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mac"}
-        ref = self.release.ref if self.release is not None else ""  # report.json names it "profile"
-        return {**{"profile" if k == "release" else k: ref if k == "release" else v for k, v in fields.items()},
-                "replayed": self.replayed, "mode": self.mode}
+        fields["profile"] = self.profile.ref if self.profile is not None else ""  # report.json keeps its ref
+        return fields | {"replayed": self.replayed, "mode": self.mode}
 
 
 def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length: int,
@@ -164,7 +163,7 @@ def build_batch(texts: tuple[str, ...], labels: tuple[int, ...],
 @contextlib.contextmanager
 def condition(geometry: Geometry, plan, guard_mode: str, training: bool = False):
     """Emulation (or not) and the guard (or not) for one condition; inference mode unless training."""
-    bits, profile = geometry.index_bits, geometry.release
+    bits, profile = geometry.index_bits, geometry.profile
     emulation = (contextlib.nullcontext(None) if not geometry.emulated
                  else emulate(plan=plan, profile=profile) if geometry.replayed  # the plan's release: no other
                  else emulate(index_bits=bits, profile=profile, memory=geometry.mac))
@@ -228,17 +227,6 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     return result
 
 
-@contextlib.contextmanager
-def layer_progress(layers: list[torch.nn.Module], advance):
-    """Advances a progress bar as each layer finishes its forward."""
-    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def run_conditions(config: Any, module, inputs, geometry: Geometry, sections: dict, heads: int, progress):
     """Every condition, attention implementation by guard mode (`sections`: each one's plan and prediction,
     outcome.PredictionSection): yields (key, result); the module is back on eager attention afterwards."""
@@ -260,8 +248,13 @@ def condition_pass(module, inputs, geometry: Geometry, plan, prediction, guard_m
         return skipped_abort(guard_mode, prediction)
     layers = transformer_layers(module)
     label = f"device pass on {geometry.device}, {geometry.attention} attention, guard {guard_mode} (layers)"
-    with layer_progress(layers, progress(label, len(layers))):
+    advance = progress(label, len(layers))  # as each layer finishes its forward
+    handles = [layer.register_forward_hook(lambda *_: advance(1)) for layer in layers] if advance else []
+    try:
         result = device_pass(module, inputs, geometry, plan, guard_mode)
+    finally:
+        for handle in handles:
+            handle.remove()
     result["predicted_first_corrupted_index"] = prediction.first_corrupted_text
     return result
 

@@ -4,13 +4,12 @@ its columns, figures, samples and console lines."""
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
 import numpy as np
 
-from mpsimpact.runs.classify_kind import select_reference
+from mpsimpact.runs.classify_kind import npz_bytes, select_reference
 from mpsimpact.runs.device import full_precision_reductions
 from mpsimpact.runs.ranking import COSINE_THRESHOLD, summarize_embeddings, twin_ids
 from mpsimpact.output.page import EMULATED_LABEL, Footnotes
@@ -68,10 +67,8 @@ class EmbedKind(RunKind):
         return render_retrieval(report, arrays["per_text"], self.figure_line(report))
 
     def extra_files(self, report: dict, arrays: dict) -> dict[str, bytes]:
-        buffer = io.BytesIO()
-        np.savez(buffer, reference=arrays["reference"], queries=arrays["queries"],
-                 **{f"guard_{k}": v for k, v in arrays["embeddings"].items()})
-        return {"samples.jsonl": samples_jsonl(arrays).encode("utf-8"), "embeddings.npz": buffer.getvalue()}
+        npz = npz_bytes({"reference": arrays["reference"], "queries": arrays["queries"]}, arrays["embeddings"])
+        return {"samples.jsonl": samples_jsonl(arrays).encode("utf-8"), "embeddings.npz": npz}
 
     def markdown_lines(self, report: dict) -> list[str]:
         return [f"- {line}" for line in retrieval_lines(report)]
@@ -91,8 +88,7 @@ class EmbedKind(RunKind):
             if c["status"] == "completed" else ["-"] * 3), f"{c['wall_s']:.1f}s"]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
-        tag = f"{EMULATED_LABEL}, " if report["geometry"]["emulated"] else ""
-        return [f"{tag}{line}" for line in retrieval_lines(report)]
+        return [self.console_title(report, line) for line in retrieval_lines(report)]  # led by the label too
 
 
 def retrieval_lines(report: dict) -> list[str]:

@@ -102,11 +102,6 @@ def _sdpa_inputs(bits: int) -> tuple[Input, ...]:
     return tuple((name, shape, "fp32", "randn") for name in "qkv")
 
 
-def _indexed(x: dict[str, torch.Tensor], device: str, bits: int) -> torch.Tensor:
-    n = x["x"].shape[0]
-    return x["x"][torch.tensor([0, limits(bits)[0] + 5, n - 1], device=device)]
-
-
 TESTS: tuple[FamilyTest, ...] = (
     FamilyTest("linear", "mm", "mm", False, "Linear 64->32 on x (LIMIT/64 + ..., 64): input past LIMIT",
                _linear_inputs, lambda x, d, b: torch.nn.functional.linear(x["x"], x["w"], x["bias"]),
@@ -118,7 +113,8 @@ TESTS: tuple[FamilyTest, ...] = (
     FamilyTest("cat-1d", "families", "cat", True, "1-D cat of two fp16 halves (N/2 each)",
                _halves(lambda bits: (long_length(bits),)), lambda x, d, b: torch.cat([x["a"], x["b"]])),
     FamilyTest("indexing-1d", "families", "indexing", True, "int64 arange(N) % 1000, then x[[0, LIMIT+5, N-1]]",
-               _long("int64", "arange%1000"), _indexed),
+               _long("int64", "arange%1000"),
+               lambda x, d, b: x["x"][torch.tensor([0, limits(b)[0] + 5, x["x"].shape[0] - 1], device=d)]),
     FamilyTest("masked_fill-1d", "families", "masked_fill", True, "uint8 zeros(LIMIT + 16).masked_fill(mask, 7)",
                lambda bits: (("x", (limits(bits)[0] + 16,), "uint8", "zeros"),
                              ("mask", (limits(bits)[0] + 16,), "bool", "true")),
@@ -253,15 +249,16 @@ class FamilyCell:
     def spec(self) -> FamilyTest:
         return TESTS_BY_NAME[self.test]
 
-    def inputs(self) -> tuple[Input, ...]:
-        return self.spec.inputs(self.index_bits)
+    def on_meta(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The cell's inputs and output on meta: their shapes and dtypes, nothing allocated."""
+        made = make_inputs(self, "meta")
+        return made, self.spec.run(made, "meta", self.index_bits)
 
     def largest_tensor_bytes(self) -> int:
         """Bytes of the largest input or output the cell allocates on the device (what a Mac's largest buffer
         must hold; the op's own intermediates, e.g. the scores of SDPA's math path, are not counted: a device
         that refuses them is caught as it runs, runs.cell.observe)."""
-        made = make_inputs(self, "meta")
-        out = self.spec.run(made, "meta", self.index_bits)
+        made, out = self.on_meta()
         return max(x.numel() * x.element_size() for x in (*made.values(), out))
 
     def bytes_needed(self) -> int:
@@ -269,10 +266,8 @@ class FamilyCell:
         the reference, or, for an op judged by blocks of rows (`rows_of`), one block of them (a block holds
         at most CHUNK_ELEMENTS of the output and of each input); the fp32 draws and the two float64 chunks
         compared (a chunk at a time); and the scores of SDPA's math path (of one block)."""
-        made = make_inputs(self, "meta")
-        out = self.spec.run(made, "meta", self.index_bits)
-        tensors = (*made.values(), out)
-        device = sum(x.numel() * x.element_size() for x in tensors)
+        made, out = self.on_meta()
+        device = sum(x.numel() * x.element_size() for x in (*made.values(), out))
         share = min(1.0, self.block_rows(made, out) / out.shape[0]) if self.spec.rows_of else 1.0
         on_cpu = sum(math.ceil(x.numel() * share) * x.element_size() if name in self.spec.rows_of or x is out
                      else x.numel() * x.element_size() for name, x in (*made.items(), ("", out)))
@@ -288,9 +283,8 @@ class FamilyCell:
 
     def estimated_seconds(self, device: str) -> float:
         """A rough time before anything ran: every element drawn, computed and compared a few times."""
-        made = make_inputs(self, "meta")
-        elements = sum(x.numel() for x in made.values()) + self.spec.run(made, "meta", self.index_bits).numel()
-        return 4 * elements / SPEEDS.get(device, SPEEDS["cpu"])[1]
+        made, out = self.on_meta()
+        return 4 * (sum(x.numel() for x in made.values()) + out.numel()) / SPEEDS.get(device, SPEEDS["cpu"])[1]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -304,7 +298,7 @@ def family_grid(index_bits: int) -> list[FamilyCell]:
 def make_inputs(cell: FamilyCell, device: str, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """The cell's inputs on `device` (meta: shapes only)."""
     made = {}
-    for name, shape, dtype, fill in cell.inputs():
+    for name, shape, dtype, fill in cell.spec.inputs(cell.index_bits):
         dt = _DT[dtype]
         if device == "meta":
             made[name] = torch.empty(shape, dtype=dt, device="meta")

@@ -35,22 +35,14 @@ def by_position(series: dict[str, np.ndarray], predicted: int | None, line: floa
     return png(fig)
 
 
-def error_by_position(errors: dict[str, np.ndarray], predicted: int | None, threshold: float,
-                      title: str) -> bytes:
-    """Relative logit error per batch position, one series per completed guard condition."""
-    return by_position(errors, predicted, threshold, f"corrupted above {threshold:g}",
-                       ("position in batch", "max |logit - ref| / max |ref|"), title)
-
-
 def corrupted_classes(counts: dict[str, dict[str, int]], title: str) -> bytes:
     """Bars: the corrupted texts' predicted classes on the device vs in the reference."""
     labels = list(counts["device"])
     x = np.arange(len(labels))
     fig, ax = pyplot().subplots(figsize=(6, 4))
-    ax.bar(x - 0.2, [counts["reference"][k] for k in labels], width=0.4, label="reference (CPU fp32)",
-           color="tab:gray")
-    ax.bar(x + 0.2, [counts["device"][k] for k in labels], width=0.4, label="device", color="tab:red")
-    for offset, key in ((-0.2, "reference"), (0.2, "device")):
+    for offset, key, label, color in ((-0.2, "reference", "reference (CPU fp32)", "tab:gray"),
+                                      (0.2, "device", "device", "tab:red")):
+        ax.bar(x + offset, [counts[key][k] for k in labels], width=0.4, label=label, color=color)
         for i, k in enumerate(labels):
             ax.text(i + offset, counts[key][k], str(counts[key][k]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, labels)
@@ -81,10 +73,11 @@ def render_all(run: dict[str, Any], errors: dict[str, np.ndarray], preds: dict[s
                reference_pred: np.ndarray, verdict: str) -> dict[str, bytes]:
     """Every figure of a run, by file name; `verdict`: the kind's figure line for the run."""
     tag = run_tag(run)
-    batch, length = run["geometry"]["batch_size"], run["geometry"]["max_length"]
-    figures = {"error_by_position.png": error_by_position(
-        errors, run["prediction"]["first_corrupted_text"], run["config"]["threshold"],
-        f"{tag}: batch {batch}, max length {length}\n{verdict}")}
+    g, threshold = run["geometry"], run["config"]["threshold"]
+    title = f"{tag}: batch {g['batch_size']}, max length {g['max_length']}\n{verdict}"
+    figures = {"error_by_position.png": by_position(  # relative logit error per batch position
+        errors, run["prediction"]["first_corrupted_text"], threshold, f"corrupted above {threshold:g}",
+        ("position in batch", "max |logit - ref| / max |ref|"), title)}
     off = next((c for c in run["conditions"] if c["guard"] == "off" and c["status"] == "completed"), None)
     if off is not None:
         classes_title = f"{tag}, guard off: classes of the {off['corrupted_count']} corrupted texts"
@@ -181,14 +174,6 @@ def run_tag(run: dict[str, Any]) -> str:
     return f"{where} (torch {release})" if release else where
 
 
-def cosine_by_position(cosines: dict[str, np.ndarray], predicted: int | None, threshold: float,
-                       title: str) -> bytes:
-    """1 - cosine to the reference vector per batch position, one series per completed condition."""
-    distances = {key: np.nan_to_num(1.0 - cos, nan=2.0) for key, cos in cosines.items()}
-    return by_position(distances, predicted, 1 - threshold, f"corrupted below cosine {threshold:g}",
-                       ("position in batch (corpus document)", "1 - cosine to reference"), title)
-
-
 def recall_per_query(recalls: dict[str, np.ndarray], title: str) -> bytes:
     """Recall@10 of the device index against the reference index, per query and condition."""
     fig, ax = pyplot().subplots(figsize=(9, 3.5))
@@ -223,8 +208,11 @@ def render_retrieval(run: dict[str, Any], per_text: dict[str, dict[str, np.ndarr
     if per_text:
         title = (f"{tag}: corpus of {g['batch_size']}, max length {g['max_length']}: cosine to reference\n"
                  f"{verdict}")
-        cosines = {k: v["cosine"] for k, v in per_text.items()}
-        figures["cosine_by_position.png"] = cosine_by_position(cosines, first, threshold, title)
+        distances = {k: np.nan_to_num(1.0 - v["cosine"], nan=2.0) for k, v in per_text.items()}  # 1 - cosine
+        figures["cosine_by_position.png"] = by_position(distances, first, 1 - threshold,
+                                                        f"corrupted below cosine {threshold:g}",
+                                                        ("position in batch (corpus document)",
+                                                         "1 - cosine to reference"), title)
         figures["recall_per_query.png"] = recall_per_query(
             {k: v["recall"] for k, v in per_text.items()}, f"{tag}: recall@10 per query")
     off_key = next((condition_key(c.get("attention", "eager"), "off") for c in run["conditions"]

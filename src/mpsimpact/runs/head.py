@@ -3,6 +3,7 @@ on MiniLM sentence embeddings of the embedded corpus's training split."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import platform
@@ -27,10 +28,6 @@ C = 4.0
 
 def embed_texts(model, data: LabelledTexts, advance: Callable[[int], None] | None = None) -> np.ndarray:
     return run_chunked(model.module.embed, model.tokenizer, data.texts, EMBED_LENGTH, advance=advance)
-
-
-def first_texts(data: LabelledTexts, limit: int) -> LabelledTexts:
-    return LabelledTexts(data.texts[:limit], data.labels[:limit], data.label_names, data.source)
 
 
 def first_texts_with_every_label(data: LabelledTexts, limit: int) -> LabelledTexts:
@@ -74,7 +71,8 @@ def train_head(out_dir: Path | None = None, *, limit: int | None = None,
     steps = steps or (lambda description, total: lambda n: None)
     train, heldout = load_embedded("train"), load_embedded("heldout")
     if limit:
-        train, heldout = first_texts_with_every_label(train, limit), first_texts(heldout, limit)
+        train = first_texts_with_every_label(train, limit)
+        heldout = dataclasses.replace(heldout, texts=heldout.texts[:limit], labels=heldout.labels[:limit])
     loaded = steps("Loading all-MiniLM-L6-v2", 1)
     model = load_embedded_classifier(with_head=False)
     loaded(1)

@@ -50,10 +50,11 @@ class RunKind(abc.ABC):
                              "--versions` predicts sdpa.")
 
     @abc.abstractmethod
-    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, plans: dict,
+    def run(self, config: Any, scenario: Any, model: Any, geometry: Any, sections: dict,
             progress) -> tuple[dict, dict]:
-        """Every condition against the reference; returns (report body with "conditions",
-        "repeated_texts", "tokens" and "reference"; arrays for figures and files)."""
+        """Every condition against the reference (`sections`: each attention's fault plan and prediction,
+        outcome.PredictionSection); returns (report body with "conditions", "repeated_texts", "tokens" and
+        "reference"; arrays for figures and files)."""
 
     def figures(self, report: dict, arrays: dict) -> dict[str, bytes]:
         """PNG figures by file name."""
@@ -270,9 +271,8 @@ def pass_cells(condition: dict, footnotes: Footnotes, verbose: bool = False) -> 
     """The console cells a one-pass kind (classify, embed) leads with: guard, status, wrong (fraction),
     first wrong (the plan's prediction)."""
     c, done = condition, condition["status"] == "completed"
-    guard = c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}, {c['guard']}"
     first, predicted = c.get("first_corrupted_index"), c.get("predicted_first_corrupted_index")
-    return [guard, status_cell(c, footnotes, verbose),
+    return [guard_cell(c), status_cell(c, footnotes, verbose),
             f"{c['corrupted_count']} ({c['corrupted_fraction']:.1%})" if done else "-",
             f"{'none' if first is None else first} ({'none' if predicted is None else predicted})" if done else "-"]
 
@@ -300,8 +300,12 @@ def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) ->
         words += stopped_in(condition)
     if not message:
         return words
-    who = condition["guard"] if condition.get("attention", "eager") == "eager" else \
-        f"{condition['attention']}, {condition['guard']}"
     text = f"{condition['status']}: {message}" if verbose else without_rule_names(message)
-    return f"{words} {footnotes.mark(f'guard {who}: {text}')}"
+    return f"{words} {footnotes.mark(f'guard {guard_cell(condition)}: {text}')}"
+
+
+def guard_cell(condition: dict) -> str:
+    """A condition's guard, led by its attention where that is not eager ("sdpa, raise")."""
+    eager = condition.get("attention", "eager") == "eager"
+    return condition["guard"] if eager else f"{condition['attention']}, {condition['guard']}"
 

@@ -17,10 +17,6 @@ def relative_error(logits: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(logits).all(axis=1), err, np.inf)
 
 
-def class_counts(predictions: np.ndarray, classes: int) -> list[int]:
-    return np.bincount(predictions, minlength=classes).tolist()
-
-
 def summarize(logits: np.ndarray, reference: np.ndarray, gold: np.ndarray, label_names: tuple[str, ...],
               threshold: float = CORRUPTION_THRESHOLD) -> dict[str, Any]:
     """The aggregate metrics of one completed condition."""
@@ -28,9 +24,8 @@ def summarize(logits: np.ndarray, reference: np.ndarray, gold: np.ndarray, label
     corrupted = err > threshold
     pred, ref_pred = logits.argmax(axis=1), reference.argmax(axis=1)
     positions = np.flatnonzero(corrupted)
-    classes = len(label_names)
-    device_counts = class_counts(pred[corrupted], classes)
-    reference_counts = class_counts(ref_pred[corrupted], classes)
+    device_counts, reference_counts = (np.bincount(preds[corrupted], minlength=len(label_names)).tolist()
+                                       for preds in (pred, ref_pred))
     return {
         "corrupted_count": int(corrupted.sum()),
         "corrupted_fraction": float(corrupted.mean()),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -110,12 +111,8 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def failure_texts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each distinct text MPS printed, with its kind and how many cells printed it."""
-    counts: dict[tuple[str, str], int] = {}
-    for row in rows:
-        text = failure_text(row)
-        if text is not None:
-            kind = "abort" if row["observed"] == "crash" else row["observed"]
-            counts[(kind, text)] = counts.get((kind, text), 0) + 1
+    counts = Counter(("abort" if row["observed"] == "crash" else row["observed"], text)
+                     for row in rows if (text := failure_text(row)) is not None)
     return [{"kind": kind, "text": text, "cells": n} for (kind, text), n in sorted(counts.items())]
 
 
@@ -187,11 +184,6 @@ def family_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-def _why(rows: list[dict[str, Any]]) -> str:
-    """Why rows were not run, in words: "over --max-memory", or each reason there is, joined by "or"."""
-    return " or ".join(not_run_counts(rows))
-
-
 def profile_release(emulated: bool, emulated_release: str, torch_version: str) -> str:
     """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0")."""
     for candidate in ((emulated_release, torch_version) if emulated else (torch_version,)):
@@ -228,12 +220,13 @@ def derive_profile(rows: list[dict[str, Any]], *, device: str, emulated: bool, e
         notes.append(f"A control run on {device} (no emulation) measures nothing of MPS: every rule is "
                      "judged conservatively.")
     if skipped:
-        notes.append(f"{len(skipped)} of {len(rows)} cells were not run ({_why(skipped)}) and decide "
+        why = " or ".join(not_run_counts(skipped))
+        notes.append(f"{len(skipped)} of {len(rows)} cells were not run ({why}) and decide "
                      "nothing: where the settings they would have chosen between differ, calls are judged by "
                      "the worst of them.")
     if family_skipped:
-        names = ", ".join(row["name"] for row in family_skipped)
-        notes.append(f"Family cells not run ({_why(family_skipped)}): {names}; what they decide is "
+        names, why = ", ".join(row["name"] for row in family_skipped), " or ".join(not_run_counts(family_skipped))
+        notes.append(f"Family cells not run ({why}): {names}; what they decide is "
                      "'unmeasured' (conservative).")
     if not settings and not control and len(skipped) < len(rows):
         notes.append("No setting of the bmm rules agrees with every measured cell (see cells.unexplained): "

@@ -28,17 +28,9 @@ MAX_ENTRY_BYTES = 4 << 30  # one cached reference: 65,536 texts x a 384-wide fp3
 SUFFIX = ".ref"
 
 
-def run_chunked(
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokenizer: Any,
-    texts: Sequence[str],
-    max_length: int,
-    *,
-    chunk: int = CHUNK,
-    advance: Callable[[int], None] | None = None,
-    device: str = "cpu",
-    padding: str = "longest",
-) -> np.ndarray:
+def run_chunked(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokenizer: Any, texts: Sequence[str],
+                max_length: int, *, chunk: int = CHUNK, advance: Callable[[int], None] | None = None,
+                device: str = "cpu", padding: str = "longest") -> np.ndarray:
     """`fn(input_ids, attention_mask)` over `texts` truncated at `max_length`, in chunks of
     similar length; rows come back in the order of `texts`. `padding="max_length"` pads every chunk
     to `max_length`, exactly as the device pass does (the same-dtype reference of half precision)."""
@@ -77,11 +69,9 @@ def cache_dir() -> Path:
 def cache_key(fingerprint: str, texts: Sequence[str], max_length: int) -> str:
     import transformers
 
-    payload = json.dumps(
-        {"model": fingerprint, "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(), "max_length": max_length,
-         "torch": torch.__version__, "transformers": transformers.__version__},
-        sort_keys=True,
-    )
+    texts_digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()
+    payload = json.dumps({"model": fingerprint, "texts": texts_digest, "max_length": max_length,
+                          "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -183,14 +173,6 @@ def store_reference(key: str, logits: np.ndarray) -> bool:
              "continuing without it.")
         return False
     return True
-
-
-def same_dtype_reference(module: torch.nn.Module, tokenizer: Any, texts: Sequence[str], run_length: int, device: str,
-                         advance: Callable[[int], None] | None = None) -> np.ndarray:
-    """Half precision's judge: the module as it is (dtype, device), over small batches of texts far
-    below every limit, padded to the run length exactly as the device pass is; no emulation, no
-    guard: an independent computation on the same kernels."""
-    return run_chunked(module, tokenizer, texts, run_length, advance=advance, device=device, padding="max_length")
 
 
 def reference_logits(model, texts: list[str], run_length: int, advance=None) -> tuple[np.ndarray, bool]:

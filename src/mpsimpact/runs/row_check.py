@@ -6,17 +6,11 @@ read back."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.runs.cell import SweepCell, cell_row
-
-
-def differing_fields(row: dict[str, Any], rebuilt: dict[str, Any]) -> list[str]:
-    """The fields where a read-back row differs from the row its cell and observation make now (JSON-normalised:
-    tuples as lists)."""
-    made = json.loads(json.dumps(rebuilt))
-    return sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
 
 
 def reread_problem(row: dict[str, Any], cell: SweepCell, device: str, emulated: bool, index_bits: int,
@@ -27,8 +21,9 @@ def reread_problem(row: dict[str, Any], cell: SweepCell, device: str, emulated: 
     read)."""
     seen = {key: row[key] for key in cell.seen_fields if key in row}
     problem = cell.observation_problem(seen)
-    if problem is None:
-        differ = differing_fields(row, cell_row(cell, seen, device, emulated, index_bits, profile))
+    if problem is None:  # the fields where the row differs from the one made now (JSON-normalised: tuples as lists)
+        made = json.loads(json.dumps(cell_row(cell, seen, device, emulated, index_bits, profile)))
+        differ = sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
         problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
     return problem
 
@@ -55,11 +50,7 @@ def reread_rows(items: list[Any], cells: list[Any], problem_of: Callable[[dict[s
             judged.append((number, None, "its cell is not one of this sweep's"))
             continue
         judged.append((number, row, problem_of(row, cell)))
-    seen: dict[tuple, int] = {}
-    for _, row, problem in judged:
-        if row is not None and problem is None:
-            key = cell_key(row["cell"])
-            seen[key] = seen.get(key, 0) + 1
+    seen = Counter(cell_key(row["cell"]) for _, row, problem in judged if row is not None and problem is None)
     kept, dropped = [], []
     for number, row, problem in judged:
         if problem is None and seen[cell_key(row["cell"])] > 1:

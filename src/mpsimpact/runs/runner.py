@@ -43,7 +43,7 @@ def run_scenario(config: RunConfig,
     model = scenario.model
     mac = run_mac(config, device)
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
-                                   release=release.profile, dtype=config.dtype, mac=mac)
+                                   profile=release.profile, dtype=config.dtype, mac=mac)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
     # Mac every op is traced (a tensor of few elements can still reach a small Mac's largest buffer).
     dtype = getattr(torch, config.dtype)
@@ -137,10 +137,10 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> 
         notes.append(f"{geometry.mac.describe()}: a tensor that reaches the buffer stops the run with MPS's "
                      "'Invalid buffer size', before any wrong value, whatever the guard.")
     if geometry.emulated:
-        release = geometry.release
-        origin = "the published fault model" if release.source == STUDY else "a profile measured by a sweep"
+        profile = geometry.profile
+        origin = "the published fault model" if profile.source == STUDY else "a profile measured by a sweep"
         notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
-                     f"{release.label}.")
+                     f"{profile.label}.")
     if geometry.replayed:
         notes.append(f"Texts run at {geometry.run_length} tokens with the fault plan traced at "
                      f"{geometry.max_length}; {truncated_words(token_stats, geometry.run_length)}.")

@@ -35,6 +35,7 @@ class Scenario(abc.ABC):
 
     def __init__(self, model: str | None = None, dataset: str | None = None, **options: Any) -> None:
         self.options = {"model": model, "dataset": dataset, **options}
+        self.model_name, self.dataset_name = model, dataset  # --model and --dataset; None: the embedded ones
         self.model: Any = None
         self.data: Any = None
 
@@ -42,9 +43,13 @@ class Scenario(abc.ABC):
     def load(self) -> None:
         """Loads weights and data into `model` and `data`; called once by the runner."""
 
-    @abc.abstractmethod
     def load_config(self) -> Any:
-        """The model's config alone (no weights): enough to trace."""
+        """The model's config alone (no weights): enough to trace. `model_name`'s (a hub id in the offline
+        cache, a folder or a config.json), or the embedded all-MiniLM-L6-v2's for None."""
+        from mpsimpact.models.classifier import embedded_model_path
+        from mpsimpact.prediction.meta_model import load_model_config
+
+        return load_model_config(str(embedded_model_path()) if self.model_name is None else self.model_name)[0]
 
     @abc.abstractmethod
     def meta_module(self, config: Any | None = None, attention: str = "eager") -> torch.nn.Module:
@@ -53,31 +58,17 @@ class Scenario(abc.ABC):
         bmm/mm calls the device pass makes."""
 
 
-def load_model_config(model_name: str | None) -> Any:
-    """The config of `model_name` (a hub id in the offline cache, a folder or a config.json), or of the
-    embedded all-MiniLM-L6-v2 for None: enough to trace, no weights."""
-    from mpsimpact.models.classifier import embedded_model_path
-    from mpsimpact.prediction.meta_model import load_model_config as load_any
-
-    return load_any(str(embedded_model_path()) if model_name is None else model_name)[0]
-
-
-
 def register(cls: type[Scenario]) -> type[Scenario]:
     """Class decorator: makes `cls` available under `cls.name` (= its file name = CLI word)."""
     _REGISTRY[cls.name] = cls
     return cls
 
 
-def _import_scenarios() -> None:
+def available() -> dict[str, type[Scenario]]:
+    """Every registered scenario, by name."""
     package = importlib.import_module("mpsimpact.scenarios")
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"mpsimpact.scenarios.{info.name}")
-
-
-def available() -> dict[str, type[Scenario]]:
-    """Every registered scenario, by name."""
-    _import_scenarios()
     return dict(sorted(_REGISTRY.items()))
 
 

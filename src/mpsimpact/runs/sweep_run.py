@@ -26,7 +26,7 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
     from mpsimpact.runs.device import device_memory, resolve_device, resolve_emulation
     from mpsimpact.runs.family_cells import family_grid
-    from mpsimpact.runs.cell import CellClock, not_run, reaches_buffer
+    from mpsimpact.runs.cell import not_run, reaches_buffer
     from mpsimpact.runs.row_check import cell_key, resumed_rows
     from mpsimpact.runs.sweep import grid
 
@@ -61,7 +61,7 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
         largest = max((cell.bytes_needed() for cell in fits), default=0)
         over_buffer = sum(cell.bytes_needed() <= budget and reaches_buffer(cell, buffer) for cell in todo)
         show.plan(mode, config, (len(cells + family_cells), len(todo), len(fits), largest), budget,
-                  CellClock(fits, device).total_estimate, folder.path,
+                  sum(cell.estimated_seconds(device) for cell in fits), folder.path,
                   buffer=(over_buffer, buffer_words(mac, buffer)) if mac else None)
         rows = dict(done)
         try:
@@ -74,8 +74,7 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
             raise
         ordered, family_rows = ([rows[cell_key(cell.to_json())] for cell in kind]
                                 for kind in (cells, family_cells))
-        summary, derived, figure = results((ordered, family_rows), config, mode, profile, (device, emulated),
-                                           budget)
+        summary, derived, figure = results(ordered, family_rows, config, mode, profile, device, emulated, budget)
         summary["largest_buffer"] = {"bytes": buffer, "words": buffer_words(mac, buffer)} if mac else None
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
         show.write(folder.path, (ordered, family_rows), derived, figure, summary)
@@ -131,8 +130,8 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
         yield row
 
 
-def results(rows_and_families, config: SweepConfig, mode: str, profile, where: tuple[str, bool],
-            budget: int) -> tuple[dict[str, Any], dict[str, Any], bytes]:
+def results(rows: list[dict[str, Any]], family_rows: list[dict[str, Any]], config: SweepConfig, mode: str, profile,
+            device: str, emulated: bool, budget: int) -> tuple[dict[str, Any], dict[str, Any], bytes]:
     """(the summary: the bmm cells' counts as before, the family cells' under "families"; the derived
     profile; the outcome map as PNG)."""
     import torch
@@ -143,7 +142,6 @@ def results(rows_and_families, config: SweepConfig, mode: str, profile, where: t
     from mpsimpact.runs.profile_fit import derive_profile, family_table
     from mpsimpact.runs.sweep import summarize
 
-    (rows, family_rows), (device, emulated) = rows_and_families, where
     derived = derive_profile(rows, device=device, emulated=emulated, emulated_release=profile.release,
                              torch_version=torch.__version__, machine=machine_name(),
                              index_bits=config.index_bits, max_memory=budget,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import gc
 import time
 from collections.abc import Mapping
@@ -20,18 +19,6 @@ from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.runs.activations import MATMULS, recompute_activations
 from mpsimpact.runs.device_pass import Geometry, build_batch, condition, tokenize
-
-
-@dataclasses.dataclass
-class ReferenceRun:
-    """What every condition is compared with: the CPU reference's first-step logits and gradients,
-    its trained copy, and that copy's predictions on the evaluation texts."""
-
-    model: torch.nn.Module
-    logits: np.ndarray
-    gradients: dict[str, torch.Tensor]
-    eval_preds: np.ndarray
-    status: str
 
 
 def training_copy(module: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -76,7 +63,7 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
     """Forward and backward of one step; whether it completed. Its graph dies with this frame,
     also when the step stops."""
     held: dict[str, Any] = {}
-    stage = "forward"
+    phase = "forward"
     try:
         stepping = (condition(geometry, plan, guard_mode, training=True) if geometry
                     else contextlib.nullcontext((None, None)))
@@ -86,11 +73,11 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
             logits = module(**inputs)
             if step == 0:
                 out["logits"] = logits.detach().float().cpu().numpy()
-            stage = "backward"
+            phase = "backward"
             torch.nn.functional.cross_entropy(logits, labels).backward()
     except (OversizedOpError, RuntimeError) as error:
         out.update(status="stopped_by_guard" if isinstance(error, OversizedOpError) else "error",
-                   message=str(error).splitlines()[0], phase=stage, step=step)
+                   message=str(error).splitlines()[0], phase=phase, step=step)
     finally:
         if held.get("emu") is not None:
             out["altered_calls"] += [r.to_json() | {"step": step} for r in held["emu"].records]
@@ -108,27 +95,24 @@ def trusted_matmuls(geometry: Geometry | None, plan) -> frozenset[str]:
     return MATMULS - {call.family for call in plan.calls if not call.fault.is_ok}
 
 
+def _tensor_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |value - reference| / max |reference| (max |value - reference| for a reference of zeros)."""
+    return float((value - reference).abs().max().item() / (reference.abs().max().item() or 1.0))
+
+
 def gradient_errors(gradients: Mapping[str, torch.Tensor],
                     reference: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter tensor: max |g - g_ref| / max |g_ref|."""
-    errors = {}
-    for name, ref in reference.items():
-        scale = ref.abs().max().item() or 1.0
-        errors[name] = float((gradients[name].detach().float().cpu() - ref).abs().max().item() / scale)
-    return errors
+    return {name: _tensor_error(gradients[name].detach().float().cpu(), ref) for name, ref in reference.items()}
 
 
 def update_error(trained: torch.nn.Module, reference: torch.nn.Module,
                  initial: Mapping[str, torch.Tensor]) -> float:
     """max over parameters of |delta - delta_ref| / max |delta_ref| (the update, not the weights)."""
-    worst = 0.0
     ref_params = dict(reference.named_parameters())
-    for name, p in trained.named_parameters():
-        delta = p.detach().cpu() - initial[name]
-        ref_delta = ref_params[name].detach().cpu() - initial[name]
-        scale = ref_delta.abs().max().item() or 1.0
-        worst = max(worst, (delta - ref_delta).abs().max().item() / scale)
-    return worst
+    errors = (_tensor_error(p.detach().cpu() - initial[name], ref_params[name].detach().cpu() - initial[name])
+              for name, p in trained.named_parameters())
+    return max([0.0, *errors])  # a running max from 0: a NaN never wins
 
 
 def evaluate(module: torch.nn.Module, tokenizer, texts, length: int) -> np.ndarray:
@@ -139,12 +123,13 @@ def evaluate(module: torch.nn.Module, tokenizer, texts, length: int) -> np.ndarr
     return run_chunked(module.cpu().eval(), tokenizer, texts, length).argmax(axis=1)
 
 
-def train_reference(config, model, inputs, labels, eval_texts, length: int) -> ReferenceRun:
-    """The CPU reference's steps and its trained copy's predictions on the evaluation texts."""
-    reference_model = training_copy(model.module, "cpu")
-    result = train_steps(reference_model, inputs, labels, config.steps, config.lr, None, None, "off")
-    eval_preds = evaluate(reference_model, model.tokenizer, eval_texts, length)
-    return ReferenceRun(reference_model, result["logits"], result["gradients"], eval_preds, result["status"])
+def train_reference(config, model, inputs, labels, eval_texts, length: int) -> dict[str, Any]:
+    """What every condition is compared with: the CPU reference's steps (train_steps' result: its first-step
+    "logits" and "gradients", its "status"), its trained copy ("model") and that copy's predictions on the
+    evaluation texts ("eval_preds")."""
+    trained = training_copy(model.module, "cpu")
+    result = train_steps(trained, inputs, labels, config.steps, config.lr, None, None, "off")
+    return result | {"model": trained, "eval_preds": evaluate(trained, model.tokenizer, eval_texts, length)}
 
 
 def run_training(config, scenario, model, geometry: Geometry, plan,
@@ -156,7 +141,7 @@ def run_training(config, scenario, model, geometry: Geometry, plan,
     eval_texts, eval_gold = list(scenario.eval_data.texts), np.array(scenario.eval_data.labels)
     reference = train_reference(config, model, inputs, labels, eval_texts, geometry.run_length)
     on_device = ({k: v.to(geometry.device) for k, v in inputs.items()}, labels.to(geometry.device))
-    arrays = {"gradient_errors": {}, "eval_changes": {}, "reference_eval": reference.eval_preds}
+    arrays = {"gradient_errors": {}, "eval_changes": {}, "reference_eval": reference["eval_preds"]}
     conditions = []
     for guard_mode in config.guards:
         result = train_condition(config, model, geometry, plan, guard_mode, on_device, reference, eval_texts)
@@ -164,28 +149,28 @@ def run_training(config, scenario, model, geometry: Geometry, plan,
             arrays["gradient_errors"][guard_mode] = result.pop("gradient_errors")
         if "eval_preds" in result:
             dev_eval = result.pop("eval_preds")
-            arrays["eval_changes"][guard_mode] = dev_eval != reference.eval_preds
-            result["eval_flips_after_training"] = int((dev_eval != reference.eval_preds).sum())
+            arrays["eval_changes"][guard_mode] = dev_eval != reference["eval_preds"]
+            result["eval_flips_after_training"] = int((dev_eval != reference["eval_preds"]).sum())
             result["eval_accuracy_after"] = float((dev_eval == eval_gold).mean())
-            result["reference_eval_accuracy_after"] = float((reference.eval_preds == eval_gold).mean())
+            result["reference_eval_accuracy_after"] = float((reference["eval_preds"] == eval_gold).mean())
         result["faulted_ops"] = faulted_ops(result["altered_calls"])
         conditions.append(result)
     return {"conditions": conditions, "repeated_texts": repeats, "tokens": token_stats,
-            "reference": {"device": "cpu", "status": reference.status, "eval_texts": len(eval_texts)}}, arrays
+            "reference": {"device": "cpu", "status": reference["status"], "eval_texts": len(eval_texts)}}, arrays
 
 
 def train_condition(config, model, geometry: Geometry, plan, guard_mode: str, device_batch,
-                    reference: ReferenceRun, eval_texts: list[str]) -> dict[str, Any]:
+                    reference: dict[str, Any], eval_texts: list[str]) -> dict[str, Any]:
     """One guard condition: a fresh trained copy, its steps, its comparison with the reference; the
     copy is freed before the next condition makes its own."""
     from mpsimpact.runs.metrics import relative_error
 
     trained = training_copy(model.module, geometry.device)
     result = train_steps(trained, *device_batch, config.steps, config.lr, geometry, plan, guard_mode,
-                         reference.gradients)
+                         reference["gradients"])
     logits = result.pop("logits", None)
     if logits is not None:
-        wrong = relative_error(logits, reference.logits) > config.threshold
+        wrong = relative_error(logits, reference["logits"]) > config.threshold
         result["corrupted_count"] = int(wrong.sum())
         result["first_corrupted_index"] = int(np.argmax(wrong)) if result["corrupted_count"] else None
     if "gradient_errors" in result:
@@ -195,7 +180,7 @@ def train_condition(config, model, geometry: Geometry, plan, guard_mode: str, de
     if result["status"] == "completed":
         # The loaded model is never trained (training_copy copies it): it is the initial state.
         initial = {n: p.detach() for n, p in model.module.named_parameters()}
-        result["update_rel_error"] = update_error(trained, reference.model, initial)
+        result["update_rel_error"] = update_error(trained, reference["model"], initial)
         result["eval_preds"] = evaluate(trained, model.tokenizer, eval_texts, geometry.run_length)
     del trained
     gc.collect()
