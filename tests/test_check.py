@@ -223,7 +223,7 @@ def test_fused_sdpa_is_wrong_up_to_2_12_1_and_clean_on_2_13_0():
 
 
 def test_training_takes_sdpas_math_path_under_both_releases():
-    model, _ = prepare(CheckConfig(str(BERT), attention="sdpa", phase="training", torch_profile="2.12.1"))
+    model, _ = prepare(CheckConfig(str(BERT), attention="sdpa", workload="training", torch_profile="2.12.1"))
     traced = model.trace(2048, 512)
     for plan in (traced, traced.under("2.13.0")):
         products = [c for c in plan.faults if c.is_product]
@@ -300,7 +300,7 @@ def test_length_search_equals_brute_force_on_a_tiny_model():
     (["--task", "vision"], "--task must be one of auto, base, sequence-classification, token-classification, "
                            "causal-lm, seq2seq; got 'vision'."),
     (["--attention", "flash"], "--attention must be one of eager, sdpa, default; got 'flash'."),
-    (["--phase", "eval"], "--phase must be one of inference, training; got 'eval'."),
+    (["--workload", "eval"], "--workload must be one of inference, training; got 'eval'."),
     (["--seq-len", "513"], "--seq-len 513 exceeds the model's 512 positions."),
 ])
 def test_bad_options_exit_2_with_one_line(tmp_path, args, message):
@@ -393,7 +393,7 @@ def test_plan_backward_and_check_training_answer_alike_for_one_training_step():
     plan = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--max-length", "512",
                                           "--backward", "--json", "--torch-profile", PROFILE]).stdout)
     check = check_json(embedded_model_path(), "--batch-size", 2048, "--seq-len", 512, "--attention", "eager",
-                       "--phase", "training")
+                       "--phase", "training")  # the option's former name
     same = ("outcome", "describe", "first_wrong_sample", "first_wrong_head", "wrong_samples")
     assert [plan["prediction"][w] for w in same] == [check["prediction"][w] for w in same]
     assert plan["prediction"]["outcome"] == "error" and plan["prediction"]["first_wrong_sample"] == 1365

@@ -1,4 +1,4 @@
-"""`plan --versions`: the outcome on every torch release, per attention implementation and phase, at
+"""`plan --versions`: the outcome on every torch release, per attention implementation and workload, at
 the published demo's geometry (2048 x 512, all-MiniLM-L6-v2's 12 heads), from shapes alone."""
 
 import json
@@ -11,8 +11,8 @@ from said import flat
 runner = CliRunner()
 
 
-def cells(rows, attention, phase):
-    return {r["release"]: r for r in rows if r["attention"] == attention and r["phase"] == phase}
+def cells(rows, attention, workload):
+    return {r["release"]: r for r in rows if r["attention"] == attention and r["workload"] == workload}
 
 
 def test_version_table_at_the_demo_geometry(tmp_path):
@@ -20,7 +20,7 @@ def test_version_table_at_the_demo_geometry(tmp_path):
     result = runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--versions", "--json", "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["versions"]
-    assert set(rows[0]) == {"release", "attention", "phase", "outcome", "first_corrupted_text", "corrupted_count", "message", "note"}
+    assert set(rows[0]) == {"release", "attention", "workload", "outcome", "first_corrupted_text", "corrupted_count", "message", "note"}
     releases = list(dict.fromkeys(r["release"] for r in rows))
     # 2.13.0 and 2.14.0 part ways on purpose: the study saw eager attention at 4.49e9 scores die on 2.13.0
     # (SIGSEGV), where 2.14.0 is wrong; the rules put the crash at the scale on the scores (inferred).

@@ -241,7 +241,7 @@ CHECK_TASKS = ("base", "sequence-classification", "token-classification", "causa
 ATTENTIONS = ("eager", "sdpa")
 DEFAULT_ATTENTION = "eager"
 CHECK_ATTENTIONS = (*ATTENTIONS, "default")
-PHASES = ("inference", "training")
+WORKLOADS = ("inference", "training")  # what check traces and the version table shows (a call's phase: forward, backward)
 NEWER = "unmeasured newer"  # the releases after the newest measured one, as tables name them
 EMBEDDED_MODEL = "embedded:all-MiniLM-L6-v2"  # the embedded default model, as reports name it
 # Searched up to here when the config states no position limit (relative positions, e.g. T5).
@@ -265,7 +265,7 @@ class CheckConfig(Validated):
     target_len: int | None = option(None, Check("--target-len", low=1, ceiling=MAX_COUNT))
     task: str = option("auto", Check("--task", choices=("auto", *CHECK_TASKS)))
     attention: str = option("default", Check("--attention", choices=CHECK_ATTENTIONS))
-    phase: str = option("inference", Check("--phase", choices=PHASES))
+    workload: str = option("inference", Check("--workload", choices=WORKLOADS))
     torch_profile: str | None = option(None, TORCH_PROFILE)
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training

@@ -60,7 +60,7 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
     mac = resolve_mac(cfg.memory, cache_root())
-    model = MetaModel(module, config, cfg.model, cfg.phase == "training", cfg.index_bits, judged.profile,
+    model = MetaModel(module, config, cfg.model, cfg.workload == "training", cfg.index_bits, judged.profile,
                       cfg.target_len, cfg.cache, mac=mac)
     info = {
         "judged": judged,
@@ -179,7 +179,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "release": section.release_json(),
         **({"mac": model.mac.to_json()} if model.mac is not None else {}),
         "torch_profile": profile_info(judged),
-        "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "phase": cfg.phase,
+        "geometry": {"batch_size": batch, "seq_len": length, "target_len": target, "workload": cfg.workload,
                      "index_bits": cfg.index_bits},
         **section.to_json({"largest_safe_batch": by_batch.largest_safe,
                            "largest_safe_batch_search": by_batch.to_json(),

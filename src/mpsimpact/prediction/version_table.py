@@ -1,5 +1,5 @@
 """The version table: what one geometry does on every torch release, per attention implementation and
-phase (inference, one training step), from shapes alone. The slide for "what changes if I upgrade?"."""
+workload (inference, one training step), from shapes alone. The slide for "what changes if I upgrade?"."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.config import ATTENTIONS, NEWER, PHASES
+from mpsimpact.config import ATTENTIONS, NEWER, WORKLOADS
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
 from mpsimpact.prediction.meta_model import trace_meta
@@ -25,23 +25,23 @@ def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:
 
 def version_table(meta_for: Callable[[str], torch.nn.Module], batch: int, length: int, heads: int,
                   index_bits: int = MPS_INDEX_BITS) -> list[dict[str, Any]]:
-    """Rows {release, attention, phase, outcome, first_corrupted_text, corrupted_count, message, note}:
+    """Rows {release, attention, workload, outcome, first_corrupted_text, corrupted_count, message, note}:
     one per release range whose cells agree, and one for unmeasured newer releases.
 
     Args:
         meta_for: builds the model on meta with an attention implementation ("eager", "sdpa").
     """
     profiles = (*measured_profiles(), profile_for(CONSERVATIVE))
-    traces = {(attention, phase): trace_meta(meta_for(attention), batch, length, backward=phase == "training",
+    traces = {(attention, workload): trace_meta(meta_for(attention), batch, length, backward=workload == "training",
                                              index_bits=index_bits, profile=profiles[-1])
-              for attention in ATTENTIONS for phase in PHASES}
+              for attention in ATTENTIONS for workload in WORKLOADS}
     per_release = {}
     for profile in profiles:
         cells = {}
-        for (attention, phase), plan in traces.items():
+        for (attention, workload), plan in traces.items():
             decided = plan.under(profile)
-            whole = predict(decided, batch, heads, "all") if phase == "training" else None
-            cells[(attention, phase)] = cell(predict(decided, batch, heads, "forward"), whole)
+            whole = predict(decided, batch, heads, "all") if workload == "training" else None
+            cells[(attention, workload)] = cell(predict(decided, batch, heads, "forward"), whole)
         per_release[profile.release] = cells
     return _merge(per_release)
 
@@ -60,11 +60,11 @@ def _merge(per_release: dict[str, dict]) -> list[dict[str, Any]]:
         label = (NEWER if group == [CONSERVATIVE] else group[0] if len(group) == 1
                  else f"{group[0]}-{group[-1]}")
         note = " ".join(sorted({n for release in group for n in profile_for(release).notes}))
-        for (attention, phase), value in per_release[group[0]].items():
+        for (attention, workload), value in per_release[group[0]].items():
             if group == [CONSERVATIVE]:  # nobody measured them: said so, the worst measured release's outcome after
                 value = value | {"cannot_tell": True, "message": f"{CANNOT_TELL}; judged as the worst measured "
                                                                  f"release would be: {value['message']}"}
-            rows.append({"release": label, "attention": attention, "phase": phase, **value, "note": note})
+            rows.append({"release": label, "attention": attention, "workload": workload, **value, "note": note})
     return rows
 
 

@@ -101,7 +101,7 @@ def headline(report: dict[str, Any], every_op: bool = False) -> str:
     target = f" + decoder {g['target_len']}" if g["target_len"] is not None else ""
     return (f"{m['source']} ({m['found_in']}): {m['class']} ({m['model_type']}, {m['heads']} heads, "
             f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; "
-            f"{g['phase']} at batch {g['batch_size']} x {g['seq_len']} tokens{target}; "
+            f"{g['workload']} at batch {g['batch_size']} x {g['seq_len']} tokens{target}; "
             f"{traced} on meta (shapes only).")
 
 

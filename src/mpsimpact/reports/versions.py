@@ -6,23 +6,23 @@ from typing import Any
 
 from mpsimpact.engine.faults import STOP_KINDS
 from mpsimpact.output.page import Footnotes, fitted_table, markdown_table, without_rule_names
-from mpsimpact.config import ATTENTIONS, PHASES
+from mpsimpact.config import ATTENTIONS, WORKLOADS
 
 COLORS = {"clean": "#4daf4a", "wrong": "#e41a1c", "wrong_other": "#ff7f00", "unmeasured": "#999999",
           "error": "#984ea3", "abort": "#222222"}
-# The table's columns, (attention, phase), and their titles.
-COLUMNS = [(a, p) for a in ATTENTIONS for p in PHASES]
+# The table's columns, (attention, workload), and their titles.
+COLUMNS = [(a, w) for a in ATTENTIONS for w in WORKLOADS]
 TITLES = [f"{a}, {p}" for a, p in COLUMNS]
 
 
 def by_release(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The table's rows as {release range: its cells in COLUMNS order}."""
-    cells = {(r["release"], r["attention"], r["phase"]): r for r in rows}
+    cells = {(r["release"], r["attention"], r.get("workload") or r["phase"]): r for r in rows}  # "phase": older reports
     return {release: [cells[(release, *c)] for c in COLUMNS] for release, *_ in cells}
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    """The table as Markdown: one row per release range, one column per attention x phase."""
+    """The table as Markdown: one row per release range, one column per attention x workload."""
     table = [[release, *(c["message"].replace("|", "/") for c in cells)]
              for release, cells in by_release(rows).items()]
     notes = [f"- {note}" for note in sorted({r["note"] for r in rows if r["note"]})]
@@ -66,7 +66,7 @@ def _short(row: dict[str, Any]) -> str:
 
 
 def heatmap(rows: list[dict[str, Any]], title: str) -> bytes:
-    """PNG: rows are release ranges, columns attention x phase, colours the outcome."""
+    """PNG: rows are release ranges, columns attention x workload, colours the outcome."""
     from matplotlib.patches import Patch
 
     from mpsimpact.output.plot import png, pyplot
