@@ -315,6 +315,7 @@ def test_blocked_eager_is_refused_where_a_run_kind_does_not_take_it(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.ci  # a whole run, 7 to 12 s: CI runs it after the default selection (pytest -m ci)
 def test_retrieval_with_blocked_eager_corrupts_the_vectors_eager_corrupts(tmp_path, monkeypatch):
     # tests/test_retrieval.py's small run (16 x 256 under 2**23, run at 64 tokens), whose eager figures the
     # README gives: vectors 10..15 corrupted, 3 documents lose themselves, recall@10 0.8449, 135 top-1 changed.

@@ -14,6 +14,7 @@ from said import one_message
 runner = CliRunner()
 
 
+@pytest.mark.ci  # a whole run, 7 to 12 s: CI runs it after the default selection (pytest -m ci)
 def test_training_step_under_each_guard(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("mpsimpact.scenarios.finetune.EVAL_TEXTS", 64)  # 512 evaluate the same code 8x longer

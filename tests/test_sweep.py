@@ -25,6 +25,7 @@ def test_thresholds_place_batches_around_every_limit():
     assert {15, 16, 17, 31, 32, 33}.issubset(sizes)
 
 
+@pytest.mark.ci  # a whole run, 7 to 12 s: CI runs it after the default selection (pytest -m ci)
 def test_quick_emulated_sweep_covers_every_class_and_layout_and_agrees(tmp_path):
     out = tmp_path / "sweep"
     result = runner.invoke(app, ["sweep", "--device", "cpu", "--emulate", "--index-bits", "18", "--dtypes", "fp32,fp16", "--out", str(out)])

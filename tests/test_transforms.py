@@ -137,6 +137,7 @@ def test_torch_compile_fullgraph_with_a_guard_installed_compiles_what_it_compile
     assert all("torch.compile traces with the strict guard stepped aside" in str(w.message) for w in steps_aside)
 
 
+@pytest.mark.ci  # a whole run, 7 to 12 s: CI runs it after the default selection (pytest -m ci)
 def test_strict_says_once_that_it_steps_aside_for_torch_compile():
     out = run_python("""
         import warnings, torch
