@@ -17,18 +17,18 @@ def signature(plan):
     return [(c.op, c.a, c.b, c.fault, c.module, c.phase) for c in plan.calls]
 
 
-@pytest.mark.parametrize(("config", "phase"), [
+@pytest.mark.parametrize(("config", "workload"), [
     ("bert-base", "inference"), ("bert-base", "training"), ("llama-style-32k", "inference"),
     ("t5-base", "inference"), ("deberta-v3-base", "inference"),
 ])
-def test_the_shortcut_traces_what_the_meta_kernels_trace(config, phase, monkeypatch):
+def test_the_shortcut_traces_what_the_meta_kernels_trace(config, workload, monkeypatch):
     traces = []
     for shortcut in (True, False):
         if not shortcut:
             monkeypatch.setattr(tracer, "_fast_meta", lambda func, args, kwargs: func(*args, **kwargs))
         tracer._META_DTYPES.clear()
         tracer._STRIDED.clear()
-        model, _ = prepare(CheckConfig(str(DATA / config / "config.json"), phase=phase))
+        model, _ = prepare(CheckConfig(str(DATA / config / "config.json"), workload=workload))
         traces.append(signature(model.trace(2, 64)))
     assert len(traces[0]) > 100 and traces[0] == traces[1]
 

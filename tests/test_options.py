@@ -131,7 +131,7 @@ def shown_default(row: str) -> str | None:
 def test_help_shows_a_default_for_every_option_that_has_one(command):
     rows = help_rows(command)
     options = [p for p in cli_commands()[command].params
-               if p.param_type_name == "option" and p.name != "help"]
+               if p.param_type_name == "option" and p.name != "help" and not p.hidden]  # hidden: a former name
     assert set(rows) >= {p.opts[0] for p in options}  # every option has its row
     for param in options:
         flag = param.opts[0]

@@ -22,9 +22,9 @@ def main(
                               "sequence-classification, token-classification, causal-lm or seq2seq."),
     attention: str | None = option("--attention", "eager, sdpa, or default (what this transformers picks for "
                                                   "the model)."),
-    workload: str | None = typer.Option(None, "--workload", "--phase", show_default=True, help=(  # --phase: former
-        "inference (one forward pass) or training (one step: forward and backward)."),  # name, kept working
-    ),
+    workload: str | None = option("--workload", "inference (one forward pass) or training (one step: forward "
+                                                "and backward)."),
+    phase: str | None = typer.Option(None, "--phase", hidden=True),  # --workload's former name, kept working
     torch_profile: str | None = shared("--torch-profile"),
     index_bits: int | None = shared("--index-bits"),
     cache: bool | None = option("--cache/--no-cache", "Trace with the KV cache on (use_cache=True), as the "
@@ -40,7 +40,7 @@ def main(
 
     check_config = options.config_from(  # validated before anything heavy is imported
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
-        attention=attention, workload=workload, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
+        attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
         out=out, memory=memory,
     )
     from mpsimpact.prediction.check import build_check_report
