@@ -227,7 +227,7 @@ def test_training_takes_sdpas_math_path_under_both_releases():
     traced = model.trace(2048, 512)
     for plan in (traced, traced.under("2.13.0")):
         products = [c for c in plan.faults if c.is_product]
-        assert products and all(c.family == "bmm" for c in products), plan.profile
+        assert products and all(c.family == "bmm" for c in products), plan.profile.ref
         forward = [c for c in products if c.phase == "forward"]
         # The math path's P V wraps from row 2**32 // 512**2 = 16384 = (sample 1365, head 4).
         assert {(c.fault.kind, c.fault.rule, c.fault.first_bad_batch) for c in forward} == {

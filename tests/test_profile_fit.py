@@ -295,7 +295,7 @@ def test_guard_emulate_and_trace_faults_take_a_profile_file(tmp_path):
     with pytest.raises(OversizedOpError), emulate(index_bits=16, profile=path), guard("raise", profile=path):
         torch.bmm(a, b)
     plan = trace_faults(lambda: torch.bmm(a, b), index_bits=16, profile=path)
-    assert plan.profile == path and plan.fault_profile.source == path
+    assert plan.profile.ref == path and plan.profile.source == path
     assert [c.fault.kind for c in plan.calls] == ["wrong_tail"]
 
 

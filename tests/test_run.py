@@ -168,7 +168,7 @@ def test_a_run_judges_its_release_once_and_predicts_each_attention_once(counted)
     report, _ = run_scenario(config)
     assert len(counted["resolve_profile"]) == 1 and len(counted["installed_profile"]) <= 1
     sections = counted["sections"]  # one PredictionSection per attention, each predicted once; the report's
-    assert [s.plan.fault_profile.release for s in sections] == ["2.14.0", "2.14.0"]
+    assert [s.plan.profile.release for s in sections] == ["2.14.0", "2.14.0"]
     predicted = [id(plan) for plan in counted["predict"]]
     assert [predicted.count(id(s.plan)) for s in sections] == [1, 1]
     assert report["predictions"] == {a: s.prediction.to_json() for a, s in zip(("eager", "sdpa"), sections)}

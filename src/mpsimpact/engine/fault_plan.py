@@ -41,7 +41,7 @@ class FaultPlan:
     calls: tuple[CallRecord, ...]
     index_bits: int = MPS_INDEX_BITS
     trace: tuple[CallRecord, ...] = ()
-    fault_profile: FaultProfile | None = dataclasses.field(default=None, repr=False)  # the release deciding
+    profile: FaultProfile | None = dataclasses.field(default=None, repr=False)  # the release deciding
     mac: MacMemory | None = None  # the Mac whose largest buffer also decides (None: the index rules alone)
 
     @classmethod
@@ -62,11 +62,7 @@ class FaultPlan:
         """The same trace and release, decided on `mac` (None: by the index rules alone)."""
         if mac == self.mac:
             return self
-        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, self.fault_profile, mac)
-
-    @property
-    def profile(self) -> str:  # the release's FaultProfile.ref, as the plan's JSON names it
-        return self.fault_profile.ref if self.fault_profile is not None else ""
+        return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, self.profile, mac)
 
     @property
     def faults(self) -> list[CallRecord]:
@@ -84,8 +80,8 @@ class FaultPlan:
         return next((c for c in self.calls if c.fault.is_stop), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"index_bits": self.index_bits, "profile": self.profile, "calls": len(self.calls),
-                "faults": [call.to_json() for call in self.faults],
+        return {"index_bits": self.index_bits, "profile": self.profile.ref if self.profile else "",
+                "calls": len(self.calls), "faults": [call.to_json() for call in self.faults],
                 **({"mac": self.mac.to_json()} if self.mac is not None else {})}
 
 

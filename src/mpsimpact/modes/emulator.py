@@ -100,7 +100,7 @@ class EmulateMode(MatmulMode):
         check_index_bits(index_bits)
         self.index_bits = index_bits
         self.plan = plan
-        self.profile = plan.fault_profile if plan is not None else profile
+        self.profile = plan.profile if plan is not None else profile
         # The Mac whose largest buffer refuses an allocation (a plan carries its own: decided at full scale).
         self.memory = memory if plan is None else None
         self._buffer = memory.buffer_at(index_bits) if self.memory is not None else None

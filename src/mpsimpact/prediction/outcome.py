@@ -298,7 +298,7 @@ def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False
     prediction = predict(plan, batch, heads, "forward")
     whole = predict(plan, batch, heads, "all") if training else None
     outcome, words = step_outcome(prediction, whole, _describe)
-    profile = plan.fault_profile
+    profile = plan.profile
     if profile is not None and (unknown := undecided_at(profile, whole or prediction)) is not None:
         words = (f"cannot tell: {cannot_tell(profile.release, unknown)}; judged as the worst measured release would "
                  f"be: {words}")
