@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.nested._internal.nested_tensor import NestedTensor as JAGGED  # torch.nested's jagged layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.engine.faults import MODE_INDEX_BITS_RANGE, MPS_INDEX_BITS, Fault
@@ -218,6 +219,12 @@ def active_emulator() -> ActiveEmulator | None:
     return innermost("emulator")
 
 
+def has_nested(args: tuple, kwargs: dict) -> bool:
+    """Whether an argument (or a tensor of a list argument, cat's) is a nested tensor (torch.nested)."""
+    return any(isinstance(t, torch.Tensor) and t.is_nested
+               for arg in (*args, *kwargs.values()) for t in (arg if isinstance(arg, (list, tuple)) else (arg,)))
+
+
 class MatmulMode(TorchDispatchMode):
     """A dispatch mode that sees every bmm/mm call with its real operands: it decomposes matmul and
     linear (which reach it whole under inference mode) and hands each matmul call to
@@ -235,13 +242,21 @@ class MatmulMode(TorchDispatchMode):
             self._passing = passing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and JAGGED in types:
+            return NotImplemented  # See Note [Nested tensors] in modes/shape_table.py
         try:
             return self.dispatch(func, args, kwargs or {})
         except RuntimeError:
+            if has_nested(args, kwargs or {}):
+                return self.on_nested(func, args, kwargs or {})
             fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
             if fixed is None:
                 raise
         return self.dispatch(func, fixed, kwargs or {})
+
+    def on_nested(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op of a strided nested tensor, whose kernel no mode sees into: See Note [Nested tensors]."""
+        return func(*args, **kwargs)
 
     def dispatch(self, func, args: tuple, kwargs: dict):
         """The body of __torch_dispatch__ (which torch wraps to keep Dynamo out: a subclass calls this)."""

@@ -8,6 +8,7 @@ engine/families.py for the rules it applies.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from mpsimpact.modes.base import (
     sdpa_operands,
 )
 from mpsimpact.modes.entrypoint import handling
+from mpsimpact.modes.shape_table import nested_call_name, stacked_shapes
 from mpsimpact.modes.op_size import (
     SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
@@ -181,6 +183,19 @@ class EmulateMode(MatmulMode):
             wraps = {name: fault.wrap_elements for name in (fault.operand or "")}
             return fault, wraps if fault.kind == "wrong_tail" else {}
         return replay_decision(self.plan, index, family, op_name(func) if func is not None else family, a, b)
+
+    def on_nested(self, func, args: tuple, kwargs: dict) -> Any:
+        """A strided nested tensor's op: C++ kernels over one buffer, which no mode sees into (Note [Nested
+        tensors]). Below every limit MPS computes what runs here; past one, nobody can say what it returns."""
+        tensors = tensors_of(args, kwargs)
+        shapes = stacked_shapes(nested_call_name(func) or "cat", tensors)
+        if shapes is not None and max(math.prod(shape) for shape in shapes) <= judged_at(self.index_bits)[0]:
+            return func(*args, **kwargs)
+        raise NotEmulatedError(
+            f"{op_name(func)} of a strided nested tensor ({sum(t.numel() for t in tensors)} elements) near MPS's "
+            f"limits at {self.index_bits} index bits: its kernel's pieces are not visible to the emulator, so "
+            "it does not invent what MPS returns. Use the jagged layout (torch.jagged) or dense tensors.",
+            op=op_name(func))
 
     def on_other(self, func, args, kwargs):
         """Every other op past the per-dimension limit, by its family (prefiltered: a call whose tensors all

@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch.nested._internal.nested_tensor import NestedTensor
 
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, MATMUL, PRODUCT, aten, check_index_bits, MatmulMode, active_emulator, current_phase, innermost,
+    ACTIVE, DECOMPOSED_OPS, JAGGED, check_index_bits, has_nested, MatmulMode, active_emulator, current_phase, innermost,
     needs_grad, numbers_as_tensors, route, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
@@ -40,8 +39,8 @@ from mpsimpact.modes.op_size import (
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
 from mpsimpact.modes.shape_table import (
-    COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, LARGEST, NO_KERNEL, PLAIN, SIZED, largest_count, plain_check,
-    stacked_shapes,
+    COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, LARGEST, NO_KERNEL, PLAIN, SIZED, largest_count, nested_call_name,
+    plain_check, stacked_shapes,
 )
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
@@ -60,7 +59,6 @@ _transforming = torch._C._are_functorch_transforms_active
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)  # cat's tensors
-_JAGGED = NestedTensor  # torch.nested's jagged layout: a tensor subclass over dense values
 # A device type's flag on a tensor (cheaper than tensor.device, which makes an object each time).
 _DEVICE_FLAGS = {"cpu": "is_cpu", "cuda": "is_cuda", "mps": "is_mps", "meta": "is_meta"}
 
@@ -251,7 +249,7 @@ class GuardMode(MatmulMode):
             return self._on_traced_entry(name, proceed, args, kwargs)
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
-        if _has_nested(args, kwargs):
+        if has_nested(args, kwargs):
             return self._on_nested(name, proceed, args, kwargs)
         if name == "sdpa":
             return self._on_sdpa(proceed, args, kwargs)
@@ -276,7 +274,7 @@ class GuardMode(MatmulMode):
                 return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
             return self._quick_pass(name, args, kwargs) or self._watch()
         except (RuntimeError, AttributeError, TypeError, ValueError):  # sizes that are not numbers
-            if _has_nested(args, kwargs):
+            if has_nested(args, kwargs):
                 return False  # on_entry decides it: See Note [Nested tensors]
             raise
 
@@ -420,10 +418,15 @@ class GuardMode(MatmulMode):
                                                 split, copies),
                          lambda: self._as_one_op(proceed, *args, **kwargs), active, why_not=why_not)
 
+    def on_nested(self, func, args: tuple, kwargs: dict) -> Any:
+        """A strided nested tensor's op under the dispatch mode: its product or cat judged as at an entry point."""
+        name = nested_call_name(func)
+        return func(*args, **kwargs) if name is None else self._on_nested(name, func, args, kwargs)
+
     def _on_nested(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A call with a nested tensor: See Note [Nested tensors]."""
         tensors = [t for t in flat_arguments(args, kwargs) if isinstance(t, _Tensor)]
-        if any(type(t) is _JAGGED for t in tensors):
+        if any(type(t) is JAGGED for t in tensors):
             return self._through_dispatch(proceed, args, kwargs)
         active = active_emulator()
         shapes = stacked_shapes(name, tensors) if self._applies(tensors[0]) else None
@@ -471,7 +474,7 @@ class GuardMode(MatmulMode):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`plain_check`)."""
-        if types and _JAGGED in types:
+        if types and JAGGED in types:
             return NotImplemented  # its own dispatch runs dense ops on its values, which come back here
         try:
             if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
@@ -494,10 +497,8 @@ class GuardMode(MatmulMode):
                     return func(*args, **kwargs)
             return self.dispatch(func, args, kwargs or {})
         except RuntimeError:
-            if _has_nested(args, kwargs or {}):  # a strided nested tensor's kernel: See Note [Nested tensors]
-                name = "cat" if func is aten.cat.default else "linear" if func is aten.linear.default else (
-                    "matmul" if route(func) in (PRODUCT, MATMUL) else None)
-                return func(*args, **(kwargs or {})) if name is None else self._on_nested(name, func, args, kwargs or {})
+            if has_nested(args, kwargs or {}):
+                return self.on_nested(func, args, kwargs or {})
             fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
             if fixed is None:
                 raise
@@ -627,10 +628,6 @@ class GuardMode(MatmulMode):
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
-
-
-def _has_nested(args: tuple, kwargs: dict) -> bool:
-    return any(t.is_nested for t in flat_arguments(args, kwargs) if isinstance(t, _Tensor))
 
 
 def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:

@@ -89,10 +89,11 @@ def judged_outputs(func: Any, outputs: list[torch.Tensor], full_most: int) -> li
 
 
 def outputs_of(out: Any) -> list[torch.Tensor]:
-    """The tensors an op returned."""
+    """The tensors an op returned; a nested tensor it made is left out (no sizes as numbers: its buffer is
+    judged through the ops that use it, Note [Nested tensors] in modes/shape_table.py)."""
     if isinstance(out, torch.Tensor):
-        return [out]
-    return tensors_of(out) if isinstance(out, (list, tuple)) else []
+        return [] if out.is_nested else [out]
+    return [t for t in tensors_of(out) if not t.is_nested] if isinstance(out, (list, tuple)) else []
 
 
 @dataclasses.dataclass(frozen=True)

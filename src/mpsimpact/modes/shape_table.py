@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import COMPOSITE, OTHER, PRODUCT, aten, route
+from mpsimpact.modes.base import COMPOSITE, MATMUL, OTHER, PRODUCT, aten, route
 from mpsimpact.modes.chunking import product_elements
 from mpsimpact.modes.op_size import SKIPPED, op_family
 
@@ -72,6 +72,12 @@ def stacked_shapes(name: str, tensors: list[torch.Tensor]) -> tuple[tuple[int, .
     columns = (math.prod(second[:-1]) if name == "sdpa" else second[0] if name == "linear" or len(second) == 1
                else second[-1])
     return (math.prod(first[:-1]), first[-1]), (first[-1], columns)
+
+
+def nested_call_name(func: Any) -> str | None:
+    """The entry point a nested tensor's aten op is judged as (stacked_shapes), or None: not judged."""
+    return ("cat" if func is aten.cat.default else "linear" if func is aten.linear.default
+            else "matmul" if route(func) in (PRODUCT, MATMUL) else None)
 
 
 def _stacked(t: torch.Tensor) -> torch.Size:
