@@ -40,8 +40,8 @@ def main(
 
     check_config = options.config_from(  # validated before anything heavy is imported
         config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
-        attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits, cache=cache,
-        out=out, memory=memory,
+        attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits,
+        cache=cache, out=out, memory=memory,
     )
     from mpsimpact.prediction.check import build_check_report
     from mpsimpact.reports.check import print_check, write_check_folder

@@ -26,8 +26,8 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, JAGGED, check_index_bits, has_nested, MatmulMode, active_emulator, current_phase, innermost,
-    needs_grad, numbers_as_tensors, route, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
+    ACTIVE, DECOMPOSED_OPS, JAGGED, check_index_bits, has_nested, MatmulMode, active_emulator, current_phase,
+    innermost, needs_grad, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
     Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, split_bmm, split_sdpa,
@@ -469,40 +469,29 @@ class GuardMode(MatmulMode):
     # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
     # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
 
-    # Dispatch level.
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    # Dispatch level (MatmulMode.__torch_dispatch__ calls this).
+    def dispatch(self, func, args: tuple, kwargs: dict):
         """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
         nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
         its entry bound runs at once, without the full route (`plain_check`)."""
-        if types and JAGGED in types:
-            return NotImplemented  # its own dispatch runs dense ops on its values, which come back here
-        try:
-            if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
-                return func(*args, **(kwargs or {}))
-            if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs or {})):
-                return func(*args, **(kwargs or {}))  # See Note [Symbolic sizes]
-            check = PLAIN.get(id(func))
-            if check is None:
-                check = plain_check(func)
-            if check is not FULL and not ACTIVE.stacks["emulator"]:
-                kwargs = kwargs or {}
-                if check is NO_KERNEL:
+        if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
+            return func(*args, **kwargs)
+        if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs)):
+            return func(*args, **kwargs)  # See Note [Symbolic sizes]
+        check = PLAIN.get(id(func))
+        if check is None:
+            check = plain_check(func)
+        if check is not FULL and not ACTIVE.stacks["emulator"]:
+            if check is NO_KERNEL:
+                return func(*args, **kwargs)
+            if check is SIZED or check is COMPOSITE_SIZED:
+                most, full_most = judged_at(self.index_bits)
+                if (check is SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
+                        and size_call(func, args, kwargs, most, full_most) is None:
                     return func(*args, **kwargs)
-                if check is SIZED or check is COMPOSITE_SIZED:
-                    most, full_most = judged_at(self.index_bits)
-                    if (check is SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
-                            and size_call(func, args, kwargs, most, full_most) is None:
-                        return func(*args, **kwargs)
-                elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
-                    return func(*args, **kwargs)
-            return self.dispatch(func, args, kwargs or {})
-        except RuntimeError:
-            if has_nested(args, kwargs or {}):
-                return self.on_nested(func, args, kwargs or {})
-            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
-            if fixed is None:
-                raise
-        return self.__torch_dispatch__(func, types, fixed, kwargs)
+            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
+                return func(*args, **kwargs)
+        return super().dispatch(func, args, kwargs)
 
     # One bmm/mm with its real operands.
     def on_matmul(self, func, family, a, b, args, kwargs):
