@@ -214,12 +214,16 @@ def write_measured(cache: Path, machine: str, mac: MacMemory) -> Path:
 
 def machine_key() -> str:
     """This machine as the cache knows it: its chip and its memory in bytes ("Apple M2 Pro, 17179869184 bytes")."""
+    return f"{chip_name() or platform.machine()}, {_unified_bytes()} bytes"
+
+
+def chip_name() -> str:
+    """A Mac's chip ("Apple M2 Pro"), or "" where sysctl cannot say."""
     try:
-        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
                               timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        chip = ""
-    return f"{chip or platform.machine()}, {_unified_bytes()} bytes"
+        return ""
 
 
 def _unified_bytes() -> int:

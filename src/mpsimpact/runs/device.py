@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import subprocess
 from collections.abc import Iterator
 
 import torch
@@ -18,11 +17,9 @@ def machine_name() -> str:
     """E.g. "Linux x86_64" or "macOS 15.1 arm64 (Apple M2 Ultra)"."""
     if platform.system() != "Darwin":
         return f"{platform.system()} {platform.machine()}"
-    try:
-        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                              timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        chip = ""
+    from mpsimpact.engine.mac_memory import chip_name
+
+    chip = chip_name()
     return f"macOS {platform.mac_ver()[0]} {platform.machine()}" + (f" ({chip})" if chip else "")
 
 
