@@ -25,7 +25,7 @@ def main(
     figure: str | None = option("--figure", "With --sweep: write the sweep as a PNG figure to this path."),
     torch_profile: str | None = shared("--torch-profile"),
     versions: bool | None = option("--versions", "Also the outcome on every torch release, per attention "
-                                                 "(eager, sdpa) and phase; written as versions.md/.png."),
+                                                 "(eager, sdpa) and workload; written as versions.md/.png."),
     out: str | None = options.out("Also write plan.json (and versions.md/.png)",
                                   "outputs/plan-<time>/ with --versions, else none"),
     memory: str | None = option("--memory", "A Mac's unified memory (e.g. 32GB), or auto on a Mac: the "

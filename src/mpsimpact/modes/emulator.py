@@ -426,7 +426,8 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
     if planned.family != family or (family == "bmm" and planned.a.shape[0] != a.shape[0]):
         raise PlanMismatchError(
             f"Call {index} is {op}{list(a.shape)} @ {list(b.shape)} but the plan expected "
-            f"{planned.describe()}; trace the plan with the same model, batch size and phase."
+            f"{planned.describe()}; trace the plan with the same model, batch size and workload (inference or "
+            "training)."
         )
     fault = planned.fault
     if fault.kind != "wrong_tail":

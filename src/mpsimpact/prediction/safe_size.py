@@ -169,7 +169,7 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
 
 def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int, profile: FaultProfile,
                         known: int | None = None, mac: MacMemory | None = None) -> BoundarySearch:
-    """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and phase, and decided
+    """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and workload, and decided
     on `mac` where one is given); `known` is a length already traced (reused as a fit point).
 
     Three traces fit every call; the candidate lengths are decided by arithmetic; the boundary found
