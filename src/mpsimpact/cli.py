@@ -58,5 +58,5 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
 
 for module in COMMANDS:
     word = module.__name__.rpartition(".")[2].replace("_", "-")
-    command_class = shows_config_defaults(module.config) if hasattr(module, "config") else None
+    command_class = shows_config_defaults(module.CONFIG) if hasattr(module, "CONFIG") else None
     app.command(word, cls=command_class)(reports_errors(module.main, word))

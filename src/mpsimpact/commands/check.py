@@ -6,9 +6,7 @@ from mpsimpact.commands import options
 from mpsimpact.commands.options import option, shared
 
 
-def config() -> type:
-    from mpsimpact.config import CheckConfig
-    return CheckConfig
+CONFIG = "mpsimpact.config:CheckConfig"  # the options' dataclass, imported when first needed (options.config_class)
 
 
 def main(
@@ -39,7 +37,7 @@ def main(
     from mpsimpact.output.files import claimed_out_dir
 
     check_config = options.config_from(  # validated before anything heavy is imported
-        config(), model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
+        CONFIG, model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits,
         cache=cache, out=out, memory=memory,
     )

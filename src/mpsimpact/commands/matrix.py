@@ -6,9 +6,7 @@ from mpsimpact.commands import options
 from mpsimpact.commands.options import option, shared
 
 
-def config() -> type:
-    from mpsimpact.upgrade.matrix import MatrixConfig
-    return MatrixConfig
+CONFIG = "mpsimpact.upgrade.matrix:MatrixConfig"  # the options' dataclass, imported when first needed (options.config_class)
 
 
 def main(
@@ -29,7 +27,7 @@ def main(
     # "4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name
     releases = None if transformers is None else tuple(part.strip() for part in transformers.split(","))
     matrix_config = options.config_from(  # validated before anything heavy is imported
-        config(), scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
+        CONFIG, scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
         max_length=max_length, out=out, offline=offline, torch_profile=torch_profile,
     )
     from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder

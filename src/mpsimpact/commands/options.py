@@ -4,6 +4,7 @@ given stays None and the config's default applies; `--help` shows that default (
 """
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -80,29 +81,35 @@ def check_environment() -> None:
     cache_root()
 
 
-def config_from(config: type, **given: Any) -> Any:
+def config_class(path: str) -> type:
+    """A command's config dataclass, named "module:Name" (imported here, not when the app is built)."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def config_from(config: str, **given: Any) -> Any:
     """The command's config from its options, by keyword; an option not given (None) keeps the config's
     default. Validated here, and its scenario's name checked, before the command imports torch or anything
     heavy (a typo answers at once); the library call validates it again."""
     from mpsimpact.runs.scenario import check_scenario_name
 
-    made = config(**{name: value for name, value in given.items() if value is not None})
+    made = config_class(config)(**{name: value for name, value in given.items() if value is not None})
     if getattr(made, "scenario", None) is not None:
         check_scenario_name(made.scenario)
     made.validate()
     return made
 
 
-def shows_config_defaults(config: Callable[[], type]) -> type[TyperCommand]:
-    """The command class for a command whose options default to the fields of `config()` (a dataclass,
-    imported by that call): its --help shows each field's default."""
+def shows_config_defaults(config: str) -> type[TyperCommand]:
+    """The command class for a command whose options default to the fields of its config (`config_class`):
+    its --help shows each field's default."""
 
     class ShowsConfigDefaults(TyperCommand):
         # The config modules import torch: their defaults are read when a command's --help is shown, not
         # when the app is built, so that `mpsimpact --help` stays instant.
         def format_help(self, ctx: Any, formatter: Any) -> None:
             try:
-                fields = {field.name: field.default for field in dataclasses.fields(config())}
+                fields = {field.name: field.default for field in dataclasses.fields(config_class(config))}
             except ModuleNotFoundError:  # a light install (no demo extra): help without the config's defaults
                 fields = {}
             for param in self.params:

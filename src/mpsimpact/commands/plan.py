@@ -6,9 +6,7 @@ from mpsimpact.commands import options
 from mpsimpact.commands.options import option, shared
 
 
-def config() -> type:
-    from mpsimpact.config import PlanConfig
-    return PlanConfig
+CONFIG = "mpsimpact.config:PlanConfig"  # the options' dataclass, imported when first needed (options.config_class)
 
 
 def main(
@@ -37,7 +35,7 @@ def main(
     from mpsimpact.output.files import check_out_file, claimed_out_dir
 
     plan_config = options.config_from(  # validated before anything heavy is imported
-        config(), scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
+        CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,
         versions=versions, out=out, memory=memory,
     )

@@ -14,9 +14,7 @@ QUICK = (16, 256, 23)
 QUICK_TEXT = "--batch-size 16 --max-length 256 --index-bits 23"
 
 
-def config() -> type:
-    from mpsimpact.config import RunConfig
-    return RunConfig
+CONFIG = "mpsimpact.config:RunConfig"  # the options' dataclass, imported when first needed (options.config_class)
 
 
 def main(
@@ -55,7 +53,7 @@ def main(
         batch_size, max_length, index_bits = (given if given is not None else default for given, default in
                                               zip((batch_size, max_length, index_bits), QUICK))
     run_config = options.config_from(  # validated before anything heavy is imported
-        config(), scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
+        CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
         emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
         threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
         steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory,

@@ -7,9 +7,7 @@ from mpsimpact.commands import options
 from mpsimpact.commands.options import option, shared
 
 
-def config() -> type:
-    from mpsimpact.config import SweepConfig
-    return SweepConfig
+CONFIG = "mpsimpact.config:SweepConfig"  # the options' dataclass, imported when first needed (options.config_class)
 
 
 def main(
@@ -42,7 +40,7 @@ def main(
     from mpsimpact.runs.sweep_run import run_sweep
 
     sweep_config = options.config_from(
-        config(), device=device, emulate=emulate, index_bits=index_bits, quick=quick,
+        CONFIG, device=device, emulate=emulate, index_bits=index_bits, quick=quick,
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile, max_memory=max_memory, memory=memory,
     )
