@@ -287,7 +287,9 @@ def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
         tensors = [x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)]
     else:
         tensors = [x for x in args if isinstance(x, torch.Tensor)]
-    bound = max(map(_extent, tensors), default=0)
+    # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's numel;
+    # neither exceeds this.
+    bound = max((t.storage_offset() + t.numel() for t in tensors), default=0)
     if name == "cat":
         return max(bound, sum(t.numel() for t in tensors))
     if name == "einsum":
@@ -345,12 +347,6 @@ def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
             yield from arg
         else:
             yield arg
-
-
-def _extent(t: torch.Tensor) -> int:
-    # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's
-    # numel; neither exceeds this.
-    return t.storage_offset() + t.numel()
 
 
 def emulated_index_bits() -> int:

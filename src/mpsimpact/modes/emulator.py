@@ -270,7 +270,8 @@ class EmulateMode(MatmulMode):
             return fault
         record = CallRecord.of_op(self.calls, op_name(func), inputs, outputs, fault, current_phase())
         self.records.append(record)
-        if fault.rule != "reduction-wrap" or not _wraps_whole(func, inputs):
+        # a characterised reduction wrap: a reduction over every element of its one input
+        if fault.rule != "reduction-wrap" or not (len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING):
             self._refuse(record)
             raise NotEmulatedError(
                 f"{record.describe()}: {fault.kind} on MPS {self.profile.release} (rule {fault.rule}); "
@@ -384,11 +385,6 @@ class EmulateMode(MatmulMode):
                 f"{len(self.plan.products)}; the plan was traced for another model or phase. "
                 "Re-trace the plan with the same model and inputs."
             )
-
-
-def _wraps_whole(func: Any, inputs: list) -> bool:
-    """A characterised reduction wrap: a reduction over every element of its one input."""
-    return len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING
 
 
 _WRAPPING = frozenset({

@@ -199,7 +199,8 @@ class GuardMode(MatmulMode):
         """On entering (or installing): strict watches from here when it is not gated, or when the guarded
         devices already hold a tensor's worth of bytes (Note [Strict, gated])."""
         self._depth = torch._C._len_torch_dispatch_stack()
-        if self.everywhere and (not self._gated or self._holds_enough()):
+        if self.everywhere and (not self._gated or  # the guarded devices hold a tensor that could pass a limit
+                                sum(HELD_BYTES[device]() for device in self._guarded_devices) >= self._view_limit):
             self._watch()
 
     def end(self, *exc: Any) -> None:
@@ -207,10 +208,6 @@ class GuardMode(MatmulMode):
         if self.watching:
             self.watching = False
             self.__exit__(*exc)
-
-    def _holds_enough(self) -> bool:
-        """Whether the guarded devices hold VIEW_LIMIT bytes of tensors (a tensor that could pass a limit)."""
-        return sum(HELD_BYTES[device]() for device in self._guarded_devices) >= self._view_limit
 
     def _watch(self) -> bool:
         """Pushes the dispatch mode for the rest of the block; False where it cannot go where the guard was
