@@ -58,13 +58,13 @@ class EntryPoint:
     instance of its own class, whose `__call__` is the wrapper function itself (no bound method on the hot
     path). See Note [Wrappers as good guests]."""
 
-    __wrapped__: Any
+    original: Any  # torch's callable (also its __wrapped__, which functools sets for inspect.signature)
 
     def __eq__(self, other: object) -> bool:
-        return self.__wrapped__ == (other.__wrapped__ if isinstance(other, EntryPoint) else other)
+        return self.original == (other.original if isinstance(other, EntryPoint) else other)
 
     def __hash__(self) -> int:
-        return hash(self.__wrapped__)
+        return hash(self.original)
 
     def __copy__(self) -> EntryPoint:
         return self
@@ -76,14 +76,14 @@ class EntryPoint:
         """The original's own reduction (torch's builtins pickle as getattr(their class, name)); F.linear,
         F.scaled_dot_product_attention and torch.einsum, which pickle by a path that does not lead here, by
         their public one."""
-        reduced = _reduction(self.__wrapped__, protocol)
+        reduced = _reduction(self.original, protocol)
         if reduced is not None:
             return reduced
         path = f"{self.__module__}.{self.__qualname__}"  # its public path (make_stand_in)
         return self.__qualname__ if pydoc.locate(path) is self else (pydoc.locate, (path,))
 
     def __repr__(self) -> str:
-        return repr(self.__wrapped__)
+        return repr(self.original)
 
 
 def _bound(self: EntryPoint, instance: Any, owner: Any = None) -> Any:
@@ -110,6 +110,7 @@ def make_stand_in(wrapped: Callable[..., Any], original: Callable[..., Any], own
     if isinstance(owner, type):
         members["__get__"] = _bound
     made = type(attribute, (EntryPoint,), members)()
+    made.original = original  # on the instance: a method descriptor held by the class would bind
     functools.update_wrapper(made, original)  # type: ignore[arg-type]
     made.__module__ = getattr(original, "__module__", None)  # a method descriptor has none: nor do we
     if _reduction(original, 2) is None:  # pickled by path: the public one (See EntryPoint.__reduce_ex__)
