@@ -115,6 +115,7 @@ def main() -> None:
     if unknown or "plain" not in modes:
         sys.exit(f"--modes takes plain and any of {', '.join(MODES)}; got {args.modes!r}.")
     tests = args.tests.resolve()
+    args.out = args.out.resolve()  # the suites run in the tree's folder: the XMLs' path must not depend on it
     args.out.mkdir(parents=True, exist_ok=True)
     # Round 0 runs every mode once (outcomes); later rounds only plain and raise (times), in reverse order every
     # other round, so neither always runs first.
