@@ -21,6 +21,7 @@ SMALL = ["run", "retrieval", "--batch-size", "16", "--max-length", "256", "--ind
          "--torch-profile", "2.14.0"]
 
 
+@pytest.mark.ci  # whole runs, 6 s: CI runs it after the default selection (pytest -m ci)
 def test_small_retrieval_run_under_each_guard(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"

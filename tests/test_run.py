@@ -53,6 +53,7 @@ def test_small_run_corrupts_exactly_the_predicted_texts(tmp_path):
     assert "emulated" in (out / "report.html").read_text().lower()
 
 
+@pytest.mark.ci  # whole runs, 6 s: CI runs it after the default selection (pytest -m ci)
 def test_below_the_boundary_is_clean_and_expect_fails_otherwise(tmp_path):
     result, text = invoke(["run", "sentiment", "--batch-size", "10", "--max-length", "256", "--index-bits", "23",
                            *PROFILE, "--out", str(tmp_path / "a"), "--expect", "clean"])
