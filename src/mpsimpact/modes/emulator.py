@@ -188,7 +188,7 @@ class EmulateMode(MatmulMode):
         """A strided nested tensor's op: C++ kernels over one buffer, which no mode sees into (Note [Nested
         tensors]). Below every limit MPS computes what runs here; past one, nobody can say what it returns."""
         tensors = tensors_of(args, kwargs)
-        shapes = stacked_shapes(nested_call_name(func) or "cat", tensors)
+        shapes = stacked_shapes(nested_call_name(func) or "cat", tensors)  # any other op: all its elements
         if shapes is not None and max(math.prod(shape) for shape in shapes) <= judged_at(self.index_bits)[0]:
             return func(*args, **kwargs)
         raise NotEmulatedError(

@@ -349,7 +349,7 @@ class GuardMode(MatmulMode):
                 try:
                     top = LARGEST.get(key) or largest_count(key)
                 except TypeError:  # symbolic sizes: See Note [Symbolic sizes]
-                    if a.is_nested:
+                    if a.is_nested or b.is_nested:  # a jagged dim, not a symbol of export's: on_entry decides
                         raise
                     return True
                 limit = self._view_limit
