@@ -114,9 +114,11 @@ def test_check_refuses_a_config_past_a_bound_before_building(tmp_path, name, mon
         words = f"nested more than {MAX_JSON_DEPTH} levels deep"
     else:
         (tmp_path / "config.json").write_text(json.dumps(BERT | change))
+    import mpsimpact.prediction.check as check  # imported before the patch, so it keeps its own name unpatched after
     import mpsimpact.prediction.meta_model as meta_model
 
-    monkeypatch.setattr(meta_model, "build_meta_model", lambda *a: pytest.fail("built a model"))
+    for module in (meta_model, check):  # check.py calls the name it imported
+        monkeypatch.setattr(module, "build_meta_model", lambda *a: pytest.fail("built a model"))
     started = time.perf_counter()
     result = runner.invoke(app, ["check", str(tmp_path), "--batch-size", "2"])
     assert result.exit_code == 2, result.output
