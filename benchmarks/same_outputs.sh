@@ -7,7 +7,7 @@
 #   diff -r /tmp/before /tmp/after                     # times and dates are masked, nothing else
 #
 # Runs offline on a CPU in about ten minutes (2 cores). Uses the `mpsimpact` on PATH, or
-# MPSIMPACT=/path/to/venv/bin/mpsimpact with PYTHONPATH pointing at a worktree's src/ (there is no `python -m mpsimpact`).
+# MPSIMPACT=/path/to/venv/bin/mpsimpact (or "python -m mpsimpact") with PYTHONPATH pointing at a worktree's src/.
 set -u
 out=${1:?usage: same_outputs.sh OUT_DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)

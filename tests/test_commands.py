@@ -137,3 +137,14 @@ def test_help_imports_no_heavy_library():
     assert result.returncode == 0, result.stderr
     assert "train-head" in result.stdout  # the help really printed
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_python_dash_m_runs_the_same_command_line():
+    # `python -m mpsimpact` is the script's command line: its name in the usage, its exit codes and errors.
+    result = subprocess.run([sys.executable, "-m", "mpsimpact", "run", "nosuch"], capture_output=True, text=True,
+                            env={**os.environ, **WIDE})
+    assert result.returncode == 2, result.stderr
+    assert "Unknown scenario 'nosuch'. Available: finetune, retrieval, sentiment." in result.stderr
+    usage = subprocess.run([sys.executable, "-m", "mpsimpact", "--help"], capture_output=True, text=True,
+                           env={**os.environ, **WIDE})
+    assert usage.returncode == 0 and "Usage: mpsimpact [OPTIONS] COMMAND" in usage.stdout, usage.stderr
