@@ -412,17 +412,21 @@ def cannot_tell(release: str, call: CallRecord) -> str:
             "`mpsimpact sweep` on a Mac measures it")
 
 
-def on_a_mac(judged: Any, installed: Prediction) -> str | None:
+def on_a_mac(judged: Any, installed: Prediction, as_judged: Prediction) -> str | None:
     """What the installed torch would do to this run on a Mac, with the flag that shows it; None when the
-    installed release is the one judged (`judged`: engine.release.JudgedRelease)."""
+    installed release is the one judged (`judged`: engine.release.JudgedRelease). `as_judged`: the run under the
+    judged release (on the same Mac), whose outcome the installed one's is told against ("instead", or the same)."""
     if judged.is_installed:
         return None
     profile = judged.installed
     unknown = undecided_at(profile, installed)
     if unknown is not None:
         return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
-    return (f"On a Mac, the installed torch {profile.label} {spoken(installed)} instead (--torch-profile "
-            f"{profile.release} shows it).")
+    outcome = spoken(installed)
+    if outcome == spoken(as_judged) and not judged.profile.conservative:  # an unmeasured release's is a guess
+        return (f"On a Mac, the installed torch {profile.label} does the same as torch {judged.profile.label} "
+                f"(--torch-profile {profile.release} shows it).")
+    return f"On a Mac, the installed torch {profile.label} {outcome} instead (--torch-profile {profile.release} shows it)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,9 +449,12 @@ class PredictionSection:
         """The judged release and why, with what the installed torch would do to this run on a Mac, and the flag
         that shows it (None where the installed release is the one judged)."""
         judged = self.release
-        installed = None if judged.is_installed else predict(
-            self.plan.on_mac(None).under(judged.installed), self.batch, self.subject.heads)
-        return judged.to_json() | {"on_a_mac": on_a_mac(judged, installed)}
+        if judged.is_installed:
+            return judged.to_json() | {"on_a_mac": None}
+        plan, heads = self.plan.on_mac(None), self.subject.heads
+        as_judged = self.prediction if plan is self.plan else predict(plan, self.batch, heads)
+        installed = predict(plan.under(judged.installed), self.batch, heads)
+        return judged.to_json() | {"on_a_mac": on_a_mac(judged, installed, as_judged)}
 
     def to_json(self, safe: dict[str, Any]) -> dict[str, Any]:
         """The words of plan and check: the calls traced, the faulting ones, the outcome, `safe` (the largest
