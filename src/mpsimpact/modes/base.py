@@ -219,10 +219,18 @@ def active_emulator() -> ActiveEmulator | None:
     return innermost("emulator")
 
 
+def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """Positional and keyword arguments, lists and tuples opened one level (cat, einsum); not `out`."""
+    for arg in (*args, *(v for k, v in kwargs.items() if k != "out")):
+        if isinstance(arg, (list, tuple)):
+            yield from arg
+        else:
+            yield arg
+
+
 def has_nested(args: tuple, kwargs: dict) -> bool:
     """Whether an argument (or a tensor of a list argument, cat's) is a nested tensor (torch.nested)."""
-    return any(isinstance(t, torch.Tensor) and t.is_nested
-               for arg in (*args, *kwargs.values()) for t in (arg if isinstance(arg, (list, tuple)) else (arg,)))
+    return any(isinstance(t, torch.Tensor) and t.is_nested for t in flat_arguments(args, kwargs))
 
 
 class MatmulMode(TorchDispatchMode):

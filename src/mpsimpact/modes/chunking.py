@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import MATMUL_OPS, active_emulator, sdpa_arguments
+from mpsimpact.modes.base import MATMUL_OPS, active_emulator, flat_arguments, sdpa_arguments
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, rows_per_safe_chunk, limits
 
 
@@ -338,15 +338,6 @@ def product_elements(sa: tuple[int, ...], sb: tuple[int, ...]) -> int:
     for x, y in itertools.zip_longest(reversed(sa[:-2]), reversed(sb[:-2]), fillvalue=1):
         batch *= max(x, y)
     return batch * max(m * k, k * n, m * n)
-
-
-def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
-    """Positional and keyword arguments, lists and tuples opened one level (cat, einsum); not `out`."""
-    for arg in (*args, *(v for k, v in kwargs.items() if k != "out")):
-        if isinstance(arg, (list, tuple)):
-            yield from arg
-        else:
-            yield arg
 
 
 def emulated_index_bits() -> int:

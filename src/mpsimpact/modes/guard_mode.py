@@ -26,11 +26,11 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from mpsimpact.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, JAGGED, check_index_bits, has_nested, MatmulMode, active_emulator, current_phase,
-    innermost, needs_grad, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
+    ACTIVE, DECOMPOSED_OPS, JAGGED, check_index_bits, flat_arguments, has_nested, MatmulMode, active_emulator,
+    current_phase, innermost, needs_grad, op_name, sdpa_arguments, sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import (
-    Split, cat_in_place, entry_bound, flat_arguments, run_in_pieces, run_sdpa_chunked, split_bmm, split_sdpa,
+    Split, cat_in_place, entry_bound, run_in_pieces, run_sdpa_chunked, split_bmm, split_sdpa,
 )
 from mpsimpact.modes.backward import needs_derivatives, run_with_backward_under
 from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES
