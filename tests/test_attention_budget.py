@@ -11,7 +11,7 @@ import mpsimpact
 from mpsimpact import budget, lazy_mask
 from mpsimpact.attention import _blocks_of, mps_safe_eager_attention
 from mpsimpact.modes.chunking import Blocks, attention_blocks
-from mpsimpact.modes import guard_mode as guard_module
+from mpsimpact.modes import guard_entry as guard_module  # where a split SDPA is run
 from mpsimpact.modes.chunking import SdpaSplit, split_sdpa
 
 BITS = 20

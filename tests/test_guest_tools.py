@@ -185,7 +185,7 @@ UNBATCHED = {
 @pytest.mark.parametrize("transform", UNBATCHED)
 @pytest.mark.parametrize("entry", SLOW)
 def test_the_slow_path_under_raise_gives_the_unguarded_values(entry, transform, monkeypatch):
-    import mpsimpact.modes.guard_mode as guard_module
+    import mpsimpact.modes.guard_entry as guard_module  # where the slow path is taken
 
     slow = []
     monkeypatch.setattr(guard_module, "run_with_backward_under",

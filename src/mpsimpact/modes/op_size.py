@@ -214,3 +214,36 @@ def _lookup_shape(name: str, bound: dict[str, Any]) -> Any:
         picked = torch.broadcast_shapes(*(t.shape for t in picks)) if picks else ()
         return (*picked, *rest)
     return None  # scatter, index_put, index_add, ...: the output is `self`
+
+
+# Factories, by how their size is given (modes/entrypoint.py's FACTORY_POINTS).
+_SIZES = (tuple, list, torch.Size)
+
+
+def factory_elements(name: str, args: tuple, kwargs: dict) -> int:
+    """The elements a factory call asks for; 0 where its sizes are not plain numbers (an FX proxy, a symbolic
+    size under torch.export: no arithmetic on them), so the call passes unseen."""
+    if name == "like":
+        like = args[0] if args else kwargs.get("input")
+        return like.numel() if isinstance(like, torch.Tensor) else 0
+    if name == "arange":
+        return _arange_length(args, kwargs)
+    if name == "new":
+        args = args[1:]  # after the tensor
+    if name == "randint":  # (high, size) or (low, high, size)
+        size = next((a for a in args if isinstance(a, _SIZES)), kwargs.get("size"))
+    else:  # (*size), (size, ...), size=
+        size = args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
+    if not isinstance(size, _SIZES) or not all(type(d) is int for d in size):
+        return 0
+    return math.prod(size)
+
+
+def _arange_length(args: tuple, kwargs: dict) -> int:
+    numbers = [a for a in args if not isinstance(a, (torch.dtype, torch.device, str))]
+    start, end, step = ((0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], 1) if len(numbers) == 2
+                        else tuple(numbers[:3]) if numbers else (0, None, 1))
+    start, end, step = kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
+    if not all(type(x) in (int, float) for x in (start, end, step)) or not step:
+        return 0
+    return max(0, math.ceil((end - start) / step))
