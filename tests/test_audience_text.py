@@ -86,3 +86,20 @@ def test_a_site_is_said_in_words_and_its_shapes_only_when_asked():
     call = CallRecord(13, "mul", scores, scores, OK, module="encoder.layer.0.attention.self")
     assert site(call) == "the scaling of the attention scores"
     assert site(call, shapes=True) == "the scaling of the attention scores (mul on 16x12x256x256)"
+
+
+def test_the_reports_prediction_line_says_where_the_run_stops_and_what_nobody_measured():
+    # A run that stops has no wrong text to count ("first corrupted text -, 0 of 16" read as clean).
+    from mpsimpact.reports.run import _predicted
+
+    stop = {"kind": "abort", "call": {"op": "mul", "index": 4, "phase": "forward"}}
+    stopped = {"stops": stop, "first_corrupted_text": None, "first_corrupted_head": None, "corrupted_count": 0}
+    assert _predicted(stopped, 16, {"measured": True, "release": "2.13.0"}) == (
+        "Predicted from shapes alone: no text comes back: the process dies at mul (call 4, forward).")
+    raised = dict(stopped, stops=dict(stop, kind="error"))
+    assert "no text comes back: MPS raises at mul" in _predicted(raised, 16, {})
+    wrong = {"stops": None, "first_corrupted_text": 10, "first_corrupted_head": 8, "corrupted_count": 6}
+    assert _predicted(wrong, 16, {"measured": True}) == (
+        "Predicted from shapes alone: first corrupted text 10 (head 8), 6 of 16 texts.")
+    assert _predicted(stopped, 16, {"measured": False, "release": "2.15.0"}).endswith(
+        "Nobody measured torch 2.15.0 on MPS: judged conservatively.")

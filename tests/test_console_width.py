@@ -108,7 +108,7 @@ def test_plan_with_versions_fits_80_columns_in_words(tmp_path):
     assert "wrong_other" not in text and "int32-kernel" not in text and "(unmeasured:" not in text
     # every release's long sentence is a footnote, said once: the abort at the scale (2.13.0), and for the newer
     # releases nobody measured, "cannot tell" before what the worst measured release would do
-    assert lines.count("[4] process abort: SIGSEGV (signal 11): the process dies without a text (at mul(") == 1
+    assert lines.count("[4] process abort: SIGSEGV (signal 11): the process dies with no error message (at mul(") == 1
     assert "cannot tell: nobody measured these releases on MPS (`mpsimpact sweep` on a Mac measures one)" in lines
     assert re.search(r"^\[\d+\] 2731 texts wrong from text 1365 \(logits\); 30 gradient", text, re.M)
     verbose = invoke([*PLAN, "--versions", "--verbose"], tmp_path / "verbose")
@@ -148,13 +148,17 @@ def test_the_talks_command_as_typed_shows_the_silent_bug_and_names_both_releases
     assert lines.startswith("EMULATED MPS. Silent: 6 of 16 outputs came back wrong, no error, no warning, no NaN")
     assert ("Judged as torch 2.14.0, a release measured on Macs where the bug is silent: there is no Apple GPU "
             "here to run the installed torch 2.13.0 on.") in lines
-    assert ("On a Mac, the installed torch 2.13.0 kills the process at the scaling of the attention scores "
-            "instead (--torch-profile 2.13.0 shows it).") in lines
+    # --quick's 23-bit index stands for a batch 2^9 times larger: said wherever a Mac's outcome is told
+    assert ("On a Mac, at the size this 23-bit run stands for, the installed torch 2.13.0 kills the process at the "
+            "scaling of the attention scores instead (--torch-profile 2.13.0 shows it).") in lines
+    assert "replaying the fault plan traced at 256, 23-bit index" in lines and "full-scale" not in lines
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["release"]["judged"] == "2.14.0" and report["release"]["installed"] == "2.13.0"
     assert report["geometry"]["profile"] == "2.14.0" and report["config"]["torch_profile"] is None
     md = (tmp_path / "out" / "report.md").read_text()
     assert "Judged as torch 2.14.0" in md and "--torch-profile 2.13.0 shows it" in md
+    assert ("## On every torch release (predicted from shapes at batch 16 x 256, at an emulated 23-bit index (MPS's "
+            "is 32): what a batch 2^9 times larger meets on a Mac)") in md and "full-scale" not in md
 
 
 @pytest.mark.parametrize("installed", ["2.14.0", "2.15.0"])

@@ -289,3 +289,11 @@ def test_help_shows_defaults_without_importing_torch(word):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert word in ("compare", "doctor") or "[default:" in result.stdout  # those two have no valued option
+
+
+def test_the_torch_profile_default_names_the_release_judged_without_a_mac():
+    # The help cannot import engine.release (no torch for --help): the release is written out, and must not drift.
+    from mpsimpact.commands.options import SHARED
+    from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE
+
+    assert f"elsewhere {PUBLISHED_DEMO_RELEASE}" in SHARED["--torch-profile"][1]

@@ -62,16 +62,16 @@ def profile_sentence(env: dict) -> str:
     if source != "study":
         unmeasured = env["fault_profile_unmeasured"]
         rest = f"; judged conservatively: {unmeasured}" if unmeasured else ""
-        return (f"Fault profile: torch {label}: a profile.json for this torch in the cache, used "
-                f"automatically; measured on {env['fault_profile_measured_on']}{rest}.")
+        return (f"The installed torch's fault profile: torch {label}: a profile.json for this torch in the cache, "
+                f"used automatically; measured on {env['fault_profile_measured_on']}{rest}.")
     cache = env["fault_profile_cache_file"]
     if env["fault_profile_measured"] or env["fault_profile_group"] != "unmeasured":
-        return (f"Fault profile: torch {label}, from the study's table (arXiv 2609.22991); a profile.json "
-                f"at {cache} would be used instead.")
-    return (f"Fault profile: torch {label}: nobody measured this release, so every call any measured "
-            f"release faults on is treated as faulting. Measure it on a Mac with `mpsimpact sweep --device "
-            f"mps --full --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a new "
-            "release').")
+        return (f"The installed torch's fault profile: torch {label}, from the study's table (arXiv 2609.22991); "
+                f"a profile.json at {cache} would be used instead.")
+    return (f"The installed torch's fault profile: torch {label}: nobody measured this release, so every call "
+            "any measured release faults on is treated as faulting. Measure it on a Mac with `mpsimpact sweep "
+            f"--device mps --full --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a "
+            "new release').")
 
 
 def mac_sentence(apple_gpu: bool) -> str:
@@ -81,7 +81,7 @@ def mac_sentence(apple_gpu: bool) -> str:
     from mpsimpact.engine.release import cache_root
 
     if not apple_gpu:
-        return ("This Mac's memory: no Apple GPU here. A Mac declared with --memory (plan, check, run) is "
+        return ("A Mac's memory: no Apple GPU here. A Mac declared with --memory (plan, check, run) is "
                 "assumed to allocate one buffer of at most half its unified memory (a 16 GB Mac: 8 GiB, so no "
                 "2^32 half-precision numbers) and to lend a process about two thirds; `mpsimpact doctor` on "
                 "the Mac measures its own.")

@@ -24,7 +24,7 @@ SHARED = {
                      "batches.", None),
     "--torch-profile": ("The torch release whose MPS faults are emulated, guarded and planned, e.g. 2.12.1, "
                         "'conservative', or a profile.json written by `mpsimpact sweep`.",
-                        "the installed torch's: a profile.json for it in the cache, else the study's"),
+                        "on a Mac the installed torch's; elsewhere 2.14.0, the published demo's"),
     "--memory": ("A Mac's unified memory (e.g. 16GB), or auto on a Mac: a tensor that reaches its largest "
                  "buffer (about half of it) stops with MPS's 'Invalid buffer size', as on that Mac.",
                  "no Mac: the index rules alone"),

@@ -38,7 +38,7 @@ ENCODE_FAILED_MESSAGE = "is too large for kernel. Encode failed."
 # The first-pass suite's texts (docs/fault-model.md, "Op families past INT_MAX").
 FAMILY_ABORT_MESSAGE = "SIGABRT from MPSGraph/MPSNDArray (the process aborts; its text was not recorded)"
 CAT_ABORT_MESSAGE = "MPSNDArray.mm:831: fail (SIGABRT: the process aborts)"
-SIGSEGV_MESSAGE = "SIGSEGV (signal 11): the process dies without a text"
+SIGSEGV_MESSAGE = "SIGSEGV (signal 11): the process dies with no error message"
 # 2.14.0's NotImplementedError for a sum past INT_MAX
 SUM_64_BIT_MESSAGE = "MPS sum_reduction: tensors requiring 64-bit indexing are not supported (numel={numel})"
 MASKED_FILL_MESSAGE = "masked_fill not supported for tensors of more than 2**{bits} elements"  # 2**32 on MPS

@@ -15,6 +15,7 @@ from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import allocates
 from mpsimpact.modes.piecewise import has_split
 
@@ -202,15 +203,15 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
         lines = [f"guard 'chunk' cannot make call {stuck[0].index} safe: one row of it ({stuck[0].describe()}) "
                  "already crosses a limit; shorten the sequence (see the longest safe length)."]
     elif strict:
-        lines = [f"guard 'chunk' with strict=True (`with mpsimpact.guard('chunk', strict=True):`) makes all "
-                 f"{len(faults)} faulting calls safe: {len(strict)} of them are other op families "
+        lines = [f"guard 'chunk' with strict=True (`with mpsimpact.guard('chunk', strict=True):`) makes "
+                 f"{_all_calls(faults)} safe: {len(strict)} of them are other op families "
                  f"({', '.join(dict.fromkeys(c.op for c in strict))}), which the guard's fast path leaves to "
                  "strict mode; it splits each into pieces below the limits; the result equals the correct "
                  "one."]
     else:
-        lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes all {len(faults)} faulting calls "
-                 "safe: it splits each along its batch rows (down to blocks of one batch's rows) into pieces "
-                 "below the limits; the result equals the correct one."]
+        lines = [f"guard 'chunk' (`with mpsimpact.guard('chunk'):`) makes {_all_calls(faults)} safe: it splits "
+                 f"{'each' if len(faults) > 1 else 'it'} along its first dimension (the batch, or a 2-D product's "
+                 "rows) into pieces below the limits; the result equals the correct one."]
     first, stop = faults[0], plan.first_stop
     how = " (with strict=True)" if needs_strict(first) else ""
     lines.append(f"guard 'raise'{how} stops before call {first.index} ({first.op} in "
@@ -223,6 +224,10 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     return lines
 
 
+def _all_calls(faults: list[CallRecord]) -> str:
+    return "the faulting call" if len(faults) == 1 else f"all {len(faults)} faulting calls"
+
+
 def _refused_advice(faults: list[CallRecord], refused: list[CallRecord], plan: FaultPlan, batch: int,
                     subject: Subject) -> list[str]:
     """Where the Mac refuses an allocation, no guard mode helps (it splits a computation, never one tensor);
@@ -232,7 +237,7 @@ def _refused_advice(faults: list[CallRecord], refused: list[CallRecord], plan: F
     lines = [f"No guard mode makes call {first.index} ({first.op} in {first.module or first.phase}) run {on}: "
              f"MPS refuses to allocate its tensor ('{first.fault.message}') before anything runs, and a guard "
              "splits a computation, not one tensor. Lower the batch size or the length (see the largest safe "
-             "batch and the longest safe length)."]
+             "sizes)."]
     if all(is_attention_call(c, batch, subject.heads) for c in refused):
         lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     return lines
@@ -412,21 +417,24 @@ def cannot_tell(release: str, call: CallRecord) -> str:
             "`mpsimpact sweep` on a Mac measures it")
 
 
-def on_a_mac(judged: Any, installed: Prediction, as_judged: Prediction) -> str | None:
+def on_a_mac(judged: Any, installed: Prediction, as_judged: Prediction,
+             index_bits: int = MPS_INDEX_BITS) -> str | None:
     """What the installed torch would do to this run on a Mac, with the flag that shows it; None when the
     installed release is the one judged (`judged`: engine.release.JudgedRelease). `as_judged`: the run under the
-    judged release (on the same Mac), whose outcome the installed one's is told against ("instead", or the same)."""
+    judged release (on the same Mac), whose outcome the installed one's is told against ("instead", or the same);
+    a narrowed `index_bits` is said: the sizes are an emulated stand-in for a batch that much larger."""
     if judged.is_installed:
         return None
     profile = judged.installed
+    mac = "On a Mac" if index_bits == MPS_INDEX_BITS else f"On a Mac, at the size this {index_bits}-bit run stands for"
     unknown = undecided_at(profile, installed)
     if unknown is not None:
-        return f"On a Mac with the installed torch: {cannot_tell(profile.release, unknown)}."
+        return f"{mac}{',' if mac != 'On a Mac' else ''} with the installed torch: {cannot_tell(profile.release, unknown)}."
     outcome = spoken(installed)
     if outcome == spoken(as_judged) and not judged.profile.conservative:  # an unmeasured release's is a guess
-        return (f"On a Mac, the installed torch {profile.label} does the same as torch {judged.profile.label} "
+        return (f"{mac}, the installed torch {profile.label} does the same as torch {judged.profile.label} "
                 f"(--torch-profile {profile.release} shows it).")
-    return f"On a Mac, the installed torch {profile.label} {outcome} instead (--torch-profile {profile.release} shows it)."
+    return f"{mac}, the installed torch {profile.label} {outcome} instead (--torch-profile {profile.release} shows it)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +462,7 @@ class PredictionSection:
         plan, heads = self.plan.on_mac(None), self.subject.heads
         as_judged = self.prediction if plan is self.plan else predict(plan, self.batch, heads)
         installed = predict(plan.under(judged.installed), self.batch, heads)
-        return judged.to_json() | {"on_a_mac": on_a_mac(judged, installed, as_judged)}
+        return judged.to_json() | {"on_a_mac": on_a_mac(judged, installed, as_judged, plan.index_bits)}
 
     def to_json(self, safe: dict[str, Any]) -> dict[str, Any]:
         """The words of plan and check: the calls traced, the faulting ones, the outcome, `safe` (the largest

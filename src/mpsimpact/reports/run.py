@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
 from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, html_table, markdown_table, release_lines
 from mpsimpact.output.page import format_cell as _fmt
@@ -22,8 +23,7 @@ def render_markdown(run: dict, kind) -> str:
         f"Model `{run['model']}`, data: {run['data_source']}. Batch {g['batch_size']}, "
         f"max length {g['max_length']}"
         + (f" (run at {g['run_length']} tokens)" if g["run_length"] != g["max_length"] else "") + ".",
-        f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} "
-        f"(head {_fmt(p['first_corrupted_head'])}), {p['corrupted_count']} of {g['batch_size']} texts.", "",
+        _predicted(p, g["batch_size"], run.get("release") or {}), "",
         *markdown_table([title for _, title in kind.table_columns(run)], kind.condition_rows(run)), "",
     ]
     for c in run["conditions"]:
@@ -36,9 +36,35 @@ def render_markdown(run: dict, kind) -> str:
     if run.get("versions"):
         from mpsimpact.reports.versions import to_markdown
 
-        title = "## On every torch release (predicted from shapes, full-scale geometry)"
-        lines += ["", title, "", to_markdown(run["versions"])]
+        lines += ["", _versions_title(g), "", to_markdown(run["versions"])]
     return "\n".join(lines) + "\n"
+
+
+def _predicted(p: dict, batch: int, release: dict) -> str:
+    """The forward pass's prediction in one sentence: where it stops (no text comes back), or its first wrong
+    text and count; a release nobody measured said as a conservative judgement."""
+    stop = p.get("stops")
+    if stop:
+        call = stop["call"]
+        what = "the process dies" if stop["kind"] == "abort" else "MPS raises"
+        text = (f"Predicted from shapes alone: no text comes back: {what} at {call['op']} (call {call['index']}, "
+                f"{call['phase']}).")
+    else:
+        text = (f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} "
+                f"(head {_fmt(p['first_corrupted_head'])}), {p['corrupted_count']} of {batch} texts.")
+    if release.get("measured") is False:
+        text += f" Nobody measured torch {release['release']} on MPS: judged conservatively."
+    return text
+
+
+def _versions_title(geometry: dict) -> str:
+    """The version table's heading: the geometry it was predicted at (the run's batch and length, before any
+    reduction of the run's length), and a narrowed index said as such: its faults are a bigger batch's on MPS."""
+    bits = geometry.get("index_bits", MPS_INDEX_BITS)
+    narrowed = (f", at an emulated {bits}-bit index (MPS's is {MPS_INDEX_BITS}): what a batch "
+                f"2^{MPS_INDEX_BITS - bits} times larger meets on a Mac" if bits != MPS_INDEX_BITS else "")
+    return (f"## On every torch release (predicted from shapes at batch {geometry['batch_size']} x "
+            f"{geometry['max_length']}{narrowed})")
 
 
 def _inline(text: str) -> str:

@@ -64,8 +64,10 @@ class Geometry:
             other = profile.release != installed_profile().release
             planned = f", guarded and planned as torch {profile.label}" if other else ""
             return f"real MPS (torch {installed_profile().label}){planned}"
-        scale = (f"at reduced length {self.run_length} replaying the full-scale fault plan" if self.replayed
-                 else "at full scale")
+        narrowed = self.index_bits != MPS_INDEX_BITS  # a narrowed index: no size here is MPS's full scale
+        scale = (f"at reduced length {self.run_length} replaying the fault plan traced at {self.max_length}"
+                 if self.replayed else "at full length" if narrowed else "at full scale")
+        scale += f", {self.index_bits}-bit index" if narrowed else ""
         precision = "" if self.dtype == "float32" else f", {self.dtype}"
         return f"{EMULATED_LABEL} (torch {profile.label}) on {self.device} {scale}{precision}"
 

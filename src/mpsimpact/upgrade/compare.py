@@ -237,7 +237,7 @@ def _cannot_tell(key: tuple[str, str], side: str, folder: RunFolder, condition: 
         unmeasured = True
     if unmeasured:
         text += (f"; torch {release} is an unmeasured release: measure it on a Mac with `mpsimpact sweep --device "
-                 "mps`, then compare with `--torch-profile` set to the sweep's profile.json")
+                 "mps`, run again with `--torch-profile` set to the sweep's profile.json, and compare that run")
     return Verdict(text, False, True)
 
 
