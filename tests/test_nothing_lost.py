@@ -406,6 +406,27 @@ def test_an_empty_out_is_refused_by_every_command(words):
     assert os.listdir() == []
 
 
+@pytest.mark.parametrize("out", [".", "sub/..", "./", os.getcwd])
+@pytest.mark.parametrize("words", [["run", "sentiment", "--quick"], ["check", BERT]])
+def test_the_current_folder_as_out_is_refused_before_any_work_and_creates_nothing(words, out):
+    # The report replaces its folder whole at the end (a partial folder beside it first): the folder the shell
+    # stands in cannot be replaced, and a partial folder inside it made the finished run fail at the end.
+    out = out() if callable(out) else out
+    result, stderr = invoke([*words, "--out", out])
+    assert one_line(result, stderr) == (f"error: --out '{out}' is the current folder (or holds it), which the report "
+                                        "cannot replace while you are in it; pass a new folder's name, e.g. --out "
+                                        "report.\n")
+    assert os.listdir() == []  # no sub/, no partial folder
+
+
+def test_a_figure_inside_plans_out_folder_is_refused_before_any_work():
+    os.mkdir("pf")
+    result, stderr = invoke(["plan", "sentiment", "--sweep", "--figure", "pf/fig.png", "--out", "pf"])
+    assert one_line(result, stderr) == ("error: --figure 'pf/fig.png' is inside --out 'pf', which is written whole "
+                                        "at the end; put the figure beside it.\n")
+    assert os.listdir("pf") == []
+
+
 def test_train_head_writes_a_new_folder_by_default_and_the_installed_head_only_with_install(monkeypatch):
     import mpsimpact.runs.head as head
 

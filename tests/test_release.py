@@ -161,3 +161,20 @@ def test_strided_operands_fault_wherever_a_transposed_view_would():
     assert (fault.kind, fault.rule, fault.inferred, fault.operand) == ("wrong_other", "unmeasured-layout", True, "ab")
     small = classify_bmm(q[:, :100], k[:, :, :100], profile="2.14.0")
     assert small.is_ok
+
+
+@pytest.mark.parametrize("asked", ["2.12.1.1", "2.12.1x", "2.12.1 2.13.0", "2.12.1+", "2.12.1-rc1"])
+def test_a_release_asked_for_is_read_whole_never_judged_as_its_first_numbers(asked):
+    from mpsimpact.engine.release import UnknownReleaseError, parse_release
+
+    with pytest.raises(UnknownReleaseError, match="is not a torch release"):
+        parse_release(asked)
+
+
+@pytest.mark.parametrize(("asked", "release"), [("2.12", (2, 12, 0)), ("2.15.0rc1", (2, 15, 0)),
+                                                ("2.15.0.dev20261101", (2, 15, 0)), ("2.13.0+cpu", (2, 13, 0)),
+                                                ("2.9.0a0+git1234abc", (2, 9, 0))])
+def test_torchs_own_version_spellings_are_releases(asked, release):
+    from mpsimpact.engine.release import parse_release
+
+    assert parse_release(asked) == release

@@ -32,7 +32,7 @@ def main(
 ) -> None:
     """From shapes alone (no weights, nothing big allocated): which calls fault and which outputs go wrong."""
     from mpsimpact.errors import UsageError
-    from mpsimpact.output.files import check_out_file, claimed_out_dir
+    from mpsimpact.output.files import check_out_file, claimed_out_dir, is_inside
 
     plan_config = options.config_from(  # validated before anything heavy is imported
         CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
@@ -47,6 +47,9 @@ def main(
         if not sweep:
             raise UsageError("--figure needs --sweep (it draws the batch-size sweep).", option="--figure")
         check_out_file(figure, "--figure")
+        if out and is_inside(figure, out):  # the folder is written whole at the end: a file in it first is a clash
+            raise UsageError(f"--figure '{figure}' is inside --out '{out}', which is written whole at the end; "
+                             "put the figure beside it.", option="--figure")
     with claimed_out_dir(out, "plan", default=bool(versions)) as folder:
         report = build_plan_report(plan_config, get_scenario(scenario)(model=model))
         if figure:

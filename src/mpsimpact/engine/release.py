@@ -300,9 +300,14 @@ def parse_version(version: str) -> tuple[int, int, int] | None:
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
+# A release as torch spells its versions: 2.12, 2.12.1, 2.15.0rc1, 2.15.0.dev20261101, 2.13.0+cpu (PEP 440's
+# shape); "2.12.1.1" is none (read leniently it would be judged as 2.12.1 without a word).
+_RELEASE = re.compile(r"\s*\d+\.\d+(\.\d+)?((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[A-Za-z0-9.]+)?\s*")
+
+
 def parse_release(text: str) -> tuple[int, int, int]:
     """`parse_version` of a release asked for; raises UnknownReleaseError (a ValueError) where it is none."""
-    parsed = parse_version(text)
+    parsed = parse_version(text) if _RELEASE.fullmatch(text) else None
     if parsed is None:
         raise UnknownReleaseError(f"'{text}' is not a torch release (expected e.g. 2.12.1)", release=text)
     return parsed

@@ -185,6 +185,12 @@ def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES)
     check_free_space(existing, needed, f"{flag} '{folder}'", flag)
 
 
+def is_inside(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it, links resolved (either may not exist yet)."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
+
+
 def refuse_folder_name(folder: Path, flag: str) -> None:
     """Raises UsageError when `folder`, or the hidden partial folder written beside it first, has a name the
     system cannot take (too long a name or path): said before any work, not by a failed write at the end."""
@@ -226,6 +232,11 @@ def fresh_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
     if out is not None and not str(out).strip():
         raise UsageError("--out must name a folder, got ''.", option="--out")
     folder = Path(out) if out else default_out_dir(default_prefix)
+    if folder.name in ("", ".", "..") or ".." in folder.parts:  # 'sub/..' would create sub/ on its way
+        folder = Path(os.path.normpath(folder))
+    if is_inside(Path.cwd(), folder):  # the report replaces the folder whole: not the one the shell stands in
+        raise UsageError(f"--out '{out}' is the current folder (or holds it), which the report cannot replace "
+                         "while you are in it; pass a new folder's name, e.g. --out report.", option="--out")
     refuse_folder_name(folder, "--out")
     if folder.is_dir() and not folder.is_symlink():
         entries = os.listdir(folder)
