@@ -245,7 +245,10 @@ def other_value(param, field, hint):
     if hint in (int, int | None):
         value = 7 if check is None or check.low is None or check.low <= 7 <= (check.high or 7) else int(check.low) + 1
         return [flag, str(value)], value
-    return ([flag, "0.25"], 0.25) if hint in (float, float | None) else ([flag, "x"], "x")
+    if hint in (float, float | None):
+        return [flag, "0.25"], 0.25
+    value = "fig.png" if flag == "--figure" else "x"  # plan refuses a figure inside --out x
+    return [flag, value], value
 
 
 @pytest.mark.parametrize("command", sorted(HANDED_TO))

@@ -5,10 +5,12 @@ datasets, matplotlib) happen inside them, so `mpsimpact --help` is instant."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from mpsimpact.commands import check, compare, doctor, matrix, plan, run, sweep, train_head
 from mpsimpact.commands import list as list_  # the module named `list`; `list_` spares the builtin
@@ -16,8 +18,26 @@ from mpsimpact.commands.options import check_environment, shows_config_defaults
 
 COMMANDS = (run, plan, check, sweep, compare, matrix, doctor, list_, train_head)
 
+
+class CheckedGroup(TyperGroup):
+    """The command group, refusing a bad COLUMNS before click reads the command line: rich lays out --help and
+    click's usage errors by it, and our messages wrap at it (0 printed nothing; "²" ended in a traceback)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        from mpsimpact.errors import EnvironmentVariableError
+        from mpsimpact.variables import console_width
+
+        try:
+            console_width()
+        except EnvironmentVariableError as error:
+            typer.echo(f"error: {error.message}", err=True)  # one line, as is: `said` would wrap at that width
+            sys.exit(2)
+        return super().main(*args, **kwargs)
+
+
 app = typer.Typer(
     name="mpsimpact",
+    cls=CheckedGroup,
     help="Show, measure and prevent PyTorch MPS's silent large-tensor bmm faults in NLP models.",
     no_args_is_help=True,
     add_completion=False,

@@ -11,6 +11,7 @@ from typing import Any
 
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
+from mpsimpact.variables import MAX_BYTES, exact_bytes
 
 # A sample is corrupted above this relative error against the reference (the study's criterion).
 CORRUPTION_THRESHOLD = 1e-3
@@ -296,11 +297,17 @@ GIB = 1 << 30  # bytes; every GiB figure the commands print or check
 
 
 def memory_bytes(text: str) -> int:
-    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
-    if not match or float(match[1]) <= 0:
-        raise ValueError(f"'{text}' is not a size above 0")
-    return int(float(match[1]) * (1 << 20 if (match[2] or "g").startswith("m") else GIB))
+    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB; read exactly
+    (no float to overflow), rounded down to whole bytes, from 1 byte to MAX_BYTES (1 PiB)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+    size = exact_bytes(match[1], 1 << 20 if (match[2] or "g").startswith("m") else GIB) if match else 0
+    if size <= 0:
+        raise ValueError(f"'{_shown(text)}' is not a size above 0")
+    if size < 1:
+        raise ValueError(f"'{_shown(text)}' is {float(size):.2g} bytes, less than one byte")
+    if size > MAX_BYTES:
+        raise ValueError(f"'{_shown(text)}' is more than {MAX_BYTES // GIB:,} GiB (1 PiB), more than any machine has")
+    return int(size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 from mpsimpact.bounds import name_problem
@@ -15,10 +17,13 @@ ATTENTION_BUDGET = "MPSIMPACT_ATTENTION_BUDGET"  # bytes of one attention piece:
 GUARD = "MPSIMPACT_GUARD"  # install_thread_guard()'s mode when none is given
 EMBEDDED_MODEL = "MPSIMPACT_EMBEDDED_MODEL"  # a local all-MiniLM-L6-v2 folder in place of the package's
 OFFLINE = ("UV_OFFLINE", "PIP_NO_INDEX")  # package-index switches: the package index is off limits (matrix)
+COLUMNS = "COLUMNS"  # the console's width: rich lays out every line (--help too) by it, and errors.paragraph wraps
 
 GUARD_MODES = ("raise", "warn", "chunk")  # the guard's modes (modes.guard); MPSIMPACT_GUARD may also say off
-MAX_BUDGET = 1 << 50  # bytes (1 PiB): more than any machine's memory, less than a float's exact integers
-_BYTES = re.compile(r"(\d+(?:\.\d+)?)([KMG]?)(?:I?B)?")
+# Bytes (1 PiB): more than any machine's memory; bounds every size given in bytes (this budget, sweep's --max-memory).
+MAX_BYTES = 1 << 50
+COLUMNS_RANGE = (20, 10_000)  # narrower, a table's words have no room; no terminal is wider
+_BYTES = re.compile(r"([0-9]+(?:\.[0-9]+)?)([KMG]?)(?:I?B)?")
 _SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -29,25 +34,56 @@ def _value(name: str) -> str | None:
     return value if value is not None and value.strip() else None
 
 
+def exact_bytes(number: str, unit: int) -> Fraction:
+    """`number` (decimal digits, a point allowed: "1.5", "0.0000001", 400 nines) times `unit` bytes, exactly: no
+    float to overflow or round it. A number of more than 20 whole digits counts as 10**20 units (past MAX_BYTES
+    whatever the unit), sparing int() its 4,300-digit limit."""
+    whole = number.partition(".")[0].lstrip("0")
+    return (Fraction(10**20) if len(whole) > 20 else Fraction(Decimal(number))) * unit
+
+
 def attention_budget() -> int | None:
     """MPSIMPACT_ATTENTION_BUDGET in bytes (suffixes K, M, G for KiB, MiB, GiB), or None where unset.
 
     Raises:
-        EnvironmentVariableError: not a byte count, or outside 1 .. MAX_BUDGET (nan, inf, -1, 1e400 among them).
+        EnvironmentVariableError: not a byte count, not a whole number of bytes (1.5), or outside 1 .. MAX_BYTES (nan,
+        inf, -1, 1e400 among them).
     """
     value = _value(ATTENTION_BUDGET)
     if value is None:
         return None
-    accepted = (f"give a whole number of bytes from 1 to 2**{MAX_BUDGET.bit_length() - 1}, or a number with K, M "
-                "or G (KiB, MiB, GiB), e.g. 268435456 or 256M")
+    accepted = (f"give a whole number of bytes from 1 to 2**{MAX_BYTES.bit_length() - 1}, or a number with K, M "
+                "or G (KiB, MiB, GiB) that comes to whole bytes, e.g. 268435456, 256M or 1.5K")
     match = _BYTES.fullmatch(value.strip().upper())
     if match is None:
         raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is not a byte count", accepted)
     digits, suffix = match.groups()
-    number = float(digits) * _SCALE[suffix] if len(digits) <= 20 else float("inf")
-    if not 1 <= number <= MAX_BUDGET:
+    number = exact_bytes(digits, _SCALE[suffix])
+    if not 1 <= number <= MAX_BYTES:
         raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is out of range", accepted)
+    if number.denominator != 1:
+        raise EnvironmentVariableError(ATTENTION_BUDGET, value, f"is {float(number):g} bytes, not a whole number",
+                                       accepted)
     return int(number)
+
+
+def console_width() -> int | None:
+    """COLUMNS, the console's width in characters, or None where unset or blank (the terminal's width then).
+
+    Raises:
+        EnvironmentVariableError: not a whole number in COLUMNS_RANGE (0 left rich no room, "²" or 5,000 digits
+        failed int()).
+    """
+    value = _value(COLUMNS)
+    if value is None:
+        return None
+    low, high = COLUMNS_RANGE
+    accepted = f"give a whole number of columns from {low} to {high:,}, e.g. 80"
+    if not (value.isascii() and value.isdigit()):
+        raise EnvironmentVariableError(COLUMNS, value, "is not a whole number of columns", accepted)
+    if len(value) > 6 or not low <= int(value) <= high:
+        raise EnvironmentVariableError(COLUMNS, value, "is out of range", accepted)
+    return int(value)
 
 
 def guard_mode() -> str | None:
@@ -101,6 +137,7 @@ def check_variables() -> None:
     """Checks every variable this module reads (cheaply: no folder is opened), so that a command refuses a bad
     one before any work. Raises EnvironmentVariableError on the first bad one."""
     attention_budget()
+    console_width()
     guard_mode()
     embedded_model_folder()
     is_offline()

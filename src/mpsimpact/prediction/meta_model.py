@@ -42,6 +42,11 @@ MAX_CONFIG_LAYERS = 512  # layers of one stack (the deepest published models hav
 MAX_PARAMETERS = 10**13  # parameters, estimated from the sizes (the largest published models have about 2 * 10**12)
 LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "num_encoder_layers",
                 "encoder_layers", "decoder_layers")
+# Counts transformers turns into one Python object per item (a list entry, a module) as it reads the config or builds
+# the model: any `..._layers` (MTP, residual, adapter layers), and these. Each is bounded by MAX_CONFIG_LAYERS.
+LAYER_COUNTS = ("depth", "first_k_dense_replace")
+MAX_LABELS = 1_000_000  # num_labels, id2label, label2id: transformers builds a dict entry per label (a billion: 24 GB)
+LABEL_TABLES = ("id2label", "label2id")
 SIZE_SUFFIXES = ("_size", "_dim", "_layers", "_heads", "_positions", "_embd", "_embeddings")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a config's dtype may say (or "auto")
 # Input variants, tried in order until one traces: transformers' mask code reads mask values (`.all()`), which
@@ -133,49 +138,72 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
     if model_type is None:
         raise ModelLoadError(f"'{file}' has no model_type field; it is not a transformers config.")
+    check_config_fields(fields, file)  # its types too (a list as model_type), before anything looks them up
     if model_type not in CONFIG_MAPPING:
         raise ModelLoadError(
             f"'{source}' has model_type '{str(model_type)[:60]}', an architecture transformers {__version__} does not "
             "know; upgrade transformers or check the config."
         )
-    check_config_fields(fields, file)
     return model_type
 
 
 def check_config_fields(fields: dict[str, Any], file: Path | str) -> None:
-    """A config's sizes and dtypes, bounded before anything is built (in sub-configs too: a multimodal model's
-    text_config): each size a whole number from 1 to MAX_CONFIG_SIZE, each stack at most MAX_CONFIG_LAYERS
-    layers, the parameters they imply at most MAX_PARAMETERS, each dtype a float dtype (FLOAT_DTYPES) or "auto".
+    """A config's sizes, counts, types and dtypes, bounded before transformers reads it or anything is built (in
+    sub-configs too: a multimodal model's text_config): each size a whole number from 1 to MAX_CONFIG_SIZE, each
+    stack (and any other count of layers, LAYER_COUNTS) at most MAX_CONFIG_LAYERS, at most MAX_LABELS labels, the
+    parameters the sizes imply at most MAX_PARAMETERS, model_type a string, architectures a list of class names,
+    each dtype a float dtype (FLOAT_DTYPES) or "auto".
 
     Raises:
         ModelLoadError: one line naming the file, the field, its value and the bound.
     """
-    def bad(where: str, what: str) -> ModelLoadError:
-        return ModelLoadError(f"'{file}': {where} {what}; check the config.")
-
     for prefix, part in _config_parts(fields):
         for name, value in part.items():
-            where = f"{prefix}{name}"
-            if name in SIZE_FIELDS and value is not None and (type(value) is not int or value < 1):
-                raise bad(where, f"must be a whole number of at least 1, got {json.dumps(value)[:40]}")
-            if type(value) is int and (name in SIZE_FIELDS or name.endswith(SIZE_SUFFIXES)) and value > MAX_CONFIG_SIZE:
-                raise bad(where, f"is {value:,}, more than any size a model has ({MAX_CONFIG_SIZE:,})")
-            if name in LAYER_FIELDS and type(value) is int and value > MAX_CONFIG_LAYERS:
-                raise bad(where, f"is {value:,} layers, more than the {MAX_CONFIG_LAYERS:,} mpsimpact builds")
-            if name in ("dtype", "torch_dtype") and value is not None and value not in (*FLOAT_DTYPES, "auto"):
-                raise bad(where, f"is {json.dumps(value)[:40]}, not a dtype models are built in here "
-                                       f"({', '.join(FLOAT_DTYPES)} or auto)")
+            problem = _field_problem(name, value)
+            if problem is not None:
+                raise ModelLoadError(f"'{file}': {prefix}{name} {problem}; check the config.")
         parameters = _parameters_implied(part)
         if parameters > MAX_PARAMETERS:
-            raise bad(prefix or "its sizes", f"imply about {parameters:.2g} parameters, more than any model "
-                                             f"({MAX_PARAMETERS:.0e})")
+            raise ModelLoadError(f"'{file}': {prefix or 'its sizes'} imply about {parameters:.2g} parameters, more "
+                                 f"than any model ({MAX_PARAMETERS:.0e}); check the config.")
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with one field of a config, in words that follow its name, or None."""
+    is_int = type(value) is int
+    if name in SIZE_FIELDS and value is not None and (not is_int or value < 1):
+        return f"must be a whole number of at least 1, got {_shown(value)}"
+    if is_int and (name in SIZE_FIELDS or name.endswith(SIZE_SUFFIXES)) and value > MAX_CONFIG_SIZE:
+        return f"is {value:,}, more than any size a model has ({MAX_CONFIG_SIZE:,})"
+    if is_int and (name in LAYER_FIELDS + LAYER_COUNTS or name.endswith("_layers")) and value > MAX_CONFIG_LAYERS:
+        return f"is {value:,} layers, more than the {MAX_CONFIG_LAYERS:,} mpsimpact builds"
+    if name == "num_labels" and value is not None and (not is_int or not 0 <= value <= MAX_LABELS):
+        return f"must be a whole number from 0 to {MAX_LABELS:,} (labels; transformers lists each), got {_shown(value)}"
+    if name in LABEL_TABLES and value is not None and not isinstance(value, dict):
+        return f"must be an object (label id to name, or name to id), got {_shown(value)}"
+    if name in LABEL_TABLES and value is not None and len(value) > MAX_LABELS:
+        return f"has {len(value):,} labels, more than the {MAX_LABELS:,} mpsimpact reads"
+    if name == "model_type" and value is not None and not isinstance(value, str):
+        return f"must be a string (a model type such as \"bert\"), got {_shown(value)}"
+    if name == "architectures" and value is not None and (
+            not isinstance(value, list) or not all(isinstance(item, str) for item in value)):
+        return f"must be a list of class names (such as [\"BertForMaskedLM\"]), got {_shown(value)}"
+    if name in ("dtype", "torch_dtype") and value is not None and value not in (*FLOAT_DTYPES, "auto"):
+        return f"is {_shown(value)}, not a dtype models are built in here ({', '.join(FLOAT_DTYPES)} or auto)"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A field's value as its JSON (cut to 40 characters); an empty list or object in words."""
+    empty = {"[]": "an empty list", "{}": "an empty object"}
+    return empty.get(text := json.dumps(value)[:40], text)
 
 
 def _config_parts(fields: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """The config and every sub-config in it (a dict value), each with its dotted prefix."""
+    """The config and every sub-config in it (a dict value, not a label table), each with its dotted prefix."""
     parts = [(prefix, fields)]
     for name, value in fields.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and name not in LABEL_TABLES:
             parts += _config_parts(value, f"{prefix}{name}.")
     return parts
 

@@ -102,8 +102,8 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
     if training:
         check_training_memory(model.config, device, batch, run_length)
     else:
-        check_memory(device, pass_bytes(run_length), "one device pass",
-                     "Lower --batch-size or --max-length, or let mpsimpact scale the geometry (--device cpu).")
+        scale = "" if device == "cpu" else ", or let mpsimpact scale the geometry (--device cpu)"
+        check_memory(device, pass_bytes(run_length), "one device pass", f"Lower --batch-size or --max-length{scale}.")
     return geometry
 
 
