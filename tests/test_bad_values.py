@@ -108,7 +108,8 @@ def test_fields_of_the_right_type_pass():
 # D4: --max-memory read exactly.
 
 @pytest.mark.parametrize(("value", "words"), [
-    ("9" * 400, "'99999999999999999999…99999999 (400 characters)' is more than 1,048,576 GiB (1 PiB), more than any machine has"),
+    ("9" * 400, "'99999999999999999999…99999999 (400 characters)' is more than 1,048,576 GiB (1 PiB), more than "
+                "any machine has"),
     ("1048576.000001", "'1048576.000001' is more than 1,048,576 GiB (1 PiB), more than any machine has"),
     ("0.0000001M", "'0.0000001M' is 0.1 bytes, less than one byte"),
     ("0.0000000000001", "'0.0000000000001' is 0.00011 bytes, less than one byte"),
