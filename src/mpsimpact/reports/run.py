@@ -46,7 +46,7 @@ def _predicted(p: dict, batch: int, release: dict) -> str:
     stop = p.get("stops")
     if stop:
         call = stop["call"]
-        what = "the process dies" if stop["kind"] == "abort" else "MPS raises"
+        what = {"abort": "the process dies"}.get(stop["kind"], "MPS raises")  # the fault's kind: abort, error
         text = (f"Predicted from shapes alone: no text comes back: {what} at {call['op']} (call {call['index']}, "
                 f"{call['phase']}).")
     else:
