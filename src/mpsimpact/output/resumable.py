@@ -122,6 +122,9 @@ def resumable_folder(out: Path, identity: dict[str, Any], log: str) -> Iterator[
     partial = out.parent / f".{out.name}.partial"
     if partial.is_symlink():
         _remove_link(partial, "the unfinished work of this command")
+    if partial.exists() and not partial.is_dir():  # a file, a FIFO: someone else's; left as it is
+        raise UsageError(f"'{partial}' is not a folder, so not one this command made; it keeps its unfinished "
+                         "work there: move it away, or pass another --out.")
     created = not partial.exists()
     partial.mkdir(parents=True, exist_ok=True)
     fd = _open_lock(partial)

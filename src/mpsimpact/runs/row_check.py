@@ -15,17 +15,26 @@ from mpsimpact.runs.cell import SweepCell, cell_row
 
 def reread_problem(row: dict[str, Any], cell: SweepCell, device: str, emulated: bool, index_bits: int,
                    profile: Any) -> str | None:
-    """Why a row read back from an unfinished sweep cannot be kept, or None: its observation is impossible
-    (`cell.observation_problem`), or the row this sweep makes of its cell and observation differs from it
-    (another sweep's device, torch, width or prediction; a changed verdict: `agree` is judged again, never
-    read)."""
+    """Why a row read back from an unfinished sweep cannot be kept, or None: its observation holds a list or
+    an object, or is impossible (`cell.observation_problem`), or the row this sweep makes of its cell and
+    observation differs from it (another sweep's device, torch, width or prediction; a changed verdict:
+    `agree` is judged again, never read)."""
     seen = {key: row[key] for key in cell.seen_fields if key in row}
-    problem = cell.observation_problem(seen)
+    problem = _type_problem(seen) or cell.observation_problem(seen)
     if problem is None:  # the fields where the row differs from the one made now (JSON-normalised: tuples as lists)
         made = json.loads(json.dumps(cell_row(cell, seen, device, emulated, index_bits, profile)))
         differ = sorted(key for key in row.keys() | made.keys() if row.get(key, ...) != made.get(key, ...))
         problem = f"its {', '.join(differ)} differ from what this sweep makes of its cell" if differ else None
     return problem
+
+
+def _type_problem(seen: dict[str, Any]) -> str | None:
+    """An observation field that is not one JSON value (a list, an object: damage), in words, or None; the
+    cell's own checks (`observation_problem`) compare and hash the fields, which a list or an object breaks."""
+    for key, value in seen.items():
+        if isinstance(value, (list, dict)):
+            return f"its {key} is {'a list' if isinstance(value, list) else 'an object'}, not one value"
+    return None
 
 
 def cell_key(cell: Any) -> tuple | None:

@@ -10,6 +10,7 @@ import math
 import os
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,31 @@ WHAT_TO_PASS = "pass a folder written by `mpsimpact run` or `mpsimpact sweep`"
 MAX_FILE_BYTES = 1 << 30  # one file of a folder: samples.jsonl of 65,536 texts x 3 conditions is about 100 MB
 
 
+NULL = type(None)
+JSON_WORDS = {str: "text", int: "a whole number", float: "a number", bool: "true or false", list: "a list",
+              dict: "an object", NULL: "null"}
+# The fields compare reads of each file, by their path in it ("*": every item of a list), and the JSON types each
+# may have where it is present (a report from before a field lacks it): checked once, as the file is read
+# (`_check_fields`), so that a field of the wrong type is said in one line and never reaches the comparison.
+# The checks that need more than a type (counts within the batch, classes adding up) follow it.
+COUNTS = ("batch_size", "max_length", "run_length", "index_bits")  # of a run's geometry; the rest is text
+RUN_FIELDS = (
+    ("kind", str), ("config", dict), ("environment", dict), ("config.threshold", int, float),
+    ("geometry.emulated", bool, NULL), ("columns", list), ("columns.*", list), ("columns.*.*", str),
+    *((".".join(path), int, NULL) if path[-1] in COUNTS else (".".join(path), str, NULL)
+      for _, path in RUN_GEOMETRY + RUN_ENVIRONMENT if path != ("kind",)),
+    *((f"conditions.*.{name}", str, NULL) for name in ("attention", "message")),
+    ("conditions.*.altered_calls", list), ("conditions.*.altered_calls.*", dict),
+    ("conditions.*.altered_calls.*.fault", dict), ("conditions.*.altered_calls.*.fault.kind", str),
+)
+SUMMARY_FIELDS = (
+    ("mode", str, NULL), ("config", dict), ("config.device", str, NULL), ("config.quick", bool, NULL),
+    ("config.dtypes", list), ("config.dtypes.*", str), ("config.layouts", list), ("config.layouts.*", str),
+    ("profile", dict), ("profile.release", str, NULL),
+)
+SWEEP_ROW_FIELDS = (("device", str, NULL), ("torch", str, NULL), ("index_bits", int, NULL))
+
+
 def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
     """The value at `path`, or None where any key is absent."""
     for key in path:
@@ -55,6 +81,34 @@ def _read_json(path: Path, allow_nan: bool = False) -> Any:
         return parse_json(_read_text(path), allow_nan=allow_nan)
     except ValueError as error:
         raise UsageError(f"Cannot read '{path}': {error}; {WHAT_TO_PASS}.") from None
+
+
+def _said(value: Any) -> str:
+    """A value as a one-line message shows it: its JSON, cut at 40 characters; a list or an object by its type
+    (what is wrong with it; its items may be long, or none)."""
+    return JSON_WORDS[type(value)] if isinstance(value, (list, dict)) else json.dumps(value)[:40]
+
+
+def _check_fields(path: Path, data: dict[str, Any], fields: tuple, where: str = "") -> None:
+    """Refuses, in one line naming the file and the field, the first of `fields` (RUN_FIELDS, SUMMARY_FIELDS,
+    ...) present in `data` with a value of another JSON type; `where` leads the field's name ("line 3: ")."""
+    for name, *types in fields:
+        for field, value in _values(data, name.split(".")):
+            if type(value) not in types:  # said by type: a value of the wrong type may be long, or empty
+                wanted = [JSON_WORDS[kind] for kind in types if not (kind is int and float in types)]
+                raise _damaged(path, f"{where}{field} is {JSON_WORDS[type(value)]}, not {' or '.join(wanted)}")
+
+
+def _values(data: Any, keys: list[str], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, value) of each value at the path `keys` ("*": every item of a list); a path through
+    something absent, or not an object or list (refused by its own entry), yields nothing."""
+    if not keys:
+        yield prefix.removesuffix("."), data
+    elif keys[0] == "*" and isinstance(data, list):
+        for index, item in enumerate(data):
+            yield from _values(item, keys[1:], f"{prefix}{index}.")
+    elif isinstance(data, dict) and keys[0] in data:
+        yield from _values(data[keys[0]], keys[1:], f"{prefix}{keys[0]}.")
 
 
 def _read_text(path: Path) -> str:
@@ -142,6 +196,7 @@ def load_run(path: Path) -> RunFolder:
         raise UsageError(f"'{path / 'report.json'}' is not an mpsimpact run report (no conditions or "
                          f"geometry); {WHAT_TO_PASS}.")
     _check_schema(path / "report.json", report, None)
+    _check_fields(path / "report.json", report, RUN_FIELDS)
     _check_run_report(path / "report.json", report)
     where, corrupted = kind_of(report).corrupted_positions(report, FolderFiles(path))
     if where is not None:
@@ -186,7 +241,9 @@ def _check_run_report(path: Path, report: dict[str, Any]) -> None:
     counts, first index and fractions in range (finite); each condition once."""
     batch = _get(report, ("geometry", "batch_size"))
     if not _is_count(batch) or not batch:
-        raise _damaged(path, f"geometry.batch_size is {json.dumps(batch)[:40]}, not a whole number >= 1")
+        raise _damaged(path, f"geometry.batch_size is {_said(batch)}, not a whole number >= 1")
+    if any(len(pair) != 2 for pair in report.get("columns", [])):
+        raise _damaged(path, "columns holds something other than [key, title] pairs")
     seen, kind = set(), kind_of(report)
     for number, condition in enumerate(report["conditions"], 1):
         if not isinstance(condition.get("guard"), str) or not isinstance(condition.get("status"), str):
@@ -202,17 +259,19 @@ def _check_run_report(path: Path, report: dict[str, Any]) -> None:
 
 
 def _condition_problem(condition: dict[str, Any], batch: int, kind: RunKind) -> str | None:
+    if not all("kind" in call.get("fault", {}) for call in condition.get("altered_calls") or []):
+        return "an altered call has no fault kind"  # how MPS stopped is read from it (runs.kind.stop_kind)
     for name in (*kind.counts, "wrong_values_before_stop"):
         value = condition.get(name)
         if value is not None and not _is_count(value, None if name == "wrong_values_before_stop" else batch + 1):
-            return f"{name} is {json.dumps(value)[:40]}, not a count of at most {batch}"
+            return f"{name} is {_said(value)}, not a count of at most {batch}"
     first = condition.get("first_corrupted_index")
     if first is not None and not _is_count(first, batch):
-        return f"first_corrupted_index is {json.dumps(first)[:40]}, not a position below {batch}"
+        return f"first_corrupted_index is {_said(first)}, not a position below {batch}"
     for name in kind.fractions:
         value = condition.get(name)
         if value is not None and not (type(value) in (int, float) and math.isfinite(value) and 0 <= value <= 1):
-            return f"{name} is {json.dumps(value)[:40]}, not a number between 0 and 1"
+            return f"{name} is {_said(value)}, not a number between 0 and 1"
     if condition.get("status") == "completed" and (condition.get("corrupted_count") or 0) and first is None:
         return "it corrupted texts but has no first corrupted position"
     return None
@@ -323,6 +382,7 @@ def load_sweep(path: Path) -> SweepFolder:
         raise UsageError(f"'{path / 'summary.json'}' is not an mpsimpact sweep summary (no cells or "
                          "by_class).")
     _check_schema(path / "summary.json", summary, SCHEMA_VERSION)
+    _check_fields(path / "summary.json", summary, SUMMARY_FIELDS)
     _check_summary(path / "summary.json", summary)
     rows = _read_jsonl(path / "sweep.jsonl") if os.path.lexists(path / "sweep.jsonl") else None
     if rows is not None:
@@ -334,7 +394,7 @@ def _check_summary(path: Path, summary: dict[str, Any]) -> None:
     """A sweep summary's counts: whole numbers, the classes' counts adding up to its cells (at least one)."""
     cells, by_class = summary["cells"], summary["by_class"]
     if not _is_count(cells) or not cells:
-        raise _damaged(path, f"cells is {json.dumps(cells)[:40]}, not a whole number >= 1")
+        raise _damaged(path, f"cells is {_said(cells)}, not a whole number >= 1")
     counts = list(by_class.values())
     if not all(isinstance(c, list) and len(c) == 3 and all(_is_count(n) for n in c) for c in counts):
         raise _damaged(path, "by_class holds something other than [agree, disagree, skipped] counts")
@@ -342,7 +402,7 @@ def _check_summary(path: Path, summary: dict[str, Any]) -> None:
         raise _damaged(path, f"its classes count {sum(map(sum, counts))} cells, not its {cells}")
     bits = _get(summary, ("config", "index_bits"))
     if bits is not None and not _is_count(bits):
-        raise _damaged(path, f"config.index_bits is {json.dumps(bits)[:40]}")
+        raise _damaged(path, f"config.index_bits is {_said(bits)}")
 
 
 def _check_sweep_rows(path: Path, rows: list[Any], summary: dict[str, Any]) -> None:
@@ -357,6 +417,7 @@ def _check_sweep_rows(path: Path, rows: list[Any], summary: dict[str, Any]) -> N
         problem = _sweep_row_problem(row)
         if problem:
             raise _damaged(path, f"line {number}: {problem}")
+        _check_fields(path, row, SWEEP_ROW_FIELDS, f"line {number}: ")
         key = tuple(row["cell"][k] for k in ("m", "k", "n", "batch", "layout", "dtype"))
         if key in cells:
             raise _damaged(path, f"line {number} repeats the cell of an earlier line")
@@ -400,9 +461,9 @@ def _sweep_row_problem(row: Any) -> str | None:
         return "a row without an observed class"
     first = row.get("first_bad_batch")
     if first is not None and not _is_count(first, cell["batch"]):
-        return f"first_bad_batch {json.dumps(first)[:40]} is not a batch of its cell"
+        return f"first_bad_batch {_said(first)} is not a batch of its cell"
     if "agree" not in row or row["agree"] not in (True, False, None):
-        return f"agree is {json.dumps(row.get('agree'))[:40]}"
+        return f"agree is {_said(row.get('agree'))}"
     return None
 
 
