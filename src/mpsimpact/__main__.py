@@ -2,4 +2,5 @@
 
 from mpsimpact.cli import app
 
-app(prog_name="mpsimpact")
+if __name__ == "__main__":  # importing the module (a walk over the package's submodules) runs nothing
+    app(prog_name="mpsimpact")
