@@ -16,6 +16,7 @@ from mpsimpact.engine.release import resolve_profile
 from mpsimpact.runs.family_cells import FamilyCell, family_grid
 from mpsimpact.runs.row_check import reread_problem, reread_rows
 from mpsimpact.runs.sweep import Cell, grid
+from interrupted import interrupted_sweep
 from said import messages, one_message
 
 runner = CliRunner()
@@ -169,24 +170,6 @@ def test_every_field_of_a_sweep_row_of_the_wrong_type_is_dropped_when_resumed(re
                         assert kept == [] and len(dropped) == 1, (log, path, wrong)
 
 
-def interrupted_sweep(tmp_path, monkeypatch, after):
-    """Runs SWEEP into tmp_path/s and interrupts it after `after` cells (bmm cells first, then the families):
-    returns the partial folder."""
-    real, calls = cell_module.observe, []
-
-    def stop(cell, *args, **kwargs):
-        calls.append(cell)
-        if len(calls) > after:
-            raise KeyboardInterrupt
-        return real(cell, *args, **kwargs)
-
-    monkeypatch.setattr(cell_module, "observe", stop)
-    result = runner.invoke(app, [*SWEEP, "--out", str(tmp_path / "s")])
-    assert result.exit_code == 130, result.output
-    monkeypatch.setattr(cell_module, "observe", real)
-    return tmp_path / ".s.partial"
-
-
 def rows_of(folder, log):
     return [json.loads(line) for line in (folder / log).read_text().splitlines()]
 
@@ -194,7 +177,7 @@ def rows_of(folder, log):
 @pytest.mark.parametrize("log", ["sweep.jsonl", "families.jsonl"])
 def test_a_resumed_sweep_drops_rows_whose_observation_has_the_wrong_type_and_runs_their_cells_again(
         tmp_path, monkeypatch, log):
-    partial = interrupted_sweep(tmp_path, monkeypatch, 12 if log == "sweep.jsonl" else len(CELLS) + 6)
+    partial = interrupted_sweep(SWEEP, tmp_path, monkeypatch, 12 if log == "sweep.jsonl" else len(CELLS) + 6)
     rows = rows_of(partial, log)
     assert len(rows) == (12 if log == "sweep.jsonl" else 6)
     clean = [json.loads(json.dumps(row)) for row in rows]

@@ -13,6 +13,7 @@ import mpsimpact.runs.cell as cell_module
 from mpsimpact.cli import app
 from mpsimpact.runs.cell import predicted_rows
 from mpsimpact.runs.sweep import Cell, grid
+from interrupted import interrupted_sweep as interrupted
 from said import flat, messages, one_message
 
 runner = CliRunner()
@@ -25,20 +26,8 @@ WRAPS = 9  # CELLS[9]: 256x256x64 batch 2
 
 
 def interrupted_sweep(tmp_path, monkeypatch, after=12):
-    """Runs the SMALL sweep into tmp_path/s and interrupts it after `after` cells: returns the partial folder."""
-    real, calls = cell_module.observe, []
-
-    def stop(cell, *args, **kwargs):
-        calls.append(cell)
-        if len(calls) > after:
-            raise KeyboardInterrupt
-        return real(cell, *args, **kwargs)
-
-    monkeypatch.setattr(cell_module, "observe", stop)
-    result = runner.invoke(app, [*SMALL, "--out", str(tmp_path / "s")])
-    assert result.exit_code == 130, result.output
-    monkeypatch.setattr(cell_module, "observe", real)
-    partial = tmp_path / ".s.partial"
+    """The SMALL sweep into tmp_path/s, interrupted after `after` cells: returns the partial folder."""
+    partial = interrupted(SMALL, tmp_path, monkeypatch, after)
     assert len(read_rows(partial)) == after
     return partial
 
