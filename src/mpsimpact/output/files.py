@@ -187,8 +187,7 @@ def check_writable_folder(folder: Path, flag: str, needed: int = MIN_FREE_BYTES)
 
 def is_inside(path: Path, folder: Path) -> bool:
     """Whether `path` is `folder` or lies inside it, links resolved (either may not exist yet)."""
-    path, folder = Path(path).resolve(), Path(folder).resolve()
-    return path == folder or folder in path.parents
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def refuse_folder_name(folder: Path, flag: str) -> None:

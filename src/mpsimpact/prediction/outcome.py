@@ -426,10 +426,11 @@ def on_a_mac(judged: Any, installed: Prediction, as_judged: Prediction,
     if judged.is_installed:
         return None
     profile = judged.installed
-    mac = "On a Mac" if index_bits == MPS_INDEX_BITS else f"On a Mac, at the size this {index_bits}-bit run stands for"
+    narrowed = index_bits != MPS_INDEX_BITS
+    mac = f"On a Mac, at the size this {index_bits}-bit run stands for" if narrowed else "On a Mac"
     unknown = undecided_at(profile, installed)
     if unknown is not None:
-        return f"{mac}{',' if mac != 'On a Mac' else ''} with the installed torch: {cannot_tell(profile.release, unknown)}."
+        return f"{mac}{',' * narrowed} with the installed torch: {cannot_tell(profile.release, unknown)}."
     outcome = spoken(installed)
     if outcome == spoken(as_judged) and not judged.profile.conservative:  # an unmeasured release's is a guess
         return (f"{mac}, the installed torch {profile.label} does the same as torch {judged.profile.label} "
