@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpsimpact.errors import EmulatedMpsError, NotEmulatedError, OversizedOpError
 from mpsimpact.modes import backward as backward_module
+from mpsimpact.modes.call_site import is_in_packages
 from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORY_POINTS
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.modes.guard import guard
@@ -240,6 +241,13 @@ class EveryEntry(nn.Module):
 TRACED = {"linear, einsum of a scaled input": LinearEinsum, "linear, causal SDPA": LinearCausal,
           "every entry point": EveryEntry}
 _MANGLED = re.compile(r"___torch_mangle_\d+\.")
+_SOURCE = re.compile(r"# (\S+\.py):\d+")  # a node's source line in a graph's text
+
+
+def ours(graph: str) -> list[str]:
+    """The source files of a graph's nodes that are mpsimpact's own code: by the package's folders, so a clone, a
+    venv or a home folder named mpsimpact (the user's code, named in the graph) counts as the user's."""
+    return [path for path in _SOURCE.findall(graph) if is_in_packages(path, ("mpsimpact", "mpsimpact.scenarios"))]
 
 
 def traced(model: str, condition: str | None, path) -> tuple[str, torch.Tensor, torch.Tensor]:
@@ -257,7 +265,7 @@ def traced(model: str, condition: str | None, path) -> tuple[str, torch.Tensor, 
 @pytest.mark.parametrize("model", TRACED)
 def test_jit_trace_records_torchs_graph_in_every_mode_and_saves(model, tmp_path):
     want, out, _ = traced(model, None, tmp_path / "plain.pt")
-    assert "prim::PythonOp" not in want and "mpsimpact" not in want
+    assert "prim::PythonOp" not in want and ours(want) == [] and _SOURCE.findall(want)  # the test's lines
     for condition in MODES:
         got, got_out, loaded = traced(model, condition, tmp_path / "guarded.pt")
         assert got == want, condition  # node kinds in order, source lines (the test's), value names

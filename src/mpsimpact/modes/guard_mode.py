@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import operator
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
     ACTIVE, DECOMPOSED_OPS, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
 )
+from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
 from mpsimpact.modes.chunking import Split, cat_in_place, entry_bound, run_in_pieces, split_bmm
 from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import (
@@ -385,11 +385,9 @@ def _say_once(what: str, message: str) -> None:
 
 
 def _user_site() -> tuple[str, int]:
-    # The innermost frame outside torch and mpsimpact: where the op was asked for.
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if "/torch/" not in frame.filename and "/mpsimpact/" not in frame.filename:
-            return frame.filename, frame.lineno or 0
-    return "", 0
+    # The innermost frame outside torch and mpsimpact (by their folders): where the op was asked for.
+    frame = innermost_outside(TORCH_AND_OURS)
+    return (frame.filename, frame.lineno or 0) if frame is not None else ("", 0)
 
 
 def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:

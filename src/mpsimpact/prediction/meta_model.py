@@ -17,6 +17,7 @@ from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_
 from mpsimpact.bounds import read_file_bytes, shown_path
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
+from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside, is_in_packages
 from mpsimpact.modes.tracer import trace_module
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.faults import MPS_INDEX_BITS
@@ -358,13 +359,16 @@ class MetaModel:
             call=failing_call(error)) from None
 
 
+# The model's own code: transformers', and remote code (trust_remote_code) imported as transformers_modules.
+MODEL_CODE = ("transformers", "transformers_modules")
+
+
 def failing_call(error: BaseException) -> str:
     """Where `error` was raised, as `file.py:line in function`: the innermost frame in the model's own code
     (transformers, or a model's remote code), else the innermost frame outside torch."""
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if "/transformers/" in f.filename or "/modules/transformers_modules/" in f.filename]
-    outside = [f for f in frames if "/torch/" not in f.filename and "/mpsimpact/" not in f.filename]
-    frame = (ours or outside or frames or [None])[-1]
+    ours = [f for f in frames if is_in_packages(f.filename, MODEL_CODE)]
+    frame = ours[-1] if ours else innermost_outside(TORCH_AND_OURS, frames) or (frames[-1] if frames else None)
     return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else "an unknown call"
 
 
