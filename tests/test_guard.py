@@ -152,7 +152,7 @@ def test_tiny_bert_chunk_matches_plain_and_raise_stops_first():
     with torch.inference_mode():
         plain = model(input_ids=ids).last_hidden_state
         with emulate(index_bits=16, profile="2.14.0") as emu, guard("raise"), pytest.raises(
-                OversizedOpError, match="wrong values from batch 16"):
+                OversizedOpError, match=r"wrong values from sample 4 of the first dimension onward \(bmm batch 16"):
             model(input_ids=ids)
         assert emu.records == []
     out, emu, g = bert_outputs(model, ids, index_bits=16, profile="2.14.0")

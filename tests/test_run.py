@@ -43,7 +43,7 @@ def test_small_run_corrupts_exactly_the_predicted_texts(tmp_path):
     assert (off["guard"], off["status"], off["corrupted_count"], off["first_corrupted_index"]) == ("off", "completed", 6, 10)
     assert off["predicted_first_corrupted_index"] == report["prediction"]["first_corrupted_text"] == 10
     assert off["corrupted_contiguous_to_end"]
-    assert stop["status"] == "stopped_by_guard" and "would return wrong values from batch 128" in stop["message"]
+    assert stop["status"] == "stopped_by_guard" and "would return wrong values from sample 10 of the first dimension onward (bmm batch 128" in stop["message"]
     assert stop["wrong_values_before_stop"] == 0
     assert (chunk["status"], chunk["corrupted_count"], chunk["flips"]) == ("completed", 0, 0)
     for name in ("report.md", "report.html", "samples.jsonl", "error_by_position.png", "corrupted_classes.png", "confusion.png"):

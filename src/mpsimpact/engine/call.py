@@ -113,6 +113,19 @@ class CallRecord:
         }
 
 
+def rows_per_sample(call: CallRecord, entry: tuple[int, ...] | None) -> int:
+    """How many of a product call's rows (bmm batches, mm rows, SDPA's batch-head rows) one sample of the
+    caller's first dimension holds, where the caller's operand shape `entry` folds exactly into the call's
+    rows (a (B, H, L, L) @ (B, H, L, D) matmul into B*H bmm batches: H); else 1, the rows being the unit.
+    See Note [A call's samples] in modes/entrypoint.py."""
+    if entry is None or not call.is_product or len(entry) < 2:
+        return 1
+    folded, rows = (entry[:-1], call.a.shape[0]) if call.family == "mm" else (entry[:-2], math.prod(call.a.shape[:-2]))
+    if not folded or not folded[0] or math.prod(folded) != rows:
+        return 1
+    return rows // folded[0]
+
+
 def op_cell(op: str, a: list[int], b: list[int]) -> str:
     """A call's op and shapes: "bmm: 192x256x256 @ 192x256x32" for a product, "sdpa: q ..., k ...",
     "mul on 16x12x256x256" (and "-> out" when it differs) for any other op (a = its largest input,

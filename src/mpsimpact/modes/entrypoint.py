@@ -145,11 +145,21 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.
         if len(handlers) == 1 and handlers[0].passes(name, args, kwargs) or _compiling():
             return original(*args, **kwargs)  # nor while torch.compile traces: the wrapper folds away there
-        if len(handlers) == 1:
-            return handlers[0].on_entry(name, original, args, kwargs)
-        return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
+        if _LOCAL.__dict__.get("entry") is not None:  # a call inside one (a decomposition's bmm): the caller's
+            return _decide(name, original, handlers, args, kwargs)
+        _LOCAL.entry = _shape_of(_first_operand(args, kwargs))  # See Note [A call's samples]
+        try:
+            return _decide(name, original, handlers, args, kwargs)
+        finally:
+            _LOCAL.entry = None
 
     return make_stand_in(wrapped, original, owner, attribute)
+
+
+def _decide(name: str, original: Callable[..., Any], handlers: list[EntryHandler], args: tuple, kwargs: dict) -> Any:
+    if len(handlers) == 1:
+        return handlers[0].on_entry(name, original, args, kwargs)
+    return _chain(name, original, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
 
 # Note [Calls jit.trace records]
@@ -224,6 +234,29 @@ def _in_function_state(state: Any, original: Callable[..., Any], *args: Any, **k
         return original(*args, **kwargs)
     finally:
         torch._C._set_torch_function_state(previous)
+
+
+# Note [A call's samples]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A caller counts in the first dimension of the tensor it hands a product's entry point (torch.matmul, linear,
+# bmm, SDPA): samples, texts. What reaches MPS folds the leading dimensions into rows (B*H batches of a bmm
+# for a (B, H, L, L) @ (B, H, L, D) matmul, B*L rows of an mm for a linear on (B, L, D)), so a first wrong
+# batch or a safe chunk in rows says little to the caller. While the handlers decide a call that did not pass
+# at once, the shape of its first operand is kept (`entry_shape`; the outermost call's: torch's own
+# decompositions call bmm through the entry points too), and the modes tell rows in the caller's
+# samples where that shape folds into the rows they judge (engine.call.rows_per_sample); elsewhere (autograd's
+# backward, TorchScript, a call reaching a dispatch mode alone) they stay rows.
+def entry_shape() -> tuple[int, ...] | None:
+    """The first operand's shape of the entry-point call the handlers are deciding on this thread, or None.
+    See Note [A call's samples]."""
+    return _LOCAL.__dict__.get("entry")
+
+
+def _shape_of(operand: Any) -> tuple[int, ...] | None:
+    if not isinstance(operand, _Tensor) or operand.is_nested:  # a nested tensor has no one shape
+        return None
+    shape = operand.shape  # not read as numbers where symbolic (export's dynamic dims)
+    return tuple(shape) if all(type(n) is int for n in shape) else None
 
 
 def _first_operand(args: tuple, kwargs: dict) -> Any:
