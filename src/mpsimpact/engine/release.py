@@ -409,11 +409,12 @@ class JudgedRelease:
         """Whether the judged release is the installed one (so nothing else to say about a Mac)."""
         return self.profile.ref == self.installed.ref
 
-    def sentence(self) -> str:
-        """Which release, and why, in one sentence."""
+    def sentence(self, flag: str = "--torch-profile") -> str:
+        """Which release, and why, in one sentence; `flag`: the option that asks for one (the pytest plugin's
+        --mps-profile)."""
         judged = f"torch {self.profile.label}"
         if self.reason == ASKED:
-            return f"Judged as {judged}, as --torch-profile asked (torch {self.installed.label} is installed)."
+            return f"Judged as {judged}, as {flag} asked (torch {self.installed.label} is installed)."
         if self.reason == ON_THIS_MAC:
             return f"Judged as {judged}, the release installed on this Mac."
         return (f"Judged as {judged}, a release measured on Macs where the bug is silent: there is no Apple "

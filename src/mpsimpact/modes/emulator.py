@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,7 @@ from mpsimpact.modes.base import (
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
     sdpa_operands,
 )
+from mpsimpact.modes.chunking import entry_bound
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.shape_table import nested_call_name, stacked_shapes
 from mpsimpact.modes.op_size import (
@@ -27,7 +28,7 @@ from mpsimpact.modes.op_size import (
 )
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
-    MPS_INDEX_BITS, contiguous_strides, Fault, Profile, sdpa_path, TensorSpec,
+    MPS_INDEX_BITS, contiguous_strides, dim_max, Fault, Profile, limits, sdpa_path, TensorSpec,
     wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
@@ -36,6 +37,18 @@ from mpsimpact.engine.release import allocates, takes_release
 
 if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
+
+# scaled_dot_product_attention's own kernels, as a call that bypassed its entry point reaches the dispatch mode.
+FUSED_SDPA = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+) if hasattr(torch.ops.aten, name))
+_fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
+# What the emulator does with a call it altered (EmulateMode._keep).
+RETURNED, INFERRED, RAISED, ABORTED, REFUSED = "returned", "inferred", "raised", "aborted", "refused"
+# The products' entry points: looked at from the entry where they could meet a rule (EmulateMode.passes).
+_PRODUCT_ENTRIES = frozenset({"matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum"})
 
 def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
     """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""
@@ -107,7 +120,10 @@ class EmulateMode(MatmulMode):
         self.memory = memory if plan is None else None
         self._buffer = memory.buffer_at(index_bits) if self.memory is not None else None
         self.calls = 0
+        self._near = limits(index_bits)[1]  # every rule needs a count at VIEW_LIMIT or more
         self.records: list[CallRecord] = []
+        # Called with each record and what the emulator does with it (`_keep`): the pytest plugin's summary.
+        self.listeners: list[Callable[[CallRecord, str], None]] = []
         self._grouped = False
         # Plan replay of the other families: each planned call by (sdpa scope, op name, occurrence), and
         # the calls of each (scope, name) made so far (see `peek_op`).
@@ -116,6 +132,13 @@ class EmulateMode(MatmulMode):
         self._allocations = any(allocates(c.op) for c in others)  # a plan traced with them replays them
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
+
+    def ignore_compile_internals(self) -> bool:
+        """Yes: torch.compile traces with the emulator stepped aside (Dynamo skips every frame while a mode that
+        says no is active, so `fullgraph=True` would find none), and the compiled code runs under it: the eager
+        and aot_eager backends' ops come to it as any op does (SDPA: Note [SDPA past its entry]); a fused kernel
+        of another backend (inductor's) runs past it."""
+        return True
 
     def on_matmul(self, func, family, a, b, args, kwargs):
         if self._passing or (self._grouped and self.plan is not None):
@@ -146,8 +169,25 @@ class EmulateMode(MatmulMode):
         planned = self.plan.products[index] if self.plan is not None else None
         spec_a, spec_b = (planned.a, planned.b) if planned else (TensorSpec.of(a), TensorSpec.of(b))
         record = CallRecord(index, op, spec_a, spec_b, fault, current_phase())
-        self.records.append(record)
+        self._keep(record, self._product_outcome(fault))
         return record
+
+    def _product_outcome(self, fault: Fault) -> str:
+        # What on_matmul and SDPA's entry do with a faulting product: See `_keep`.
+        if fault.is_stop:
+            return ABORTED if fault.kind == "abort" else RAISED
+        if fault.kind == "wrong_other" or fault.rule == "unmeasured-layout" and self.plan is not None:
+            return REFUSED
+        return INFERRED if fault.rule == "unmeasured-layout" else RETURNED
+
+    def _keep(self, record: CallRecord, outcome: str) -> None:
+        """Records a call the emulator altered and tells each listener what it does with it: RETURNED (MPS's
+        wrong values), INFERRED (a layout nobody measured, computed as its contiguous copy is inferred to read),
+        RAISED (MPS's error, as EmulatedMpsError), ABORTED (MPS would abort the process; raised here as
+        EmulatedMpsError) or REFUSED (values nobody characterised or measured: NotEmulatedError)."""
+        self.records.append(record)
+        for listener in self.listeners:
+            listener(record, outcome)
 
     def _refuse(self, record: CallRecord) -> None:
         """Raises what MPS raises (or aborts with), or refuses to invent values nobody characterised."""
@@ -203,11 +243,36 @@ class EmulateMode(MatmulMode):
         every op's tensors are held against its largest buffer (see `_within_buffer`)."""
         if self._passing:
             return func(*args, **kwargs)
+        if func in FUSED_SDPA:
+            self._check_sdpa_past_entry(func, args)
         if self.plan is not None:
             return self._replay_other(func, args, kwargs)
         if self._buffer is not None:
             return self._within_buffer(func, args, kwargs)
         return self._on_other(func, args, kwargs)
+
+    # Note [SDPA past its entry]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The emulator decides SDPA at its Python entry point: which path MPS takes (its fused op, or with gradients
+    # the math path whose bmm calls the dispatch mode then sees) and what that path returns. A call that bypasses
+    # the entry (the graph torch.compile made, TorchScript, an exported program, a name bound before the
+    # emulator) reaches the dispatch mode as this device's own fused kernel, whose outputs (a logsumexp for its
+    # backward) no MPS path can stand in for. Below every limit nothing differs and it runs; near one it is
+    # refused with a line that says why, never run as if MPS were right.
+    def _check_sdpa_past_entry(self, func, args: tuple) -> None:
+        query, key, value = args[:3]
+        scores = query.numel() // max(query.shape[-1], 1) * key.shape[-2]
+        if max(scores, query.numel(), key.numel(), value.numel()) <= dim_max(self.index_bits):
+            return
+        path = sdpa_path(needs_grad((query, key, value)), self.profile)
+        if path == "fused" and classify_call("sdpa", query, key, self.index_bits, self.profile).is_ok:
+            return
+        raise NotEmulatedError(
+            f"{op_name(func)} (scaled_dot_product_attention's own kernel, {scores} score elements) reached the "
+            "emulator past SDPA's Python entry point (a torch.compile graph, TorchScript, an exported program, or "
+            f"a name bound before the emulator), near MPS's limits at {self.index_bits} index bits: MPS would run "
+            f"its {path} path there, which the emulator replays only from the entry point; not emulated. Run this "
+            "code eagerly under the emulator, or guard it.", op=op_name(func))
 
     def _within_buffer(self, func, args, kwargs):
         """An op on a Mac: refused, as MPS refuses it, where a tensor it reads, or the output it will make (where
@@ -243,7 +308,7 @@ class EmulateMode(MatmulMode):
                                                                       self.profile.release)))
 
     def _refuse_buffer(self, record: CallRecord) -> None:
-        self.records.append(record)
+        self._keep(record, RAISED)
         raise EmulatedMpsError(
             f"{record.describe()}: {record.fault.message} (emulated MPS {self.profile.release} on "
             f"{self.memory.label}, {self.memory.buffer_words()}; MPS raises before running it)",
@@ -269,9 +334,10 @@ class EmulateMode(MatmulMode):
         if fault.is_ok:
             return fault
         record = CallRecord.of_op(self.calls, op_name(func), inputs, outputs, fault, current_phase())
-        self.records.append(record)
         # a characterised reduction wrap: a reduction over every element of its one input
-        if fault.rule != "reduction-wrap" or not (len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING):
+        wraps = fault.rule == "reduction-wrap" and len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING
+        self._keep(record, RETURNED if wraps else self._product_outcome(fault) if fault.is_stop else REFUSED)
+        if not wraps:
             self._refuse(record)
             raise NotEmulatedError(
                 f"{record.describe()}: {fault.kind} on MPS {self.profile.release} (rule {fault.rule}); "
@@ -285,7 +351,7 @@ class EmulateMode(MatmulMode):
         planned = None if self._grouped or skipped else self._take(op_name(func))
         if planned is None or planned.fault.is_ok:
             return func(*args, **kwargs)
-        self.records.append(planned)
+        self._keep(planned, self._product_outcome(planned.fault) if planned.fault.is_stop else REFUSED)
         self._refuse(planned)
         raise NotEmulatedError(
             f"{planned.describe()}: {planned.fault.kind} on MPS {self.profile.release} (rule "
@@ -308,14 +374,26 @@ class EmulateMode(MatmulMode):
         return self._planned.get((self._scope, name, self._seen.get((self._scope, name), -1) + 1))
 
     def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """Every entry point but SDPA runs as it is (the dispatch mode sees its bmm/mm calls)."""
-        return name != "sdpa" or (self._grouped and self.plan is not None)
+        """Every entry point but SDPA runs as it is (the dispatch mode sees its bmm/mm calls); a product that
+        could meet a rule goes by on_entry, so that its records tell the caller's samples (Note [A call's
+        samples] in modes/entrypoint.py)."""
+        if name == "sdpa":
+            return self._grouped and self.plan is not None
+        if name not in _PRODUCT_ENTRIES:
+            return True
+        try:
+            return self.plan is None and entry_bound(name, args, kwargs) < self._near
+        except (RuntimeError, AttributeError, TypeError, ValueError):  # nested or symbolic sizes: not looked at
+            return True
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
-        """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]."""
-        if self.passes(name, args, kwargs):
+        """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]; any other call runs as
+        it is (its operand's shape kept while it runs, by the wrapper)."""
+        if name != "sdpa" or self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
+        if _fake_mode(_FAKE) is not None:  # traced (torch.export, make_fx): torch's own op is recorded
+            return self._as_one_op(proceed, *args, **kwargs)
         if self._buffer is not None:  # its scores are MPSGraph's own: only its tensors are held against the buffer
             self._check_tensors("sdpa", [query, key, value], [])
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
