@@ -94,7 +94,7 @@ def test_the_cycle_finder_finds_a_planted_circle():
 # errors, bounds and variables are leaves for everyone; config and output for everyone above the modes.
 RANKS = {
     "errors": 0, "bounds": 0.5, "variables": 0.75, "engine": 1, "budget": 1.5, "lazy_mask": 1.5, "modes": 2,
-    "attention": 2.5, "blocked_attention": 2.5, "pytest_plugin": 2.5, "config": 3, "output": 4, "prediction": 5,
+    "attention": 2.5, "blocked_attention": 2.5, "config": 3, "output": 4, "pytest_plugin": 4.5, "prediction": 5,
     "models": 6, "runs": 7, "scenarios": 7.5, "upgrade": 8, "reports": 9, "commands": 10, "cli": 11, "__main__": 12,
 }
 SCENARIO_MAY_IMPORT = {"runs", "models", "errors", "scenarios"}

@@ -5,39 +5,23 @@ MPS's. pytester runs the suite in this process (one run in worker processes: xdi
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from plugin_runs import CROSSING, NARROW, SUITE, import_what_runs_import, outcomes
 
-SUITE = (Path(__file__).parent / "data" / "their_suite" / "suite_theirs.py").read_text()  # README's too
-CROSSING = {"test_bmm_matches_per_sample", "test_matmul_matches_per_sample", "test_tiny_bert_batch_matches_each_sample",
-            "test_sdpa_math_matches_per_sample"}
-NARROW = ["--mps-index-bits", "12", "--mps-profile", "2.14.0", "-p", "no:cacheprovider", "-p", "no:randomly"]
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _imported_once():
-    # pytester's in-process runs drop the modules a run imported; torch registers some of its libraries once per
-    # process, so what the suite and the plugin import is imported here first, and kept.
-    import torch.distributed._functional_collectives  # noqa: F401
-    import transformers.models.bert.modeling_bert  # noqa: F401
-
-    import mpsimpact.modes.emulator  # noqa: F401
-    import mpsimpact.modes.guard  # noqa: F401
+    import_what_runs_import()
 
 
 @pytest.fixture
 def suite(pytester):
     pytester.makepyfile(test_theirs=SUITE)
     return pytester
-
-
-def outcomes(recorder):
-    """{test name: outcome} from a pytester run's hook recorder."""
-    reports = recorder.getreports("pytest_runtest_logreport")
-    return {r.nodeid.split("::")[-1]: r.outcome for r in reports if r.when == "call"}
 
 
 def run(suite, *args):
@@ -70,14 +54,14 @@ def test_emulated_at_12_bits_the_crossing_tests_fail_and_the_summary_names_each_
 def test_with_the_chunk_guard_they_pass_and_with_raise_they_fail_naming_the_op(suite):
     chunked = suite.runpytest_inprocess("--mps-emulate", "--mps-guard", "chunk", *NARROW)
     assert set(outcomes(chunked.reprec).values()) == {"passed"}
-    assert "guard chunk: split, correct" in chunked.stdout.str()
+    assert "guard chunk: split into safe pieces, correct" in chunked.stdout.str()
     raised = suite.runpytest_inprocess("--mps-guard", "raise", *NARROW)  # no emulator: the CPU tensors judged
     got = outcomes(raised.reprec)
     assert {name for name, outcome in got.items() if outcome == "failed"} == CROSSING
     assert "OversizedOpError: mpsimpact guard: bmm[8, 16, 64] @ [8, 64, 4]" in raised.stdout.str()
     warned = suite.runpytest_inprocess("--mps-guard", "warn", *NARROW)  # never fails a test
     assert set(outcomes(warned.reprec).values()) == {"passed"}
-    assert "guard warn: warned" in warned.stdout.str()
+    assert "guard warn: only warned; ran unchanged here (not emulated)" in warned.stdout.str()
 
 
 def test_the_junit_xml_carries_each_tests_call_sites(suite):
@@ -99,7 +83,7 @@ def test_xdist_workers_each_get_the_plugin_and_the_summary_collects_them(suite):
 
 def test_bad_options_are_one_line(suite):
     result = suite.runpytest_inprocess("--mps-index-bits", "40")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR and "--mps-index-bits must be in 4..32" in result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and "--mps-index-bits must be a whole number in 4..32" in result.stderr.str()
     result = suite.runpytest_inprocess("--mps-emulate", "--mps-profile", "banana")
     assert result.ret != 0 and "--mps-profile" in result.stderr.str() + result.stdout.str()
 
@@ -121,7 +105,7 @@ def test_the_fixture_does_inside_a_test_what_the_marker_does_for_one(pytester):
     '''))
     result = pytester.runpytest_inprocess("--mps-index-bits", "12", "--mps-profile", "2.14.0", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
-    assert "guard raise: stopped" in result.stdout.str() and "guard chunk: split" in result.stdout.str()
+    assert "guard raise: stopped before it ran" in result.stdout.str() and "guard chunk: split" in result.stdout.str()
 
 
 def test_strict_sees_a_call_the_entry_points_do_not(pytester):
