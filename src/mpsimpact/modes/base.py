@@ -233,6 +233,16 @@ def has_nested(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_nested for t in flat_arguments(args, kwargs))
 
 
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def _dispatched(mode: Any, func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
+    return mode._torch_dispatch(func, types, args, kwargs)
+
+
+_kept_from_dynamo = torch._disable_dynamo(_dispatched, recursive=True)
+
+
 class MatmulMode(TorchDispatchMode):
     """A dispatch mode that sees every bmm/mm call with its real operands: it decomposes matmul and
     linear (which reach it whole under inference mode) and hands each matmul call to
@@ -249,7 +259,23 @@ class MatmulMode(TorchDispatchMode):
         finally:
             self._passing = passing
 
+    # Note [Dynamo kept out at no cost]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch wraps every TorchDispatchMode's __torch_dispatch__ in torch._dynamo.disable, so that a compiled region
+    # running ops under the mode never compiles the handler's frame: two eval-frame swaps on every op, which the
+    # emulator and a strict guard pay on each of a model's hundreds of small ops even where nothing is compiled.
+    # This mode keeps Dynamo out itself: where no eval-frame callback is set (nothing compiled is running) the
+    # handler runs as it is; where one is, through the same disable wrapper torch would have put around it.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # torch's wrapper is not put around __torch_dispatch__: See Note [Dynamo kept out at no cost]
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _eval_frame_callback() is not None:  # See Note [Dynamo kept out at no cost]
+            return _kept_from_dynamo(self, func, types, args, kwargs)
+        return self._torch_dispatch(func, types, args, kwargs)
+
+    def _torch_dispatch(self, func, types, args=(), kwargs=None):
         if types and JAGGED in types:
             return NotImplemented  # See Note [Nested tensors] in modes/shape_table.py
         try:
