@@ -9,7 +9,9 @@ pyproject as its configuration, HF_HUB_OFFLINE=1: the Hub's tests skip), with th
 raise and chunk are `--mps-guard MODE --mps-profile RELEASE`, strict-raise and strict-chunk add `--mps-strict`. The
 plugin judges CPU tensors where there is no Apple GPU, so every call of every test is judged. Prints each run's
 counts (pytest's summary line, subtests included), every test whose outcome differs from plain (exit code 1 if
-any), and the ratios. Targets: no outcome changes; raise at most 1.10x plain's wall time.
+any), and the ratios of the --timed modes (default raise; emulate is `--mps-emulate --mps-profile RELEASE`).
+Targets: no outcome changes under the guard modes; raise at most 1.10x plain's wall time; emulate at most 1.2x
+plain's CPU time (at MPS's width, where the suites cross no limit, the emulator changes no outcome either).
 
 The tree. transformers' wheel has no tests, its sdist only the shared ones; the model files come from the
 repository. For transformers X.Y.Z:
@@ -46,6 +48,7 @@ MODES = {  # name -> the plugin's options (with --mps-profile RELEASE added to e
     "chunk": ["--mps-guard", "chunk"],
     "strict-raise": ["--mps-guard", "raise", "--mps-strict"],
     "strict-chunk": ["--mps-guard", "chunk", "--mps-strict"],
+    "emulate": ["--mps-emulate"],
 }
 COUNTED = ("passed", "failed", "errors", "skipped")
 
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--tests", type=Path, required=True, help="transformers' tests folder, assembled as above.")
     parser.add_argument("--suites", default="bert,llama", help="Model folders under tests/models, comma-separated.")
     parser.add_argument("--modes", default="plain,raise,chunk,strict-raise", help=f"Of {', '.join(MODES)}.")
-    parser.add_argument("--rounds", type=int, default=3, help="Rounds of plain and raise, interleaved, for times.")
+    parser.add_argument("--rounds", type=int, default=3, help="Rounds of plain and the timed modes, interleaved.")
+    parser.add_argument("--timed", default="raise", help="The modes timed against plain in every round, "
+                        "comma-separated (e.g. raise,emulate).")
     parser.add_argument("--profile", default="2.14.0", help="The release whose faults the guard judges.")
     parser.add_argument("--index-bits", type=int, default=None, help="The plugin's --mps-index-bits (default: "
                         "MPS's width): at 12 the suites' calls cross the scaled limits, so chunk splits them.")
@@ -117,9 +122,9 @@ def main() -> None:
     tests = args.tests.resolve()
     args.out = args.out.resolve()  # the suites run in the tree's folder: the XMLs' path must not depend on it
     args.out.mkdir(parents=True, exist_ok=True)
-    # Round 0 runs every mode once (outcomes); later rounds only plain and raise (times), in reverse order every
-    # other round, so neither always runs first.
-    timed = [m for m in ("plain", "raise") if m in modes]
+    # Round 0 runs every mode once (outcomes); later rounds only plain and the timed modes (times), in reverse
+    # order every other round, so none always runs first.
+    timed = [m for m in ("plain", *args.timed.split(",")) if m in modes]
     schedule = [(r, suite, mode) for r in range(args.rounds) for suite in args.suites.split(",")
                 for mode in (modes if r == 0 else timed if r % 2 == 0 else timed[::-1])]
     wall: dict[tuple[str, str], list[float]] = {}
@@ -142,7 +147,7 @@ def report(args: argparse.Namespace, modes: list[str], wall: dict, cpu: dict, su
 
     print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} cores; "
           f"{args.threads} torch thread(s); rules of {args.profile} at {args.index_bits or 32} bits; times: medians of "
-          f"{args.rounds} rounds, each running plain and raise back to back")
+          f"{args.rounds} rounds, each running plain and {args.timed} back to back")
     differing = 0
     for suite in args.suites.split(","):
         plain = outcomes(args.out / f"{suite}-plain-0.xml")

@@ -91,3 +91,28 @@ def _every_console_reads_right(monkeypatch):
     yield
     problems = [problem for call in seen for problem in console_problems(*call)]
     assert not problems, "\n".join(problems[:5])
+
+
+@pytest.fixture(autouse=True)
+def _every_plugin_run_reads_right(request, monkeypatch):
+    # The same scan for the pytest plugin's own lines (its header, its summary, a failed test's section) in every
+    # pytester run: at COLUMNS=80 no line past 80 columns, and never None or [] (pytest's own lines are pytest's).
+    if "pytester" not in request.fixturenames:
+        yield
+        return
+    from plugin_runs import plugin_lines
+
+    seen, real = [], pytest.Pytester.runpytest_inprocess
+
+    def run(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        seen.append((os.environ.get("COLUMNS"), plugin_lines(result.outlines)))
+        return result
+
+    monkeypatch.setattr(pytest.Pytester, "runpytest_inprocess", run)
+    yield
+    problems = [f"a plugin line over 80 columns: {line!r}" for columns, lines in seen if columns == "80"
+                for line in lines if len(line) > 80 and max(map(len, line.split())) < 50]
+    problems += [f"a plugin line prints None or []: {line!r}" for _, lines in seen for line in lines
+                 if re.search(r"\bNone\b|\[\]", re.sub(r"'[^'\n]*'", "''", line))]
+    assert not problems, "\n".join(problems[:5])
