@@ -17,7 +17,7 @@ The tree. transformers' wheel has no tests, its sdist only the shared ones; the 
 repository. For transformers X.Y.Z:
     pip download transformers==X.Y.Z --no-binary :all: --no-deps; tar xzf transformers-X.Y.Z.tar.gz
     cd transformers-X.Y.Z   # tests/test_modeling_common.py, test_configuration_common.py, test_pipeline_mixin.py
-    mkdir -p src
+    mv src/transformers ../sdist-src-transformers  # the sdist's own copy: the installed package stands there
     ln -s "$(python -c 'import transformers, os; print(os.path.dirname(transformers.__file__))')" src/transformers
 then from the repository at tag vX.Y.Z: tests/__init__.py (empty), tests/causal_lm_tester.py,
 tests/generation/test_utils.py, tests/exporters/test_export.py, tests/utils/test_configuration_utils.py,

@@ -12,15 +12,16 @@ from typing import Any
 
 from mpsimpact.config import GIB, SweepConfig, memory_bytes
 from mpsimpact.engine.mac_memory import MacMemory
-from mpsimpact.engine.release import cache_root, cached_profile_path, resolve_profile
+from mpsimpact.engine.release import cache_root, cached_profile_path, judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.cell import NOT_RUN, is_measured, not_run_counts
 
 
 def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
     """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
-    (with "disagree" and "not_ok" counts), each cell predicted by the release --torch-profile names (else the
-    installed torch's), resolved once here: a cell's process gets none (it observes, it predicts nothing)."""
+    (with "disagree" and "not_ok" counts), each cell predicted by the release judged as every command judges it
+    (engine.release.judge_release: --torch-profile's; else on a Mac the installed torch's, elsewhere 2.14.0),
+    once here: a cell's process gets none (it observes, it predicts nothing)."""
     from mpsimpact.output.files import fresh_out_dir
     from mpsimpact.output.page import EMULATED_LABEL
     from mpsimpact.output.resumable import ResumableFolder, resumable_folder
@@ -31,7 +32,7 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
     from mpsimpact.runs.sweep import grid
 
     config.validate()
-    profile = resolve_profile(config.torch_profile)
+    profile = judge_release(config.torch_profile).profile
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
     mac, buffer = mac_buffer(config, device)  # refuses --memory auto off a Mac before the folder is claimed
