@@ -341,7 +341,7 @@ class GuardMode(EntryJudge, MatmulMode):
             self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)
             with active.as_one_call(op) if active else contextlib.nullcontext():
                 return split()
-        message = describe_stop(record, fault, chunk, why_not)
+        message = describe_stop(record, fault, chunk, why_not, self._bits(active))
         if self.mode == "warn":
             self.warned.append(record)
             self._warn_once(message)

@@ -4,7 +4,7 @@ and what to do (the message of OversizedOpError and of guard mode "warn")."""
 from __future__ import annotations
 
 from mpsimpact.engine.call import CallRecord, rows_per_sample
-from mpsimpact.engine.faults import Fault
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.entrypoint import entry_shape
 from mpsimpact.modes.piecewise import Pieces, has_split
@@ -14,17 +14,18 @@ from mpsimpact.modes.piecewise import Pieces, has_split
 ROW_UNITS = {"bmm": ("batch", "batches"), "mm": ("row", "rows"), "sdpa": ("batch-head row", "batch-head rows")}
 
 
-def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None) -> str:
-    """The error text: what, the numbers, the rule it would hit, the safe chunk (or `why_not` none is
-    taken), what to do."""
-    return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not)
+def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
+                  index_bits: int = MPS_INDEX_BITS) -> str:
+    """The error text: what, the numbers, the rule it would hit (and the scale, at a narrowed `index_bits`), the
+    safe chunk (or `why_not` none is taken), what to do."""
+    return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=index_bits)
 
 
 def what_mps_does(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
-                  per: int | None = None) -> str:
+                  per: int | None = None, index_bits: int = MPS_INDEX_BITS) -> str:
     """`describe_stop`'s text after its "mpsimpact guard: ": the call, what MPS would do with it and why, and
     what to do. `per`: rows a sample (default: as the call now being decided folds them, Note [A call's
-    samples] in modes/entrypoint.py)."""
+    samples] in modes/entrypoint.py); `index_bits`: the width judged at, said where it is not MPS's."""
     per = rows_per_sample(record, entry_shape()) if per is None else per
     if record.is_product and chunk is not None:
         advice = _chunk_advice(chunk, per, ROW_UNITS.get(record.family, ROW_UNITS["bmm"]), record.op)
@@ -34,7 +35,7 @@ def what_mps_does(record: CallRecord, fault: Fault, chunk: int | Pieces | None, 
         advice = _family_advice(record, chunk)
     else:
         advice = "No split makes it safe (one row of it alone crosses a limit): shorten the sequence."
-    return f"{_what_and_why(record, fault, per)} {advice}"
+    return f"{_what_and_why(record, fault, per, index_bits)} {advice}"
 
 
 def what_mps_does_with(record: CallRecord, index_bits: int, per: int) -> str:
@@ -61,7 +62,7 @@ def what_mps_does_with(record: CallRecord, index_bits: int, per: int) -> str:
     return what_mps_does(record, record.fault, None, per=per)
 
 
-def _what_and_why(record: CallRecord, fault: Fault, per: int) -> str:
+def _what_and_why(record: CallRecord, fault: Fault, per: int, index_bits: int = MPS_INDEX_BITS) -> str:
     """The first sentence: the call in its phase, its sizes, what it would do on which release, and why."""
     one, unit = ROW_UNITS.get(record.family, ROW_UNITS["bmm"])
     first = fault.first_bad_batch
@@ -82,6 +83,8 @@ def _what_and_why(record: CallRecord, fault: Fault, per: int) -> str:
     release = f"MPS (torch {fault.release})" if fault.release else "MPS"
     why = f"rule {fault.rule}" + ("; inferred" if fault.inferred else "")
     why += f"; {fault.message}" if fault.kind in ("wrong_other", "wrong_all") and fault.message else ""
+    if index_bits != MPS_INDEX_BITS:  # the numbers are a narrowed index's, standing for MPS's
+        why += f"; at a {index_bits}-bit index, every limit divided by 2^{MPS_INDEX_BITS - index_bits}"
     sizes = (f"input {record.a.numel} elements, output {record.b.numel}" if not record.is_product else
              f"scores {record.out_numel} elements, query {record.a.numel} and key {record.b.numel}"
              if record.family == "sdpa" else

@@ -28,7 +28,7 @@ STATUS_WORDS = {"completed": "completed", "stopped_by_guard": "stopped by guard"
                 "not_emulated": "not emulated (values unknown)", "skipped_predicted_abort": "skipped: would abort"}
 # The fault rules' names inside a message ("rule int32-kernel", "rule conservative: int32-kernel"), with
 # what replaces each form; see without_rule_names.
-_RULE_NAMES = ((r", rule [^;,)]+;", ";"), (r"\(rule [^;,)]+; inferred\)", "(inferred)"), (r" ?\(rule [^;,)]+\)", ""),
+_RULE_NAMES = ((r", rule [^;,)]+;", ";"), (r"\(rule [^;,)]+; ", "("), (r" ?\(rule [^;,)]+\)", ""),
                (r"; rule [^;,)]+, inferred\)", "; inferred)"), (r"; rule [^;,)]+\)", ")"))
 
 
