@@ -56,7 +56,10 @@ CASES = [(command, flag, value, message) for command, flags in TAKES.items() for
 @pytest.mark.parametrize(("command", "flag", "value", "message"), CASES,
                          ids=[f"{c}{f}={v}" for c, f, v, _ in CASES])
 def test_each_bad_shared_option_is_one_line_and_exit_2(tmp_path, command, flag, value, message):
-    args = [*COMMANDS[command], flag, value]
+    base = COMMANDS[command]
+    if flag in base:  # given once: an option given twice is refused as such
+        base = base[:base.index(flag)] + base[base.index(flag) + 2:]
+    args = [*base, flag, value]
     if command not in ("plan", "check"):
         args += ["--out", str(tmp_path / "out")]
     result = runner.invoke(app, args)

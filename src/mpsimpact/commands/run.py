@@ -19,25 +19,26 @@ CONFIG = "mpsimpact.config:RunConfig"  # the options' dataclass, imported when f
 
 def main(
     scenario: str = options.scenario(),
-    batch_size: int | None = shared("--batch-size"),
-    max_length: int | None = shared("--max-length"),
+    batch_size: str | None = shared("--batch-size"),
+    max_length: str | None = shared("--max-length"),
     device: str | None = shared("--device"),
     emulate: bool | None = shared("--emulate/--no-emulate"),
     guard: str | None = option("--guard", "off, raise, chunk, or all (three conditions side by side)."),
     out: str | None = options.out("Write the reports", "outputs/<scenario>-<time>/"),
-    seed: int | None = option("--seed", "Seeds torch before the run."),
+    seed: str | None = options.number("--seed", "Seeds torch before the run."),
     expect: str | None = option("--expect", "clean or corrupted: exit 1 if the guard-off condition differs."),
     model: str | None = shared("--model"),
     dataset: str | None = option("--dataset", "tweet_eval or a local CSV/JSON with text and label columns.",
                                  options.THE_SCENARIOS),
-    threshold: float | None = option("--threshold", "A text is corrupted above this relative logit error."),
+    threshold: str | None = options.number("--threshold", "A text is corrupted above this relative logit error.",
+                                           whole=False),
     reference_device: str | None = option("--reference-device", "cpu (fp32, cached), or device: chunked on "
                                           "the device itself, spot-checked on the CPU (big GPUs)."),
-    run_length: int | None = option("--run-length", "Force the length the device passes run at (the plan "
+    run_length: str | None = options.number("--run-length", "Force the length the device passes run at (the plan "
                                     "stays at --max-length).", "--max-length"),
-    index_bits: int | None = shared("--index-bits"),
-    steps: int | None = option("--steps", "Training scenarios: optimiser steps on the oversized batch."),
-    lr: float | None = option("--lr", "Training scenarios: Adam learning rate."),
+    index_bits: str | None = shared("--index-bits"),
+    steps: str | None = options.number("--steps", "Training scenarios: optimiser steps on the oversized batch."),
+    lr: str | None = options.number("--lr", "Training scenarios: Adam learning rate.", whole=False),
     torch_profile: str | None = shared("--torch-profile"),
     attention: str | None = option("--attention", "eager, sdpa, both (side by side), or blocked_eager: eager's "
                                    "P V call, the rest in blocks of texts (fits a smaller Mac)."),

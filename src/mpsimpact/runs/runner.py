@@ -66,12 +66,12 @@ def run_scenario(config: RunConfig,
 def run_mac(config: RunConfig, device: str) -> Any:
     """The Mac whose largest buffer the run meets (engine.mac_memory.MacMemory), or None: --memory's for an
     emulated run; on a Mac's own GPU, that Mac's (measured by `mpsimpact doctor`, else assumed)."""
-    from mpsimpact.engine.mac_memory import resolve_mac, this_mac
+    from mpsimpact.engine.mac_memory import is_auto, resolve_mac, this_mac
     from mpsimpact.engine.release import cache_root
     from mpsimpact.errors import UsageError
 
     if device == "mps" and not config.emulate:
-        if config.memory is not None and config.memory.strip().lower() != "auto":
+        if config.memory is not None and not is_auto(config.memory):
             raise UsageError("--memory declares another Mac for an emulated run; on this Mac's GPU its own memory "
                              "counts (`mpsimpact doctor` measures it). Drop --memory, or add --device cpu.",
                              option="--memory")
