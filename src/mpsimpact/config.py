@@ -209,10 +209,13 @@ class RunConfig(Validated):
     memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
 
     def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded: each field, then --run-length
-        against --max-length."""
+        """Raises UsageError on any bad value, before anything is loaded: each field, --run-length against
+        --max-length, and --expect, which judges the guard-off condition, against --guard."""
         validate(self)
         check_run_length(self.run_length, self.max_length)
+        if self.expect is not None and "off" not in self.guards:
+            raise UsageError(f"--expect judges the guard-off condition, which --guard {self.guard} does not run; "
+                             "give --guard off or all, or drop --expect.", option="--expect")
 
     @property
     def corruption_threshold(self) -> float:

@@ -53,18 +53,18 @@ def main(
     if quick:
         batch_size, max_length, index_bits = (given if given is not None else default for given, default in
                                               zip((batch_size, max_length, index_bits), QUICK))
-    run_config = options.config_from(  # validated before anything heavy is imported
-        CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
-        emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
-        threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
-        steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory,
-    )
+    given = dict(scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
+                 guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
+                 reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps,
+                 lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory)
+    run_config = options.config_from(CONFIG, **given)  # validated before anything heavy is imported
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.kinds import kind_of
-    from mpsimpact.runs.runner import run_scenario
+    from mpsimpact.runs.runner import check_run, run_scenario
 
+    check_run(run_config, {name for name, value in given.items() if value is not None})  # before any work
     with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
         with progress_steps() as steps:
             report, arrays = run_scenario(run_config, steps)
@@ -96,10 +96,7 @@ def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) 
 def _check_expectation(report: dict, expect: str | None, kind: Any) -> None:
     if expect is None:
         return
-    off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
-    if off is None:
-        typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
-        raise typer.Exit(2)
+    off = next(c for c in report["conditions"] if c["guard"] == "off")  # RunConfig.validate: --expect needs it
     corrupted = off["status"] != "completed" or kind.is_corrupted(off)
     if corrupted != (expect == "corrupted"):
         found = "corrupted" if corrupted else "clean"

@@ -51,6 +51,10 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
 
     judged = judge_release(cfg.torch_profile)
     config, where = load_model_config(cfg.model)
+    if cfg.target_len is not None and not getattr(config, "is_encoder_decoder", False):
+        raise UsageError(f"--target-len is the decoder's length of an encoder-decoder, and '{cfg.model}' (model type "
+                         f"'{config.model_type}') is none: its one length is --seq-len; drop --target-len.",
+                         option="--target-len")
     model_class, task, task_basis = resolve_task(config, cfg.task)
     padding = pad_for_the_head(config, model_class)
     try:
