@@ -3,6 +3,7 @@ config.json), for any task and attention implementation, and traced at any batch
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -257,6 +258,20 @@ def resolve_task(config: Any, task: str) -> tuple[Any, str, str]:
 
 def _class_names(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def pad_for_the_head(config: Any, model_class: Any) -> tuple[Any, str]:
+    """A sequence-classification head pools each sample's last token before padding, and refuses batches of
+    more than one without a pad token: a config with none is traced with one (the last id, which the zero token
+    ids of a trace never meet, so every token counts). Returns the config to build from (a copy where a pad id
+    was added: the caller's is left as it was) and what was done, in words ("" when nothing). `check` and every
+    scenario's classifier (models.classifier.meta_classifier, which `plan` and `run` trace) share it."""
+    if (getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None)
+            or "ForSequenceClassification" not in getattr(model_class, "__name__", "")):
+        return config, ""
+    config = copy.deepcopy(config)
+    config.pad_token_id = config.vocab_size - 1
+    return config, f"pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
 
 
 def build_meta_model(model_class: Any, config: Any, attention: str | None = None) -> torch.nn.Module:
