@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import stat
@@ -65,6 +66,11 @@ def text_problem(text: str) -> str | None:
     than MAX_TEXT_CHARS, or holding a lone surrogate (not Unicode text: tokenizers fail on it)."""
     if len(text) > MAX_TEXT_CHARS:
         return f"{len(text):,} characters long, more than the {MAX_TEXT_CHARS:,} a text may have"
+    return unicode_problem(text)
+
+
+def unicode_problem(text: str) -> str | None:
+    """"not valid Unicode (a lone surrogate \\ud800 at character 3)" where `text` holds one; None otherwise."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -295,3 +301,26 @@ def read_release(text: str) -> Release:
         raise ValueError("is not a release (expected e.g. 2.12.1)")
     major, minor, patch, pre, post, dev, local = match.groups()
     return Release((int(major), int(minor), int(patch or 0)), pre or "", post or "", dev or "", local or "")
+
+
+def json_value_problem(value: Any, where: str, numbers: bool = True) -> tuple[str, str] | None:
+    """The first thing in parsed JSON `value` that JSON itself does not allow, as (where it is, what it is), or
+    None: a lone surrogate in a string or a key (not Unicode text), and where `numbers`, a number that is not
+    finite (NaN, Infinity, or 1e400, which no float holds); `where` names `value` ("text_config", "a[2].b")."""
+    if isinstance(value, str):
+        problem = None if value.isascii() else unicode_problem(value)
+        return None if problem is None else (where, f"holds text that is {problem}")
+    if isinstance(value, float):
+        if not numbers or math.isfinite(value):
+            return None
+        what = "NaN" if math.isnan(value) else f"{json.dumps(value)} (or a number past a float's range, as 1e400)"
+        return where, f"is {what}, which JSON does not allow"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        shown = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, as its escape
+        inside = f"{where}.{shown}" if isinstance(value, dict) else f"{where}[{key}]"
+        found = json_value_problem(key, inside) if isinstance(key, str) else None
+        found = found or json_value_problem(item, inside, numbers)
+        if found is not None:
+            return found
+    return None

@@ -394,13 +394,15 @@ def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
     else:  # HOME, or where it is unset the user's home in the password database
         base = home if home is not None else os.path.expanduser("~")
         variable, value, folder = "HOME", base, Path(base) / ".cache" / "mpsimpact"
-    problem = _control_problem(value) or (base is not None and _base_problem(base)) or name_problem(folder)
-    if problem:
-        said = "HOME (unset: the password database's home)" if variable == "HOME" and home is None else variable
+    said = "HOME (unset: the password database's home)" if variable == "HOME" and home is None else variable
+    if (problem := _control_problem(value) or (base is not None and _base_problem(base))):
         raise EnvironmentVariableError(
             said, value, f"{problem}, so mpsimpact has no place for its cache folder ({shown_path(folder, 80)})",
             f"set {CACHE_VARIABLE} to the folder mpsimpact may keep its cache in (it makes nothing outside it)",
-            unset=variable == CACHE_VARIABLE)
+            unset=variable != "HOME")
+    if (problem := name_problem(folder)) is not None:
+        raise EnvironmentVariableError(said, value, f"makes a cache folder that {problem}",
+                                       "point it at a shorter path", unset=variable != "HOME")
     return folder
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_problem, parse_json, path_problem
+from mpsimpact import bounds
 from mpsimpact.bounds import read_file_bytes, shown_path
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
@@ -145,7 +147,34 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
             f"'{source}' has model_type '{str(model_type)[:60]}', an architecture transformers {__version__} does not "
             "know; upgrade transformers or check the config."
         )
+    check_config_values(fields, CONFIG_MAPPING[model_type], file)
     return model_type
+
+
+def check_config_values(fields: dict[str, Any], config_class: Any, file: Path) -> None:
+    """A config holds what JSON allows, as a dataset must (bounds.json_value_problem): no lone surrogate anywhere,
+    and no NaN or infinity (1e400 is one) in a field `config_class` does not declare, which the model never reads;
+    a declared field may hold Infinity (Mamba-2's time_step_limit does, as transformers writes it).
+
+    Raises:
+        ModelLoadError: one line naming the file and the field.
+    """
+    declared = _declared_fields(config_class)
+    for name, value in fields.items():
+        found = bounds.json_value_problem({name: value}, "", numbers=name not in declared)
+        if found is not None:
+            raise ModelLoadError(f"'{file}': {found[0].lstrip('.')} {found[1]}; remove it or correct it.")
+
+
+@functools.lru_cache(maxsize=64)
+def _declared_fields(config_class: Any) -> frozenset[str]:
+    """The fields a transformers config class declares: its constructor's parameters and its defaults' keys."""
+    names = set(inspect.signature(config_class.__init__).parameters)
+    try:
+        names |= set(config_class().to_dict())
+    except Exception:  # a class that needs arguments: its parameters alone
+        pass
+    return frozenset(names)
 
 
 def check_config_fields(fields: dict[str, Any], file: Path | str) -> None:
