@@ -394,14 +394,15 @@ def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
     else:  # HOME, or where it is unset the user's home in the password database
         base = home if home is not None else os.path.expanduser("~")
         variable, value, folder = "HOME", base, Path(base) / ".cache" / "mpsimpact"
-    said = "HOME (unset: the password database's home)" if variable == "HOME" and home is None else variable
+    unset = " (HOME is unset: this is the password database's home)" if variable == "HOME" and home is None else ""
     if (problem := _control_problem(value) or (base is not None and _base_problem(base))):
         raise EnvironmentVariableError(
-            said, value, f"{problem}, so mpsimpact has no place for its cache folder ({shown_path(folder, 80)})",
+            variable, value, f"{problem}{unset}, so mpsimpact has no place for its cache folder "
+                             f"({shown_path(folder, 80)})",
             f"set {CACHE_VARIABLE} to the folder mpsimpact may keep its cache in (it makes nothing outside it)",
             unset=variable != "HOME")
     if (problem := name_problem(folder)) is not None:
-        raise EnvironmentVariableError(said, value, f"makes a cache folder that {problem}",
+        raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}{unset}",
                                        "point it at a shorter path", unset=variable != "HOME")
     return folder
 
