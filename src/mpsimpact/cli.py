@@ -14,14 +14,9 @@ from typer.core import TyperGroup
 
 from mpsimpact.commands import check, compare, doctor, matrix, plan, run, sweep, train_head
 from mpsimpact.commands import list as list_  # the module named `list`; `list_` spares the builtin
-from mpsimpact.commands.options import CheckedCommand, check_environment, shows_config_defaults
+from mpsimpact.commands.options import CLICK_USAGE_ERROR, CheckedCommand, check_environment, shows_config_defaults
 
 COMMANDS = (run, plan, check, sweep, compare, matrix, doctor, list_, train_head)
-
-
-# click's usage error (a missing argument, an option no command has, an extra argument), wherever typer takes click
-# from: the base of typer.BadParameter.
-CLICK_USAGE_ERROR = typer.BadParameter.__mro__[1]
 
 
 class CheckedGroup(TyperGroup):

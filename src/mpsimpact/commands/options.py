@@ -14,6 +14,9 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
+# click's usage error (a missing argument, an option no command has, an extra argument), wherever typer takes click
+# from: the base of typer.BadParameter.
+CLICK_USAGE_ERROR = typer.BadParameter.__mro__[1]
 THE_SCENARIOS = "the scenario's"
 WHOLE, DECIMAL = "INTEGER", "FLOAT"  # how --help names a number option's value
 # flag -> (help, what not giving it means where the config's default is None)
@@ -123,12 +126,16 @@ class CheckedCommand(TyperCommand):
     `--batch-size=`, an empty argument). Each is one line (a UsageError; the CLI exits 2)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        if not ctx.resilient_parsing:
-            opts, _, order = self.make_parser(ctx).parse_args(args=list(args))  # click's own reading, a copy
-            if not any(param.name == "help" for param in order):  # --help answers whatever else is given
-                refuse_repeats(order, args)
-                refuse_empty(opts, self.get_params(ctx), ctx.command_path)
-        return super().parse_args(ctx, args)
+        try:
+            if not ctx.resilient_parsing:
+                opts, _, order = self.make_parser(ctx).parse_args(args=list(args))  # click's own reading, a copy
+                if not any(param.name == "help" for param in order):  # --help answers whatever else is given
+                    refuse_repeats(order, args)
+                    refuse_empty(opts, self.get_params(ctx), ctx.command_path)
+            return super().parse_args(ctx, args)
+        except CLICK_USAGE_ERROR as error:  # some leave out the command they were made in
+            error.ctx = error.ctx or ctx
+            raise
 
 
 def refuse_repeats(order: list[Any], args: list[str]) -> None:
