@@ -19,15 +19,18 @@ from said import one_message
 runner = CliRunner()
 BERT = os.path.join(os.path.dirname(__file__), "data", "bert-base")  # a config.json alone
 # Where each command's work starts once its input is checked (module, function): replaced by a stop.
-WORK = {"run": ("mpsimpact.runs.runner", "run_scenario"), "plan": ("mpsimpact.prediction.plan", "build_plan_report"),
-        "check": ("mpsimpact.prediction.check", "build_check_report"), "sweep": ("mpsimpact.runs.sweep_run", "run_sweep"),
+WORK = {"run": ("mpsimpact.runs.runner", "run_scenario"),
+        "plan": ("mpsimpact.prediction.plan", "build_plan_report"),
+        "check": ("mpsimpact.prediction.check", "build_check_report"),
+        "sweep": ("mpsimpact.runs.sweep_run", "run_sweep"),
         "matrix": ("mpsimpact.upgrade.matrix", "build_matrix"), "train-head": ("mpsimpact.runs.head", "train_head"),
         "compare": ("mpsimpact.upgrade.compare", "compare_folders")}
 BASE = {"run": ["run", "sentiment"], "plan": ["plan", "sentiment"], "check": ["check", BERT], "sweep": ["sweep"],
         "matrix": ["matrix", "sentiment"], "train-head": ["train-head"], "compare": ["compare", "a", "b"],
         "doctor": ["doctor"], "list": ["list"]}
 # Digits of other systems: int() and re's \d take them all for 16; no script, tool or reader does.
-DIGIT_SYSTEMS = {"arabic-indic": "١٦", "fullwidth": "１６", "devanagari": "१६", "bengali": "১৬", "thai": "๑๖",
+DIGIT_SYSTEMS = {"arabic-indic": "١٦", "fullwidth": "１６", "devanagari": "१६", "bengali": "১৬",
+                 "thai": "๑๖",
                  "superscript": "¹⁶", "math-bold": "𝟏𝟔", "extended-arabic": "۱۶"}
 WHOLE_SPELLINGS = [*DIGIT_SYSTEMS.values(), "1_6", "16.0", " 16", "16 ", "+16", "0x10", "1e3", "0b10", "16\n", "½"]
 DECIMAL_SPELLINGS = [*DIGIT_SYSTEMS.values(), "1_6", " 0.5", "0.5 ", "0x10", "nan", "inf", "-inf", "Infinity",
@@ -79,7 +82,8 @@ def options_of(word: str) -> list:
 
 def number_options() -> list[tuple[str, str, str]]:
     """(command, flag, "INTEGER" or "FLOAT") for every option of every command that takes a number."""
-    return [(word, p.opts[0], p.metavar) for word in BASE for p in options_of(word) if p.metavar in ("INTEGER", "FLOAT")]
+    return [(word, p.opts[0], p.metavar) for word in BASE for p in options_of(word)
+            if p.metavar in ("INTEGER", "FLOAT")]
 
 
 # One rule for numbers: every number option of every command, every spelling that is not digits 0-9.
@@ -133,7 +137,8 @@ def test_a_variable_holding_a_number_in_other_spellings_is_refused(name, value):
 
 
 @pytest.mark.parametrize("word", ["run", "plan", "check", "sweep", "matrix"])
-@pytest.mark.parametrize("release", ["２.14.0", "2.１4.0", "٢.14.0", " 2.14.0", "2.14.0 ", "2.14.0-rc1", "2.14.0rc",
+@pytest.mark.parametrize("release", ["２.14.0", "2.１4.0", "٢.14.0", " 2.14.0", "2.14.0 ", "2.14.0-rc1",
+                                     "2.14.0rc",
                                      "v2.14.0", "2.14.0+", "2.14.0.1"])
 def test_a_release_in_another_spelling_is_refused(word, release):
     said = refused([*BASE[word], "--torch-profile", release])
@@ -192,7 +197,8 @@ def given_twice() -> list[tuple[str, list[str], str]]:
             flag = param.opts[0]
             if param.is_flag and param.secondary_opts:  # a pair: each side twice, and both sides
                 off = param.secondary_opts[0]
-                cases += [(word, [flag, flag], f"{flag} is given 2 times"), (word, [off, off], f"{off} is given 2 times"),
+                cases += [(word, [flag, flag], f"{flag} is given 2 times"),
+                          (word, [off, off], f"{off} is given 2 times"),
                           (word, [flag, off], f"{flag} and {off} are both given")]
             elif param.is_flag:
                 cases.append((word, [flag, flag], f"{flag} is given 2 times"))
@@ -365,7 +371,7 @@ def test_a_usage_mistake_is_one_line_with_the_fix(args, start):
 
 def test_an_empty_model_or_dataset_is_called_empty():
     for flag in ("--model", "--dataset", "--out", "--torch-profile", "--memory"):
-        said = refused(["run", "sentiment", flag, "", "--out" if flag != "--out" else "--seed", "k" if flag != "--out"
-                        else "1"])
+        other = ["--out", "k"] if flag != "--out" else ["--seed", "1"]
+        said = refused(["run", "sentiment", flag, "", *other])
         assert said == f"error: {flag} is given an empty value (''); give a value, or leave {flag} out.", said
         assert "config.json" not in said and "is a folder" not in said

@@ -32,7 +32,8 @@ def refused(args: list, env: dict | None = None) -> str:
 # nothing made outside it.
 
 NO_CACHE_VARIABLES = {"MPSIMPACT_CACHE": None, "XDG_CACHE_HOME": None}
-HOMES = {"empty": ("", "is empty"), "relative": ("rel/home", "is a relative path"), "dot": (".", "is a relative path"),
+HOMES = {"empty": ("", "is empty"), "relative": ("rel/home", "is a relative path"),
+         "dot": (".", "is a relative path"),
          "tilde": ("~", "is a relative path"), "missing": ("{tmp}/nonexistent/x", "does not exist"),
          "a file": ("{tmp}/file", "is not a folder"), "a device": ("/dev/null", "is not a folder"),
          "newline": ("{tmp}/a\nb", "holds a control character (\\n)"),
@@ -49,7 +50,8 @@ def test_a_home_that_cannot_hold_the_cache_is_one_line_naming_mpsimpact_cache(tm
     home = home.format(tmp=tmp_path)
     before = sorted(os.listdir(tmp_path)), os.path.exists("/.cache/mpsimpact")
     said = refused(words, env=NO_CACHE_VARIABLES | {"HOME": home})
-    assert said.startswith(f"error: HOME={home!r} {problem}") and "set MPSIMPACT_CACHE to the folder" in said, said
+    shown = home if len(home) <= 80 else f"{home[:60]}… ({len(home):,} characters)"  # a long value, cut
+    assert said.startswith(f"error: HOME={shown!r} {problem}") and "set MPSIMPACT_CACHE to the folder" in said, said
     assert (sorted(os.listdir(tmp_path)), os.path.exists("/.cache/mpsimpact")) == before  # nothing made anywhere
     assert not (tmp_path / "nonexistent").exists()
 

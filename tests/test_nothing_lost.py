@@ -404,7 +404,8 @@ def test_an_empty_out_is_refused_by_every_command(words):
 
     installed = head()
     result, stderr = invoke([*words, "--out", ""])
-    assert one_line(result, stderr) == "error: --out is given an empty value (''); give a value, or leave --out out.\n"
+    assert one_line(result, stderr) == ("error: --out is given an empty value (''); give a value, or leave --out "
+                                        "out.\n")
     assert head() == installed
     assert os.listdir() == []
 

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_problem, parse_json, path_problem
-from mpsimpact import bounds
-from mpsimpact.bounds import read_file_bytes, shown_path
+from mpsimpact.bounds import json_value_problem, read_file_bytes, shown_path
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.tracer import trace_module
@@ -161,7 +160,7 @@ def check_config_values(fields: dict[str, Any], config_class: Any, file: Path) -
     """
     declared = _declared_fields(config_class)
     for name, value in fields.items():
-        found = bounds.json_value_problem({name: value}, "", numbers=name not in declared)
+        found = json_value_problem({name: value}, "", numbers=name not in declared)
         if found is not None:
             raise ModelLoadError(f"'{file}': {found[0].lstrip('.')} {found[1]}; remove it or correct it.")
 
@@ -300,7 +299,8 @@ def pad_for_the_head(config: Any, model_class: Any) -> tuple[Any, str]:
         return config, ""
     config = copy.deepcopy(config)
     config.pad_token_id = config.vocab_size - 1
-    return config, f"pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
+    return config, (f"pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last "
+                    "token)")
 
 
 def build_meta_model(model_class: Any, config: Any, attention: str | None = None) -> torch.nn.Module:
