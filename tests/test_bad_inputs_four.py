@@ -375,3 +375,15 @@ def test_an_empty_model_or_dataset_is_called_empty():
         said = refused(["run", "sentiment", flag, "", *other])
         assert said == f"error: {flag} is given an empty value (''); give a value, or leave {flag} out.", said
         assert "config.json" not in said and "is a folder" not in said
+
+
+def test_memory_on_a_run_that_is_not_emulated_is_refused():
+    said = refused(["run", "sentiment", "--quick", "--device", "cpu", "--no-emulate", "--memory", "16GB", "--out", "k"])
+    assert said.startswith("error: --memory emulates a Mac's memory, and this run on cpu is not emulated")
+    reaches_work(["run", "sentiment", "--quick", "--device", "cpu", "--memory", "16GB", "--out", "k"])
+
+
+@pytest.mark.parametrize("word", ["plan", "check"])
+def test_verbose_beside_json_is_refused(word):
+    said = refused([*BASE[word], "--json", "--verbose"])
+    assert said.startswith("error: --verbose adds the internals to the console's tables, and --json prints")

@@ -36,6 +36,7 @@ def main(
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
     from mpsimpact.output.files import claimed_out_dir
 
+    options.check_output(as_json, verbose)
     check_config = options.config_from(  # validated before anything heavy is imported
         CONFIG, model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits,

@@ -78,6 +78,15 @@ def verbose() -> Any:
                         "fault rules' names, the layouts. Off unless given.")
 
 
+def check_output(as_json: bool, verbose: bool) -> None:
+    """Refuses --verbose beside --json: it adds the internals to the console's tables, which --json replaces."""
+    from mpsimpact.errors import UsageError
+
+    if as_json and verbose:
+        raise UsageError("--verbose adds the internals to the console's tables, and --json prints the whole result "
+                         "as JSON instead (the internals included); give one of them.", option="--verbose")
+
+
 def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
     """--json: `data` as one JSON object; else the tables."""
     if as_json:

@@ -34,6 +34,7 @@ def main(
     from mpsimpact.errors import UsageError
     from mpsimpact.output.files import check_out_file, claimed_out_dir, is_inside
 
+    options.check_output(as_json, verbose)
     plan_config = options.config_from(  # validated before anything heavy is imported
         CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,

@@ -26,7 +26,7 @@ from mpsimpact.errors import DiskFullError, UsageError, said
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
 MIN_FREE_BYTES = 16 << 20  # refuse an --out on a disk with less free: reports hold figures and logits
-_PARTIAL_FILE = re.compile(r"^\..+\.(\d+)\.[^.]+\.partial$")  # atomic_write_bytes' temporary files
+_PARTIAL_FILE = re.compile(r"^\..+\.([0-9]+)\.[^.]+\.partial$")  # atomic_write_bytes' temporary files
 
 
 def warn(message: str) -> None:
@@ -333,7 +333,7 @@ def remove_dead_partial_folders(folder: Path) -> None:
     """`.NAME.partial-PID/` folders next to `folder` whose writer no longer runs."""
     for partial in folder.parent.glob(f".{folder.name}.partial-*"):
         pid = partial.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not is_process_alive(int(pid)):
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not is_process_alive(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
 
 

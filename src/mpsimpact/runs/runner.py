@@ -86,6 +86,10 @@ def check_run(config: RunConfig, given: Any = None) -> str:
         raise UsageError("--memory declares another Mac for an emulated run; on this Mac's GPU its own memory "
                          "counts (`mpsimpact doctor` measures it). Drop --memory, or add --device cpu.",
                          option="--memory")
+    if device != "mps" and not emulated and config.memory is not None:
+        raise UsageError(f"--memory emulates a Mac's memory, and this run on {device} is not emulated (--no-emulate): "
+                         "nothing would hold a tensor to that Mac's largest buffer. Drop --memory or --no-emulate.",
+                         option="--memory")
     return device
 
 
