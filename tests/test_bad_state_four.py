@@ -146,7 +146,8 @@ def config_with(tmp_path: Path, text: str) -> Path:
     ('"notes": {"deep": [1, NaN]}', "notes.deep[1] is NaN"),
     ('"notes": "a\\udcffb"', "notes holds text that is not valid Unicode (a lone surrogate \\udcff at character 2)"),
     ('"a\\ud800b": 1', "a\\ud800b holds text that is not valid Unicode (a lone surrogate \\ud800"),
-    ('"model_type": "bert", "hidden_act": "gelu\\udcff"', "hidden_act holds text that is not valid Unicode")])
+    ('"model_type": "bert", "hidden_act": "gelu\\udcff"', "hidden_act holds text that is not valid Unicode"),
+    ('"layer_norm_eps": NaN', "layer_norm_eps is NaN")])
 def test_a_config_value_json_does_not_allow_is_one_line_naming_the_field(tmp_path, monkeypatch, field, words):
     monkeypatch.chdir(tmp_path)
     folder = config_with(tmp_path, field)
@@ -165,6 +166,15 @@ def test_a_declared_field_may_hold_infinity_as_transformers_writes_it():
     check_config_values({"model_type": "bert", "layer_norm_eps": float("inf")}, CONFIG_MAPPING["bert"], Path("c"))
     with pytest.raises(Exception, match="time_step_limit_typo"):
         check_config_values({"time_step_limit_typo": [0.0, float("inf")]}, CONFIG_MAPPING["mamba2"], Path("c.json"))
+    # a sub-config is held to its own class's fields: declared there, or not
+    llava = {"model_type": "llava", "text_config": {"model_type": "llama", "rms_norm_eps": float("inf")}}
+    check_config_values(llava, CONFIG_MAPPING["llava"], Path("c.json"))
+    llava["text_config"]["not_a_llama_field"] = float("-inf")
+    with pytest.raises(Exception, match=r"'c.json': text_config.not_a_llama_field is -Infinity"):
+        check_config_values(llava, CONFIG_MAPPING["llava"], Path("c.json"))
+    with pytest.raises(Exception, match=r"vision_config.x\[0\] is NaN"):
+        check_config_values({"vision_config": {"model_type": "clip_vision_model", "x": [float("nan")]}},
+                            CONFIG_MAPPING["llava"], Path("c.json"))
 
 
 # A model without a pad token: plan traces it as check does, and both say what the trace assumed.

@@ -303,15 +303,15 @@ def read_release(text: str) -> Release:
     return Release((int(major), int(minor), int(patch or 0)), pre or "", post or "", dev or "", local or "")
 
 
-def json_value_problem(value: Any, where: str, numbers: bool = True) -> tuple[str, str] | None:
+def json_value_problem(value: Any, where: str, infinity: bool = False) -> tuple[str, str] | None:
     """The first thing in parsed JSON `value` that JSON itself does not allow, as (where it is, what it is), or
-    None: a lone surrogate in a string or a key (not Unicode text), and where `numbers`, a number that is not
-    finite (NaN, Infinity, or 1e400, which no float holds); `where` names `value` ("text_config", "a[2].b")."""
+    None: a lone surrogate in a string or a key (not Unicode text), NaN, and unless `infinity`, an infinite
+    number (Infinity, or 1e400, which no float holds); `where` names `value` ("text_config", "a[2].b")."""
     if isinstance(value, str):
         problem = None if value.isascii() else unicode_problem(value)
         return None if problem is None else (where, f"holds text that is {problem}")
     if isinstance(value, float):
-        if not numbers or math.isfinite(value):
+        if math.isfinite(value) or (infinity and not math.isnan(value)):
             return None
         what = "NaN" if math.isnan(value) else f"{json.dumps(value)} (or a number past a float's range, as 1e400)"
         return where, f"is {what}, which JSON does not allow"
@@ -320,7 +320,7 @@ def json_value_problem(value: Any, where: str, numbers: bool = True) -> tuple[st
         shown = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, as its escape
         inside = f"{where}.{shown}" if isinstance(value, dict) else f"{where}[{key}]"
         found = json_value_problem(key, inside) if isinstance(key, str) else None
-        found = found or json_value_problem(item, inside, numbers)
+        found = found or json_value_problem(item, inside, infinity)
         if found is not None:
             return found
     return None

@@ -150,17 +150,27 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
     return model_type
 
 
-def check_config_values(fields: dict[str, Any], config_class: Any, file: Path) -> None:
-    """A config holds what JSON allows, as a dataset must (bounds.json_value_problem): no lone surrogate anywhere,
-    and no NaN or infinity (1e400 is one) in a field `config_class` does not declare, which the model never reads;
-    a declared field may hold Infinity (Mamba-2's time_step_limit does, as transformers writes it).
+def check_config_values(fields: dict[str, Any], config_class: Any, file: Path, prefix: str = "") -> None:
+    """A config holds what JSON allows, as a dataset must (bounds.json_value_problem): no lone surrogate and no NaN
+    anywhere, and no infinity (1e400 is one) in a field `config_class` does not declare, which the model never
+    reads (a declared one may hold Infinity, as Mamba-2's time_step_limit does, written by transformers); a
+    sub-config (text_config, vision_config) is held to its own class's fields.
 
     Raises:
         ModelLoadError: one line naming the file and the field.
     """
-    declared = _declared_fields(config_class)
+    from transformers import CONFIG_MAPPING
+
+    declared, subs = _declared_fields(config_class), getattr(config_class, "sub_configs", None) or {}
     for name, value in fields.items():
-        found = json_value_problem({name: value}, "", numbers=name not in declared)
+        sub = subs.get(name) if isinstance(value, dict) else None
+        if sub is not None and sub.__name__ == "AutoConfig":  # the sub-config's own model_type says its class
+            model_type = value.get("model_type")  # a lazy mapping: `in`, then [], as transformers reads it
+            sub = CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+        if sub is not None:
+            check_config_values(value, sub, file, f"{prefix}{name}.")
+            continue
+        found = json_value_problem({name: value}, prefix.rstrip("."), infinity=name in declared)
         if found is not None:
             raise ModelLoadError(f"'{file}': {found[0].lstrip('.')} {found[1]}; remove it or correct it.")
 
