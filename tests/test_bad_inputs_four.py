@@ -387,3 +387,10 @@ def test_memory_on_a_run_that_is_not_emulated_is_refused():
 def test_verbose_beside_json_is_refused(word):
     said = refused([*BASE[word], "--json", "--verbose"])
     assert said.startswith("error: --verbose adds the internals to the console's tables, and --json prints")
+
+
+def test_a_threshold_below_what_half_precision_is_judged_at_is_refused_not_raised_silently():
+    said = refused(["run", "sentiment", "--quick", "--dtype", "float16", "--threshold", "0.005", "--out", "k"])
+    assert said.startswith("error: --threshold 0.005 is below the 0.02 a float16 run is judged at")
+    reaches_work(["run", "sentiment", "--quick", "--dtype", "float16", "--out", "k"])  # the floor, by default
+    reaches_work(["run", "sentiment", "--quick", "--dtype", "bfloat16", "--threshold", "0.05", "--out", "k"])
