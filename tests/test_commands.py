@@ -108,7 +108,9 @@ def test_train_head_refuses_a_limit_below_one(tmp_path, limit):
 def test_train_head_refuses_a_limit_that_is_not_a_number(tmp_path):
     result, text = invoke(["train-head", "--limit", "many", "--out", str(tmp_path / "head")])
     assert result.exit_code == 2
-    assert "Invalid value for '--limit'" in text
+    assert stderr_of(result).strip() == ("error: --limit must be a whole number >= 1, written with the digits 0-9, "
+                                         "got 'many'.")
+    assert not (tmp_path / "head").exists()
 
 
 def test_each_command_is_the_module_named_after_its_word():

@@ -96,7 +96,7 @@ def test_a_sweep_resolves_its_release_once_not_per_cell(counted, tmp_path, monke
     monkeypatch.setattr(figures, "outcome_map", lambda *_: b"")
     quiet = dict.fromkeys(("plan", "cell", "write", "summary", "interrupted"), lambda *_, **__: None)
     show = SimpleNamespace(**quiet)
-    config = SweepConfig(device="cpu", emulate=True, index_bits=16, in_process=True, torch_profile=asked,
+    config = SweepConfig(device="cpu", emulate=True, index_bits=16, torch_profile=asked,
                          max_memory="1", out=str(tmp_path / "sweep"))
     summary = sweep_run.run_sweep(config, show)
     assert summary["cells"] == 2 and summary["families"]["cells"] == 2 and summary["disagree"] == 0

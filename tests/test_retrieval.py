@@ -49,7 +49,8 @@ def test_small_retrieval_run_under_each_guard(tmp_path, monkeypatch):
 
 def test_retrieval_refuses_a_dataset(tmp_path):
     result = runner.invoke(app, ["run", "retrieval", "--dataset", "tweet_eval", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "--dataset is not supported" in flat(result.output + result.stderr)
+    assert result.exit_code == 2 and "run retrieval does not use --dataset" in flat(result.stderr)
+    assert not (tmp_path / "o").exists()
 
 
 def readme_snippet(marker: str) -> str:

@@ -214,12 +214,18 @@ def test_progress_lines_say_the_time_left_without_a_terminal(tmp_path):
     assert "To run: 46 cells, the largest holding" in " ".join(result.output.split())  # 30 bmm, 16 family
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "lots", "3TB", "1.5 GiB x"])
-def test_a_bad_max_memory_is_one_line_and_exit_2(tmp_path, value):
+NOT_A_SIZE = "is not a size: a number written with the digits 0-9, then a unit (G, GB, GiB, M, MB, MiB)"
+
+
+@pytest.mark.parametrize(("value", "words"), [("0", "is not a size above 0"), ("0.0M", "is not a size above 0"),
+                                              ("-2", NOT_A_SIZE), ("lots", NOT_A_SIZE), ("3TB", NOT_A_SIZE),
+                                              ("1.5 GiB x", NOT_A_SIZE), ("1e30", NOT_A_SIZE), ("２０", NOT_A_SIZE),
+                                              (" 20", NOT_A_SIZE), ("2_0", NOT_A_SIZE)])
+def test_a_bad_max_memory_is_one_line_and_exit_2(tmp_path, value, words):
     result = runner.invoke(app, [*SMALL, "--max-memory", value, "--out", str(tmp_path / "s")])
     assert result.exit_code == 2, result.output
-    assert one_message(result.stderr) == (f"error: --max-memory: '{value}' is not a size above 0; give a size such "
-                                          "as 20 (GiB), 20GiB or 512MiB.")
+    assert one_message(result.stderr) == (f"error: --max-memory: '{value}' {words}; give a size such as 20 (GiB), "
+                                          "20GiB or 512MiB.")
     assert not list(tmp_path.iterdir())
 
 

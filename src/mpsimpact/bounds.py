@@ -1,15 +1,21 @@
 """Bounds on what mpsimpact reads from users and from disk, written once: JSON nesting depth and no NaN
-(`parse_json`), the length of one text (`MAX_TEXT_CHARS`, the same for every dataset format), and what a
+(`parse_json`), the length of one text (`MAX_TEXT_CHARS`, the same for every dataset format), what a
 path names (`path_problem`: a regular file, in size, with a name the file system takes; `read_file_bytes`
-never opens anything else). A leaf: the engine reads profile files through it too."""
+never opens anything else), and the one rule for a number, a size or a release a person types
+(`read_whole`, `read_decimal`, `read_size`, `read_release`: Note [Numbers typed by a user]). A leaf: the
+engine reads profile files and releases through it too."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import stat
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,11 @@ def text_problem(text: str) -> str | None:
     than MAX_TEXT_CHARS, or holding a lone surrogate (not Unicode text: tokenizers fail on it)."""
     if len(text) > MAX_TEXT_CHARS:
         return f"{len(text):,} characters long, more than the {MAX_TEXT_CHARS:,} a text may have"
+    return unicode_problem(text)
+
+
+def unicode_problem(text: str) -> str | None:
+    """"not valid Unicode (a lone surrogate \\ud800 at character 3)" where `text` holds one; None otherwise."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -185,3 +196,131 @@ def read_file_bytes(path: str | os.PathLike[str], limit: int, what: str = "this 
     if len(data) > limit:
         raise FileProblemError(f"is more than the {limit:,} bytes {what} may have")
     return data
+
+
+# Note [Numbers typed by a user]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every number, size and release a person types (an option's value, an environment variable) is read by one
+# rule, wherever it is read: the digits 0-9 and nothing that merely looks like them (Python's int() and re's
+# \d also take "١٦" and "１６", which no shell script, no other tool and no reader of a report takes for 16),
+# nothing around it (" 16"), no underscores ("1_6"), no sign but a leading minus (which the range after it
+# refuses in words), and in a whole number no point, exponent or base ("16.0", "1e3", "0x10"). A decimal may
+# have a point and an exponent ("0.5", "1e-4"); a size is such a number without exponent, then its unit after
+# at most one space ("16GB", "1.5 g"); a release is PEP 440's form as torch and transformers spell theirs
+# ("2.12", "2.12.1", "2.15.0rc1", "2.14.0.post1", "2.15.0.dev20261101", "2.13.0+cpu"), its pre-release,
+# post-release and development parts kept (`Release`), so whoever judges it names them and never takes a
+# pre-release for the release it precedes.
+
+DIGITS = "the digits 0-9"
+_WHOLE = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?) ?([A-Za-z]*)")
+_RELEASE = re.compile(r"([0-9]+)\.([0-9]+)(?:\.([0-9]+))?((?:a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?"
+                      r"(\+[A-Za-z0-9]+(?:\.[A-Za-z0-9]+)*)?")
+MAX_DIGITS = 4000  # past every bound; int() itself stops at 4,300 digits
+
+
+def read_whole(text: str) -> int:
+    """A whole number typed by a person (Note [Numbers typed by a user]); one of more than MAX_DIGITS digits
+    counts as 10**MAX_DIGITS (past every bound: whoever says so shows the text, not this value).
+
+    Raises:
+        ValueError: "is not a whole number written with the digits 0-9".
+    """
+    if not isinstance(text, str) or not _WHOLE.fullmatch(text):
+        raise ValueError(f"is not a whole number written with {DIGITS}")
+    digits = text.lstrip("-").lstrip("0")
+    number = 10**MAX_DIGITS if len(digits) > MAX_DIGITS else int(digits or "0")
+    return -number if text.startswith("-") else number
+
+
+def read_decimal(text: str) -> float:
+    """A number typed by a person: digits 0-9 with an optional point and exponent ("0.5", "1e-4"); 1e400 is
+    infinite (the range that follows refuses it in words).
+
+    Raises:
+        ValueError: "is not a number written with the digits 0-9 (such as 0.5 or 1e-4)".
+    """
+    if not isinstance(text, str) or not _DECIMAL.fullmatch(text):
+        raise ValueError(f"is not a number written with {DIGITS} (such as 0.5 or 1e-4)")
+    return float(text)
+
+
+def exact_decimal(number: str) -> Fraction:
+    """Digits with an optional point ("1.5", "0.0000001", 400 nines), exactly: no float to overflow or round
+    it. More than 20 whole digits count as 10**20 (past every size), sparing int() its 4,300-digit limit."""
+    whole = number.partition(".")[0].lstrip("0")
+    return Fraction(10**20) if len(whole) > 20 else Fraction(Decimal(number))
+
+
+def read_size(text: str, units: dict[str, int], default: str) -> Fraction:
+    """A size typed by a person: a number (digits 0-9, an optional point), then one of `units` (case aside,
+    keys upper-case; `default` where none is written) after at most one space, as an exact count of the
+    smallest unit: read_size("1.5 GiB", {"GIB": 1024, "MIB": 1}, "GIB") == 1536.
+
+    Raises:
+        ValueError: not a number followed by one of `units` (the message names them).
+    """
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    unit = (match[2].upper() or default) if match else None
+    if match is None or unit not in units:
+        named = ", ".join(name.replace("IB", "iB") for name in units)  # GIB is written GiB
+        raise ValueError(f"is not a size: a number written with {DIGITS}, then a unit ({named})")
+    return exact_decimal(match[1]) * units[unit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """A release in PEP 440's form (Note [Numbers typed by a user]): its numbers (a missing patch is 0) and
+    its parts that make it another release than those numbers' final one ("rc1", ".post1", ".dev2026") or a
+    build of it ("+cpu"). `str()` is its name: the numbers and every part but the build."""
+
+    number: tuple[int, int, int]
+    pre: str = ""  # "a0", "b2", "rc1": before the final release
+    post: str = ""  # ".post1": the final release, repackaged
+    dev: str = ""  # ".dev20261101": a development build, before whatever it precedes
+    local: str = ""  # "+cpu", "+cu121": a build of this release
+
+    @property
+    def is_final(self) -> bool:
+        """Whether it is the final release of its numbers (or a repackaging or build of it)."""
+        return not (self.pre or self.dev)
+
+    def __str__(self) -> str:
+        return ".".join(map(str, self.number)) + self.pre + self.post + self.dev
+
+
+def read_release(text: str) -> Release:
+    """A release typed by a person (or a package's own version), whole (Note [Numbers typed by a user]).
+
+    Raises:
+        ValueError: "is not a release (expected e.g. 2.12.1)".
+    """
+    match = _RELEASE.fullmatch(text) if isinstance(text, str) else None
+    if match is None or any(len(part or "") > 12 for part in match.groups()[:3]):  # no release has such numbers
+        raise ValueError("is not a release (expected e.g. 2.12.1)")
+    major, minor, patch, pre, post, dev, local = match.groups()
+    return Release((int(major), int(minor), int(patch or 0)), pre or "", post or "", dev or "", local or "")
+
+
+def json_value_problem(value: Any, where: str, infinity: bool = False) -> tuple[str, str] | None:
+    """The first thing in parsed JSON `value` that JSON itself does not allow, as (where it is, what it is), or
+    None: a lone surrogate in a string or a key (not Unicode text), NaN, and unless `infinity`, an infinite
+    number (Infinity, or 1e400, which no float holds); `where` names `value` ("text_config", "a[2].b")."""
+    if isinstance(value, str):
+        problem = None if value.isascii() else unicode_problem(value)
+        return None if problem is None else (where, f"holds text that is {problem}")
+    if isinstance(value, float):
+        if math.isfinite(value) or (infinity and not math.isnan(value)):
+            return None
+        what = "NaN" if math.isnan(value) else f"{json.dumps(value)} (or a number past a float's range, as 1e400)"
+        return where, f"is {what}, which JSON does not allow"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        shown = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate, as its escape
+        inside = f"{where}.{shown}" if isinstance(value, dict) else f"{where}[{key}]"
+        found = json_value_problem(key, inside) if isinstance(key, str) else None
+        found = found or json_value_problem(item, inside, infinity)
+        if found is not None:
+            return found
+    return None

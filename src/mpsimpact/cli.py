@@ -14,17 +14,20 @@ from typer.core import TyperGroup
 
 from mpsimpact.commands import check, compare, doctor, matrix, plan, run, sweep, train_head
 from mpsimpact.commands import list as list_  # the module named `list`; `list_` spares the builtin
-from mpsimpact.commands.options import check_environment, shows_config_defaults
+from mpsimpact.commands.options import CLICK_USAGE_ERROR, CheckedCommand, check_environment, shows_config_defaults
 
 COMMANDS = (run, plan, check, sweep, compare, matrix, doctor, list_, train_head)
 
 
 class CheckedGroup(TyperGroup):
     """The command group, refusing a bad COLUMNS before click reads the command line: rich lays out --help and
-    click's usage errors by it, and our messages wrap at it (0 printed nothing; "²" ended in a traceback)."""
+    click's usage errors by it, and our messages wrap at it (0 printed nothing; "²" ended in a traceback). A
+    usage error, click's or ours (options.CheckedCommand), is one paragraph on stderr naming the fix, exit 2,
+    as every other refusal is (not click's box of usage lines)."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        from mpsimpact.errors import EnvironmentVariableError
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        from mpsimpact.errors import EnvironmentVariableError, MpsImpactError, said
         from mpsimpact.variables import console_width
 
         try:
@@ -32,7 +35,29 @@ class CheckedGroup(TyperGroup):
         except EnvironmentVariableError as error:
             typer.echo(f"error: {error.message}", err=True)  # one line, as is: `said` would wrap at that width
             sys.exit(2)
-        return super().main(*args, **kwargs)
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except CLICK_USAGE_ERROR as error:
+            if type(error).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+                typer.echo(said("error", usage_line(error)), err=True)
+            sys.exit(2)
+        except MpsImpactError as error:  # refused while click read the command line (options.CheckedCommand)
+            typer.echo(said("error", error.message), err=True)
+            sys.exit(2)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def usage_line(error: Any) -> str:
+    """click's usage error in one line with the fix ("No such option: --json; `mpsimpact list --help` lists
+    what it takes.")."""
+    ctx = getattr(error, "ctx", None)
+    command = ctx.command_path if ctx is not None else "mpsimpact"
+    return f"{' '.join(error.format_message().split()).rstrip('.')}; `{command} --help` lists what it takes."
 
 
 app = typer.Typer(
@@ -78,5 +103,5 @@ def reports_errors(command: Callable[..., Any], word: str) -> Callable[..., Any]
 
 for module in COMMANDS:
     word = module.__name__.rpartition(".")[2].replace("_", "-")
-    command_class = shows_config_defaults(module.CONFIG) if hasattr(module, "CONFIG") else None
+    command_class = shows_config_defaults(module.CONFIG) if hasattr(module, "CONFIG") else CheckedCommand
     app.command(word, cls=command_class)(reports_errors(module.main, word))

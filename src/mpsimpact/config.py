@@ -9,9 +9,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from mpsimpact.bounds import DIGITS, read_decimal, read_size, read_whole
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
-from mpsimpact.variables import MAX_BYTES, exact_bytes
+from mpsimpact.variables import MAX_BYTES
 
 # A sample is corrupted above this relative error against the reference (the study's criterion).
 CORRUPTION_THRESHOLD = 1e-3
@@ -22,7 +23,8 @@ DEVICES = ("auto", "mps", "cuda", "cpu")
 @dataclasses.dataclass(frozen=True)
 class Check:
     """How one option's value is checked: a numeric range, or a set of choices (for each element
-    of a tuple value, too). None values are left alone (an option not given)."""
+    of a tuple value, too). None values are left alone (an option not given). A number typed on the command
+    line is read by `read` (`number`: int or float; Note [Numbers typed by a user] in bounds)."""
 
     flag: str
     low: float | None = None
@@ -32,8 +34,28 @@ class Check:
     hint: str = ""
     parse: Callable[[Any], Any] | None = None  # raises ValueError on a bad value
     ceiling: float | None = None  # past any real value (INT_MAX texts): said only to a value above it
+    number: type | None = None  # int or float: how `read` reads the option's text
 
-    def __call__(self, value: Any) -> None:
+    def read(self, text: str) -> Any:
+        """The value of the option's text as typed: a number read by the one rule (bounds.read_whole,
+        read_decimal), checked; any other option's text as it is.
+
+        Raises:
+            UsageError: one line naming the flag, the text and what is expected.
+        """
+        if self.number is None or not isinstance(text, str):
+            return text
+        try:
+            value = read_whole(text) if self.number is int else read_decimal(text)
+        except ValueError:
+            what = "a whole number" if self.number is int else "a number"
+            example = "" if self.number is int else " (such as 0.5 or 1e-4)"
+            raise UsageError(f"{self.flag} must be {what} {self._expected()}{self.hint}, written with {DIGITS}"
+                             f"{example}, got {_shown(text)!r}.", option=self.flag) from None
+        self(value, shown=text)
+        return value
+
+    def __call__(self, value: Any, shown: str | None = None) -> None:
         if value is None:
             return
         if self.parse is not None:
@@ -48,12 +70,13 @@ class Check:
                     raise UsageError(f"{self.flag} must be one of {', '.join(self.choices)}; got '{item}'.",
                                      option=self.flag)
             return
+        shown = _shown(value if shown is None else shown)
         if not self._in_range(value):
             finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
-            raise UsageError(f"{self.flag} must be {finite}{self._expected()}{self.hint}, got {_shown(value)}.",
+            raise UsageError(f"{self.flag} must be {finite}{self._expected()}{self.hint}, got {shown}.",
                              option=self.flag)
         if self.ceiling is not None and value > self.ceiling:
-            raise UsageError(f"{self.flag} must be <= {_number(self.ceiling)}{self.hint}, got {_shown(value)}.",
+            raise UsageError(f"{self.flag} must be <= {_number(self.ceiling)}{self.hint}, got {shown}.",
                              option=self.flag)
 
     def _in_range(self, value: float) -> bool:
@@ -65,6 +88,8 @@ class Check:
 
     def _expected(self) -> str:
         low, high = _number(self.low), _number(self.high)
+        if self.low is None and self.high is None:
+            return ""
         if self.high is None:
             return f"{'>=' if self.inclusive else '>'} {low}"
         return f"in {low}..{high}" if self.inclusive else f"in ({low}, {high})"
@@ -109,10 +134,17 @@ class Validated:
 MAX_COUNT = 2**31 - 1
 MAX_SEED = 2**64 - 1
 MAX_STEPS = 1000  # optimiser steps on one oversized batch (the demo takes 1; each is a full pass)
-SEED = Check("--seed", low=0, ceiling=MAX_SEED, hint=" (what torch.manual_seed takes)")
-BATCH_SIZE = Check("--batch-size", low=1, ceiling=MAX_COUNT)
-MAX_LENGTH = Check("--max-length", low=1, ceiling=MAX_COUNT)
-INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} is MPS)")
+SEED = Check("--seed", low=0, ceiling=MAX_SEED, hint=" (what torch.manual_seed takes)", number=int)
+
+
+def count(flag: str) -> Check:
+    """A count of texts or tokens typed as an option: a whole number from 1 to MAX_COUNT."""
+    return Check(flag, low=1, ceiling=MAX_COUNT, number=int)
+
+
+BATCH_SIZE = count("--batch-size")
+MAX_LENGTH = count("--max-length")
+INDEX_BITS = Check("--index-bits", *INDEX_BITS_RANGE, hint=f" ({MPS_INDEX_BITS} is MPS)", number=int)
 DEVICE = Check("--device", choices=DEVICES)
 
 
@@ -124,9 +156,9 @@ def _parse_profile(value: str) -> None:
 
 
 def _parse_memory(value: str) -> None:
-    if str(value).strip().lower() != "auto":
-        from mpsimpact.engine.mac_memory import parse_mac_size
+    from mpsimpact.engine.mac_memory import is_auto, parse_mac_size
 
+    if not is_auto(value):
         parse_mac_size(value)
 
 
@@ -156,8 +188,8 @@ class RunConfig(Validated):
 
     scenario: str = "sentiment"
     batch_size: int | None = option(None, BATCH_SIZE)
-    steps: int = option(1, Check("--steps", low=1, ceiling=MAX_STEPS))
-    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False))
+    steps: int = option(1, Check("--steps", low=1, ceiling=MAX_STEPS, number=int))
+    lr: float = option(1e-4, Check("--lr", low=0, inclusive=False, number=float))
     max_length: int | None = option(None, MAX_LENGTH)
     device: str = option("auto", DEVICE)
     emulate: bool | None = None
@@ -167,9 +199,9 @@ class RunConfig(Validated):
     expect: str | None = option(None, Check("--expect", choices=("clean", "corrupted")))
     model: str | None = None
     dataset: str | None = None
-    threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False))
+    threshold: float = option(CORRUPTION_THRESHOLD, Check("--threshold", 0, 1, inclusive=False, number=float))
     reference_device: str = option("cpu", Check("--reference-device", choices=("cpu", "device")))
-    run_length: int | None = option(None, Check("--run-length", low=1, ceiling=MAX_COUNT))
+    run_length: int | None = option(None, count("--run-length"))
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
@@ -177,10 +209,13 @@ class RunConfig(Validated):
     memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
 
     def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded: each field, then --run-length
-        against --max-length."""
+        """Raises UsageError on any bad value, before anything is loaded: each field, --run-length against
+        --max-length, and --expect, which judges the guard-off condition, against --guard."""
         validate(self)
         check_run_length(self.run_length, self.max_length)
+        if self.expect is not None and "off" not in self.guards:
+            raise UsageError(f"--expect judges the guard-off condition, which --guard {self.guard} does not run; "
+                             "give --guard off or all, or drop --expect.", option="--expect")
 
     @property
     def corruption_threshold(self) -> float:
@@ -262,8 +297,8 @@ class CheckConfig(Validated):
 
     model: str
     batch_size: int = option(1, BATCH_SIZE)
-    seq_len: int | None = option(None, Check("--seq-len", low=1, ceiling=MAX_COUNT))
-    target_len: int | None = option(None, Check("--target-len", low=1, ceiling=MAX_COUNT))
+    seq_len: int | None = option(None, count("--seq-len"))
+    target_len: int | None = option(None, count("--target-len"))
     task: str = option("auto", Check("--task", choices=("auto", *CHECK_TASKS)))
     attention: str = option("default", Check("--attention", choices=CHECK_ATTENTIONS))
     workload: str = option("inference", Check("--workload", choices=WORKLOADS))
@@ -280,7 +315,7 @@ class TrainHeadConfig(Validated):
     `install`: replace the installed package's head, which only an explicit --install does."""
 
     out: str | None = None
-    limit: int | None = option(None, Check("--limit", low=1, ceiling=MAX_COUNT))
+    limit: int | None = option(None, count("--limit"))
     install: bool = False
 
     def validate(self) -> None:
@@ -296,11 +331,17 @@ SWEEP_LAYOUTS = ("contiguous", "a_transposed", "b_transposed", "both_sliced")
 GIB = 1 << 30  # bytes; every GiB figure the commands print or check
 
 
+MEMORY_UNITS = {unit: GIB for unit in ("G", "GB", "GIB")} | {unit: 1 << 20 for unit in ("M", "MB", "MIB")}
+
+
 def memory_bytes(text: str) -> int:
-    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB; read exactly
-    (no float to overflow), rounded down to whole bytes, from 1 byte to MAX_BYTES (1 PiB)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
-    size = exact_bytes(match[1], 1 << 20 if (match[2] or "g").startswith("m") else GIB) if match else 0
+    """Bytes of a --max-memory size: "20" and "20GiB" (or GB, G) are GiB, "512MiB" (or MB, M) MiB (bounds.read_size:
+    digits 0-9, a point allowed); read exactly (no float to overflow), rounded down to whole bytes, from 1 byte to
+    MAX_BYTES (1 PiB)."""
+    try:
+        size = read_size(text, MEMORY_UNITS, "GIB")
+    except ValueError as error:
+        raise ValueError(f"'{_shown(text)}' {error}") from None
     if size <= 0:
         raise ValueError(f"'{_shown(text)}' is not a size above 0")
     if size < 1:

@@ -42,8 +42,9 @@ _KEEP = "\0"  # a space that must not break while wrapping (not whitespace to te
 
 
 def _stderr_width() -> int | None:
-    if os.environ.get("COLUMNS", "").isdigit():
-        return int(os.environ["COLUMNS"])
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isascii() and columns.isdigit():  # a bad value is refused by the CLI (variables.console_width)
+        return int(columns)
     return shutil.get_terminal_size().columns if sys.stderr is not None and sys.stderr.isatty() else None
 
 
@@ -67,10 +68,10 @@ class EnvironmentVariableError(UsageError, ValueError):
     """An environment variable mpsimpact reads holds a value it cannot use: one line naming the variable, its
     value (cut past 80 characters), what is wrong and what is accepted. A ValueError too, as a bad value is."""
 
-    def __init__(self, variable: str, value: str, problem: str, accepted: str) -> None:
+    def __init__(self, variable: str, value: str, problem: str, accepted: str, unset: bool = True) -> None:
         shown = value if len(value) <= 80 else f"{value[:60]}… ({len(value):,} characters)"
-        super().__init__(f"{variable}={shown!r} {problem}; {accepted}, or unset it.", variable=variable,
-                         value=value[:200])
+        super().__init__(f"{variable}={shown!r} {problem}; {accepted}{', or unset it' if unset else ''}.",
+                         variable=variable, value=value[:200])
 
 
 class DeviceError(MpsImpactError):

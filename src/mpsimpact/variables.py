@@ -5,12 +5,9 @@ The cache's own (MPSIMPACT_CACHE, XDG_CACHE_HOME) live with the cache, in engine
 from __future__ import annotations
 
 import os
-import re
-from decimal import Decimal
-from fractions import Fraction
 from pathlib import Path
 
-from mpsimpact.bounds import name_problem
+from mpsimpact.bounds import name_problem, read_size, read_whole
 from mpsimpact.errors import EnvironmentVariableError
 
 ATTENTION_BUDGET = "MPSIMPACT_ATTENTION_BUDGET"  # bytes of one attention piece: Note [Attention memory budget]
@@ -23,8 +20,9 @@ GUARD_MODES = ("raise", "warn", "chunk")  # the guard's modes (modes.guard); MPS
 # Bytes (1 PiB): more than any machine's memory; bounds every size given in bytes (this budget, sweep's --max-memory).
 MAX_BYTES = 1 << 50
 COLUMNS_RANGE = (20, 10_000)  # narrower, a table's words have no room; no terminal is wider
-_BYTES = re.compile(r"([0-9]+(?:\.[0-9]+)?)([KMG]?)(?:I?B)?")
-_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# A size in bytes: a number (Note [Numbers typed by a user]), then B, K, M or G (KiB, MiB, GiB), KB or KiB, ...
+BYTE_UNITS = {"B": 1} | {f"{prefix}{tail}": 1 << shift for prefix, shift in (("K", 10), ("M", 20), ("G", 30))
+                         for tail in ("", "B", "IB")}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -32,14 +30,6 @@ def _value(name: str) -> str | None:
     """The variable's value, None where it is unset or blank (both mean: not given)."""
     value = os.environ.get(name)
     return value if value is not None and value.strip() else None
-
-
-def exact_bytes(number: str, unit: int) -> Fraction:
-    """`number` (decimal digits, a point allowed: "1.5", "0.0000001", 400 nines) times `unit` bytes, exactly: no
-    float to overflow or round it. A number of more than 20 whole digits counts as 10**20 units (past MAX_BYTES
-    whatever the unit), sparing int() its 4,300-digit limit."""
-    whole = number.partition(".")[0].lstrip("0")
-    return (Fraction(10**20) if len(whole) > 20 else Fraction(Decimal(number))) * unit
 
 
 def attention_budget() -> int | None:
@@ -54,11 +44,10 @@ def attention_budget() -> int | None:
         return None
     accepted = (f"give a whole number of bytes from 1 to 2**{MAX_BYTES.bit_length() - 1}, or a number with K, M "
                 "or G (KiB, MiB, GiB) that comes to whole bytes, e.g. 268435456, 256M or 1.5K")
-    match = _BYTES.fullmatch(value.strip().upper())
-    if match is None:
-        raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is not a byte count", accepted)
-    digits, suffix = match.groups()
-    number = exact_bytes(digits, _SCALE[suffix])
+    try:
+        number = read_size(value, BYTE_UNITS, "B")
+    except ValueError:
+        raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is not a byte count", accepted) from None
     if not 1 <= number <= MAX_BYTES:
         raise EnvironmentVariableError(ATTENTION_BUDGET, value, "is out of range", accepted)
     if number.denominator != 1:
@@ -79,11 +68,13 @@ def console_width() -> int | None:
         return None
     low, high = COLUMNS_RANGE
     accepted = f"give a whole number of columns from {low} to {high:,}, e.g. 80"
-    if not (value.isascii() and value.isdigit()):
-        raise EnvironmentVariableError(COLUMNS, value, "is not a whole number of columns", accepted)
-    if len(value) > 6 or not low <= int(value) <= high:
+    try:
+        columns = read_whole(value)
+    except ValueError:
+        raise EnvironmentVariableError(COLUMNS, value, "is not a whole number of columns", accepted) from None
+    if not low <= columns <= high:
         raise EnvironmentVariableError(COLUMNS, value, "is out of range", accepted)
-    return int(value)
+    return columns
 
 
 def guard_mode() -> str | None:

@@ -12,10 +12,10 @@ CONFIG = "mpsimpact.config:CheckConfig"  # the options' dataclass, imported when
 def main(
     model: str = typer.Argument(
         ..., help="A hub id (offline Hugging Face cache only), a local model folder or a config.json."),
-    batch_size: int | None = shared("--batch-size"),
-    seq_len: int | None = option("--seq-len", "Tokens per sample (the prompt, for causal LMs).",
+    batch_size: str | None = shared("--batch-size"),
+    seq_len: str | None = options.number("--seq-len", "Tokens per sample (the prompt, for causal LMs).",
                                  "the model's maximum"),
-    target_len: int | None = option("--target-len", "Encoder-decoders: decoder tokens.", "--seq-len"),
+    target_len: str | None = options.number("--target-len", "Encoder-decoders: decoder tokens.", "--seq-len"),
     task: str | None = option("--task", "auto (from the config's architectures), base, "
                               "sequence-classification, token-classification, causal-lm or seq2seq."),
     attention: str | None = option("--attention", "eager, sdpa, or default (what this transformers picks for "
@@ -24,7 +24,7 @@ def main(
                                                 "and backward)."),
     phase: str | None = typer.Option(None, "--phase", hidden=True),  # --workload's former name, kept working
     torch_profile: str | None = shared("--torch-profile"),
-    index_bits: int | None = shared("--index-bits"),
+    index_bits: str | None = shared("--index-bits"),
     cache: bool | None = option("--cache/--no-cache", "Trace with the KV cache on (use_cache=True), as the "
                                 "default forward model(ids) and generate() run; --no-cache as scoring and "
                                 "training with use_cache=False do."),
@@ -36,6 +36,7 @@ def main(
     """Is my model affected? Any Hugging Face architecture, from its config alone (meta, no weights)."""
     from mpsimpact.output.files import claimed_out_dir
 
+    options.check_output(as_json, verbose)
     check_config = options.config_from(  # validated before anything heavy is imported
         CONFIG, model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits,

@@ -14,8 +14,8 @@ def main(
     transformers: str | None = option("--transformers", "Comma-separated transformers releases, each probed "
                                       "in an environment of its own over the installed torch."),
     model: str | None = shared("--model"),
-    batch_size: int | None = shared("--batch-size"),
-    max_length: int | None = shared("--max-length"),
+    batch_size: str | None = shared("--batch-size"),
+    max_length: str | None = shared("--max-length"),
     out: str | None = options.out("Write the reports", "outputs/matrix-<time>/"),
     offline: bool | None = option("--offline", "Use only cached environments and say which are missing "
                                                "(automatic when UV_OFFLINE or PIP_NO_INDEX is set)."),

@@ -11,11 +11,11 @@ CONFIG = "mpsimpact.config:PlanConfig"  # the options' dataclass, imported when 
 
 def main(
     scenario: str = options.scenario(),
-    batch_size: int | None = shared("--batch-size"),
-    max_length: int | None = shared("--max-length"),
+    batch_size: str | None = shared("--batch-size"),
+    max_length: str | None = shared("--max-length"),
     model: str | None = shared("--model"),
     backward: bool | None = option("--backward", "Plan one training step: forward and gradient products."),
-    index_bits: int | None = shared("--index-bits"),
+    index_bits: str | None = shared("--index-bits"),
     as_json: bool = options.as_json(),
     verbose: bool = options.verbose(),
     sweep: bool | None = option("--sweep", "Also tabulate the corrupted fraction over batch sizes for "
@@ -34,6 +34,7 @@ def main(
     from mpsimpact.errors import UsageError
     from mpsimpact.output.files import check_out_file, claimed_out_dir, is_inside
 
+    options.check_output(as_json, verbose)
     plan_config = options.config_from(  # validated before anything heavy is imported
         CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,

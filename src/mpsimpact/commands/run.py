@@ -19,25 +19,26 @@ CONFIG = "mpsimpact.config:RunConfig"  # the options' dataclass, imported when f
 
 def main(
     scenario: str = options.scenario(),
-    batch_size: int | None = shared("--batch-size"),
-    max_length: int | None = shared("--max-length"),
+    batch_size: str | None = shared("--batch-size"),
+    max_length: str | None = shared("--max-length"),
     device: str | None = shared("--device"),
     emulate: bool | None = shared("--emulate/--no-emulate"),
     guard: str | None = option("--guard", "off, raise, chunk, or all (three conditions side by side)."),
     out: str | None = options.out("Write the reports", "outputs/<scenario>-<time>/"),
-    seed: int | None = option("--seed", "Seeds torch before the run."),
+    seed: str | None = options.number("--seed", "Seeds torch before the run."),
     expect: str | None = option("--expect", "clean or corrupted: exit 1 if the guard-off condition differs."),
     model: str | None = shared("--model"),
     dataset: str | None = option("--dataset", "tweet_eval or a local CSV/JSON with text and label columns.",
                                  options.THE_SCENARIOS),
-    threshold: float | None = option("--threshold", "A text is corrupted above this relative logit error."),
+    threshold: str | None = options.number("--threshold", "A text is corrupted above this relative logit error.",
+                                           whole=False),
     reference_device: str | None = option("--reference-device", "cpu (fp32, cached), or device: chunked on "
                                           "the device itself, spot-checked on the CPU (big GPUs)."),
-    run_length: int | None = option("--run-length", "Force the length the device passes run at (the plan "
+    run_length: str | None = options.number("--run-length", "Force the length the device passes run at (the plan "
                                     "stays at --max-length).", "--max-length"),
-    index_bits: int | None = shared("--index-bits"),
-    steps: int | None = option("--steps", "Training scenarios: optimiser steps on the oversized batch."),
-    lr: float | None = option("--lr", "Training scenarios: Adam learning rate."),
+    index_bits: str | None = shared("--index-bits"),
+    steps: str | None = options.number("--steps", "Training scenarios: optimiser steps on the oversized batch."),
+    lr: str | None = options.number("--lr", "Training scenarios: Adam learning rate.", whole=False),
     torch_profile: str | None = shared("--torch-profile"),
     attention: str | None = option("--attention", "eager, sdpa, both (side by side), or blocked_eager: eager's "
                                    "P V call, the rest in blocks of texts (fits a smaller Mac)."),
@@ -52,18 +53,18 @@ def main(
     if quick:
         batch_size, max_length, index_bits = (given if given is not None else default for given, default in
                                               zip((batch_size, max_length, index_bits), QUICK))
-    run_config = options.config_from(  # validated before anything heavy is imported
-        CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, device=device,
-        emulate=emulate, guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset,
-        threshold=threshold, reference_device=reference_device, run_length=run_length, index_bits=index_bits,
-        steps=steps, lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory,
-    )
+    given = dict(scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
+                 guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
+                 reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps,
+                 lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory)
+    run_config = options.config_from(CONFIG, **given)  # validated before anything heavy is imported
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.kinds import kind_of
-    from mpsimpact.runs.runner import run_scenario
+    from mpsimpact.runs.runner import check_run, run_scenario
 
+    check_run(run_config, {name for name, value in given.items() if value is not None})  # before any work
     with claimed_out_dir(run_config.out, run_config.scenario, needed=run_config.written_bytes()) as folder:
         with progress_steps() as steps:
             report, arrays = run_scenario(run_config, steps)
@@ -95,10 +96,7 @@ def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) 
 def _check_expectation(report: dict, expect: str | None, kind: Any) -> None:
     if expect is None:
         return
-    off = next((c for c in report["conditions"] if c["guard"] == "off"), None)
-    if off is None:
-        typer.echo("error: --expect needs the guard-off condition (--guard off or all).", err=True)
-        raise typer.Exit(2)
+    off = next(c for c in report["conditions"] if c["guard"] == "off")  # RunConfig.validate: --expect needs it
     corrupted = off["status"] != "completed" or kind.is_corrupted(off)
     if corrupted != (expect == "corrupted"):
         found = "corrupted" if corrupted else "clean"

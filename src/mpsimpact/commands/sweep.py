@@ -13,7 +13,7 @@ CONFIG = "mpsimpact.config:SweepConfig"  # the options' dataclass, imported when
 def main(
     device: str | None = shared("--device"),
     emulate: bool | None = shared("--emulate/--no-emulate"),
-    index_bits: int | None = shared("--index-bits"),
+    index_bits: str | None = shared("--index-bits"),
     quick: bool | None = option("--quick/--full", "quick: fp32 for every family, other dtypes for one; "
                                                   "full: every dtype everywhere."),
     dtypes: str | None = option("--dtypes", "Comma-separated: fp32, fp16, bf16."),

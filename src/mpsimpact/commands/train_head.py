@@ -11,7 +11,7 @@ CONFIG = "mpsimpact.config:TrainHeadConfig"  # the options' dataclass, imported 
 
 def main(
     out: str | None = options.out("Write sentiment_head.npz/.json", "outputs/train-head-<time>/"),
-    limit: int | None = options.option(
+    limit: str | None = options.number(
         "--limit", "Use only the first N texts of each split (quick checks).", "every text"),
     install: bool = typer.Option(False, "--install", help="Replace the installed package's head with the new one "
                                  "(its data folder) instead of writing a folder. Off unless given."),
@@ -25,12 +25,12 @@ def main(
 
     if install:
         with progress_steps() as steps:
-            metadata = train_head(None, limit=limit, steps=steps)
+            metadata = train_head(None, limit=head_config.limit, steps=steps)
         where = f"Replaced the installed head in {installed_head_folder()}/"
     else:
         with claimed_out_dir(head_config.out, "train-head") as folder:
             with folder_written_atomically(folder) as partial, progress_steps() as steps:
-                metadata = train_head(partial, limit=limit, steps=steps)
+                metadata = train_head(partial, limit=head_config.limit, steps=steps)
         where = (f"Written to {folder}/ (sentiment_head.npz, sentiment_head.json); the installed head is "
                  "unchanged (--install replaces it)")
     typer.echo(f"held-out accuracy {metadata['heldout_accuracy']:.4f} on {metadata['heldout_texts']} texts "

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import read_size
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
 from mpsimpact.errors import UsageError
 
@@ -50,6 +51,9 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
             "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}
 # Macs Apple sells, by unified memory (GB); the smallest that can show the silent fault is searched here.
 MAC_SIZES_GB = (8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192)
+# What --memory may declare: Apple sells unified memory in whole GB, the smallest Mac with an Apple GPU has 8 GB
+# (a "3.5 GB Mac" is no Mac: refused, not described), and 4096 GB is past every Mac sold.
+MAC_GB_RANGE = (MAC_SIZES_GB[0], 4096)
 MEASURED_FILE = "mac-memory.json"
 
 
@@ -68,16 +72,37 @@ def invalid_buffer_message(n_bytes: int) -> str:
     return f"Invalid buffer size: {format_size(n_bytes)}"
 
 
-def parse_mac_size(text: Any) -> float:
-    """The unified memory of "16GB", "16 GB", "16G" or "16" (Apple's GB are GiB), in GB.
+AUTO = "auto"  # --memory's word for this Mac's own memory
+
+
+def is_auto(memory: Any) -> bool:
+    """Whether a --memory value asks for this Mac's own memory ("auto", in any case)."""
+    return str(memory).lower() == AUTO
+
+
+def parse_mac_size(text: Any) -> int:
+    """The unified memory of "16GB", "16 GB", "16G" or "16" (Apple's GB are GiB), in GB: a whole number in
+    MAC_GB_RANGE, written as every number a person types is (bounds.read_size).
 
     Raises:
-        ValueError: not a size above 0 (the message says what is accepted).
+        ValueError: not a Mac's memory (the message says what is accepted).
     """
-    match = re.fullmatch(r"\s*(\d{1,4}(?:\.\d{1,3})?)\s*(GB|G|GIB)?\s*", str(text).upper())
-    if not match or not 0 < float(match[1]) <= 4096:
-        raise ValueError(f"'{text}' is not a Mac's unified memory: give a size such as 16GB or 32GB (up to 4096GB)")
-    return float(match[1])
+    low, high = MAC_GB_RANGE
+    try:
+        size = read_size(str(text), {"G": 1, "GB": 1, "GIB": 1}, "GB")
+    except ValueError:
+        raise ValueError(f"'{text}' is not a Mac's unified memory: give a size such as 16GB or 32GB (up to "
+                         f"{high}GB)") from None
+    if size < low:
+        raise ValueError(f"'{text}' is less than any Mac's unified memory (the smallest Mac with an Apple GPU has "
+                         f"{low} GB): give a size such as 16GB")
+    if size > high:
+        raise ValueError(f"'{text}' is more than any Mac's unified memory (up to {high}GB): give a size such as "
+                         "192GB")
+    if size.denominator != 1:
+        raise ValueError(f"'{text}' is not a Mac's unified memory, which Apple sells in whole GB (8, 16, 18, 24, "
+                         "32, ...): give a size such as 16GB")
+    return int(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +320,7 @@ def resolve_mac(memory: str | None, cache: Path, flag: str = "--memory") -> MacM
     """
     if memory is None:
         return None
-    if str(memory).strip().lower() == "auto":
+    if is_auto(memory):
         import torch
 
         if not torch.backends.mps.is_available():

@@ -4,12 +4,11 @@ read back here, validated field by field, into the fields of an engine.release.F
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsimpact.bounds import FileProblemError, parse_json, read_file_bytes, shown_path
+from mpsimpact.bounds import FileProblemError, parse_json, read_file_bytes, read_release, shown_path
 from mpsimpact.errors import UsageError
 
 PROFILE_KIND = "mpsimpact-fault-profile"
@@ -24,10 +23,17 @@ BMM_CHOICES = {"output_rule": ("strides-ignored", "fp32-wrong", "correct"),
 # The codes of engine.release.ONE_DIMENSION_ROWS and MULTI_DIMENSION_ROWS.
 FAMILY_CODES = ("ok", "abort", "error", "wrong", "wrap", "unmeasured", "sum-64-bit", "masked-fill-numel",
                 "int32-kernel", "int32-offsets")
-_RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
 # Bounds on a profile.json: a sweep writes about 11 kB and a few notes of a few hundred characters.
 MAX_PROFILE_BYTES = 1 << 20
 MAX_NOTES, MAX_NOTE_CHARS = 100, 2000
+
+
+def is_release_name(value: Any) -> bool:
+    """Whether `value` names a release as a sweep writes it ("2.15.0", "2.15.0rc1"; bounds.read_release)."""
+    try:
+        return isinstance(value, str) and str(read_release(value)) == value and value.count(".") >= 2
+    except ValueError:
+        return False
 
 
 class ProfileFileError(UsageError, ValueError):
@@ -100,8 +106,7 @@ def profile_fields(data: Any, path: Path, families: frozenset[str]) -> dict[str,
     if version > PROFILE_SCHEMA:
         raise ProfileFileError(f"Profile '{path}' has schema_version {version}, newer than this mpsimpact "
                                f"reads ({PROFILE_SCHEMA}); upgrade mpsimpact to use it.", path)
-    release = read.get("release", lambda v: isinstance(v, str) and bool(_RELEASE.match(v)),
-                       "a release such as 2.15.0")
+    release = read.get("release", is_release_name, "a release such as 2.15.0")
     measured_on = read.get("measured_on", lambda v: isinstance(v, dict), "an object")
     emulated = read.get("measured_on.emulated", lambda v: isinstance(v, bool), "true or false")
     rules = read.get("rules", lambda v: isinstance(v, dict) and set(ASPECTS) <= set(v),

@@ -13,10 +13,11 @@ import functools
 import inspect
 import os
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
-from mpsimpact.bounds import kind_problem, name_problem, path_problem, shown_path
+from mpsimpact.bounds import Release, kind_problem, name_problem, path_problem, read_release, shown_path
 from mpsimpact.engine.profile_file import ProfileFileError, profile_fields, read_profile_fields
 from mpsimpact.errors import EnvironmentVariableError, UsageError
 
@@ -232,10 +233,11 @@ class FaultProfile:
 
     @property
     def label(self) -> str:
-        """E.g. "2.12.1", "2.12.0 (taken as 2.10.0-2.12.1)", "2.15.0 (unmeasured release: conservative)" or
-        "2.15.0 (from /path/profile.json)"."""
+        """E.g. "2.12.1", "2.12.0 (taken as 2.10.0-2.12.1)", "2.15.0 (unmeasured release: conservative)",
+        "2.14.0rc1 (unmeasured pre-release: conservative)" or "2.15.0 (from /path/profile.json)"."""
         if self.conservative:
-            return f"{self.release} (unmeasured release: conservative)"
+            return f"{self.release} (unmeasured {'pre-release' if _is_prerelease(self.release) else 'release'}: " \
+                   "conservative)"
         if self.source != STUDY:
             return f"{self.release} (from {self.source})"
         return self.release if self.measured else f"{self.release} (taken as {self.group})"
@@ -263,6 +265,14 @@ class FaultProfile:
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self) | {"label": self.label}
+
+
+def _is_prerelease(name: str) -> bool:
+    """Whether a release's name is a pre-release or a development build's ("2.14.0rc1", "2.15.0.dev2026")."""
+    try:
+        return not read_release(name).is_final
+    except ValueError:
+        return False
 
 
 _EAGER_2_4_1 = ("Model level, the first-pass suite saw eager attention (5712, 12, 256, 256) correct on 2.4.1, "
@@ -294,28 +304,45 @@ def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | Non
 
 @functools.lru_cache(maxsize=256)
 def parse_version(version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of "2.13.0+cpu", "2.12.1", "2.15.0.dev20261101"; None if unreadable."""
-    if not (match := re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", version)):
+    """(major, minor, patch) of a package's own version ("2.13.0+cpu", "2.12.1", "2.15.0.dev20261101"), read
+    leniently (its first numbers, digits 0-9 only); None if unreadable. A release asked for is read whole:
+    `parse_release`."""
+    if not (match := re.match(r"^([0-9]+)\.([0-9]+)(?:\.([0-9]+))?", version)):
         return None
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
-# A release as torch spells its versions: 2.12, 2.12.1, 2.15.0rc1, 2.15.0.dev20261101, 2.13.0+cpu (PEP 440's
-# shape); "2.12.1.1" is none (read leniently it would be judged as 2.12.1 without a word).
-_RELEASE = re.compile(r"\s*\d+\.\d+(\.\d+)?((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[A-Za-z0-9.]+)?\s*")
+def release_name(version: str) -> str | None:
+    """The release a package's own version names: "2.13.0" for "2.13.0+cpu" (a build of it), "2.15.0.dev20261101"
+    and "2.14.0rc1" as they are (never their final release's); where it is not PEP 440's form, its first
+    numbers (`parse_version`); None if unreadable."""
+    try:
+        return str(read_release(version))
+    except ValueError:
+        parsed = parse_version(version)
+        return ".".join(map(str, parsed)) if parsed else None
 
 
-def parse_release(text: str) -> tuple[int, int, int]:
-    """`parse_version` of a release asked for; raises UnknownReleaseError (a ValueError) where it is none."""
-    parsed = parse_version(text) if _RELEASE.fullmatch(text) else None
-    if parsed is None:
-        raise UnknownReleaseError(f"'{text}' is not a torch release (expected e.g. 2.12.1)", release=text)
-    return parsed
+def parse_release(text: str) -> Release:
+    """A release asked for (--torch-profile, `profile=`), read whole by the one rule for what a person types
+    (bounds.read_release): its pre-release, post-release and development parts kept, never dropped.
+
+    Raises:
+        UnknownReleaseError (a ValueError): `text` is no release ("2.12.1.1", "２.14.0", " 2.14.0").
+    """
+    try:
+        return read_release(text)
+    except ValueError:
+        raise UnknownReleaseError(f"'{text}' is not a torch release (expected e.g. 2.12.1)", release=text) from None
 
 
 @functools.lru_cache(maxsize=64)
 def profile_for(version: str) -> FaultProfile:
-    """The fault profile of a torch release string such as "2.13.0+cpu" or "2.5.1".
+    """The fault profile of a torch release string such as "2.13.0+cpu" or "2.5.1", named as the release it is
+    (a build's "+cpu" aside). A release measured is itself; another final one inside a group's range (2.12.0, a
+    post-release 2.14.0.post1) is taken as its group, said in its label; a pre-release or a development build
+    (2.14.0rc1, 2.15.0.dev20261101), which nobody measured and which may lack what its final release fixed, and
+    a release outside every range, are judged conservatively, named as they are.
 
     Raises:
         UnknownReleaseError (a ValueError): the string is not a version.
@@ -323,12 +350,12 @@ def profile_for(version: str) -> FaultProfile:
     if version == CONSERVATIVE:
         return FaultProfile(CONSERVATIVE, "unmeasured", False, conservative=True)
     parsed = parse_release(version)
-    release = ".".join(map(str, parsed))
-    found = _group(parsed)
+    release = str(parsed)
+    found = _group(parsed.number) if parsed.is_final else None
     if found is None:
         return FaultProfile(release, "unmeasured", False, conservative=True)
     group, fields = found
-    return FaultProfile(release, group, release in MEASURED_RELEASES, families=_family_column(parsed),
+    return FaultProfile(release, group, release in MEASURED_RELEASES, families=_family_column(parsed.number),
                         **fields)  # type: ignore[arg-type]
 
 
@@ -346,10 +373,13 @@ def cache_root() -> Path:
     """The mpsimpact cache folder: $MPSIMPACT_CACHE, else $XDG_CACHE_HOME/mpsimpact (an absolute path: the XDG
     specification says a relative one is ignored), else ~/.cache/mpsimpact. Everything kept between runs lives
     under it: profiles in its `profiles/`, references in its `reference/`, transformers environments in its
-    `envs/`, datasets in its `datasets/`. What is found there is checked by whoever reads it.
+    `envs/`, datasets in its `datasets/`. What is found there is checked by whoever reads it. Nothing is made
+    outside it: the folder it goes under (XDG_CACHE_HOME, or HOME) must be an existing folder.
 
     Raises:
-        EnvironmentVariableError: the variable that names it gives a name this system cannot take.
+        EnvironmentVariableError: the variable that names it gives a name this system cannot take, or a HOME
+            (or XDG_CACHE_HOME) that is empty, relative, missing, not a folder or holds a control character:
+            one line naming MPSIMPACT_CACHE, the way to say where the cache goes.
     """
     environ = os.environ
     return _cache_root(environ.get(CACHE_VARIABLE), environ.get("XDG_CACHE_HOME"), environ.get("HOME"))
@@ -358,15 +388,42 @@ def cache_root() -> Path:
 @functools.lru_cache(maxsize=16)
 def _cache_root(root: str | None, xdg: str | None, home: str | None) -> Path:
     if root and root.strip():
-        variable, value, folder = CACHE_VARIABLE, root, Path(root)
+        variable, value, folder, base = CACHE_VARIABLE, root, Path(root), None
     elif xdg and os.path.isabs(xdg):
-        variable, value, folder = "XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact"
-    else:
-        variable, value, folder = "HOME", home or "", Path.home() / ".cache" / "mpsimpact"
+        variable, value, folder, base = "XDG_CACHE_HOME", xdg, Path(xdg) / "mpsimpact", xdg
+    else:  # HOME, or where it is unset the user's home in the password database
+        base = home if home is not None else os.path.expanduser("~")
+        variable, value, folder = "HOME", base, Path(base) / ".cache" / "mpsimpact"
+    unset = " (HOME is unset: this is the password database's home)" if variable == "HOME" and home is None else ""
+    if (problem := _control_problem(value) or (base is not None and _base_problem(base))):
+        raise EnvironmentVariableError(
+            variable, value, f"{problem}{unset}, so mpsimpact has no place for its cache folder "
+                             f"({shown_path(folder, 80)})",
+            f"set {CACHE_VARIABLE} to the folder mpsimpact may keep its cache in (it makes nothing outside it)",
+            unset=variable != "HOME")
     if (problem := name_problem(folder)) is not None:
-        raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}",
-                                       "point it at a shorter path")
+        raise EnvironmentVariableError(variable, value, f"makes a cache folder that {problem}{unset}",
+                                       "point it at a shorter path", unset=variable != "HOME")
     return folder
+
+
+def _control_problem(value: str) -> str:
+    """"holds a control character (\\n)" where `value` holds one (a newline, a tab, ...); "" where none."""
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    return "" if found is None else f"holds a control character ({repr(found)[1:-1]})"
+
+
+def _base_problem(base: str) -> str:
+    """What keeps the folder the cache goes under (HOME, XDG_CACHE_HOME) from taking it, or "": empty, relative
+    (the cache would follow the folder each command runs in), missing (its whole tree would be made), or
+    anything but a folder."""
+    if not base:
+        return "is empty"
+    if not os.path.isabs(base):
+        return "is a relative path (the cache would follow the folder each command runs in)"
+    if name_problem(base) is None and not os.path.isdir(base):
+        return "is not a folder" if os.path.lexists(base) else "does not exist (its whole tree would be made)"
+    return ""
 
 
 def cached_profile_path(release: str) -> Path:
@@ -380,8 +437,8 @@ def installed_profile() -> FaultProfile:
     `load_profile`); else the study's."""
     import torch
 
-    parsed = parse_version(torch.__version__)
-    cached = cached_profile_path(".".join(map(str, parsed))) if parsed else None
+    name = release_name(torch.__version__)
+    cached = cached_profile_path(name) if name else None
     if cached is None or not os.path.lexists(cached):  # no exception raised for the usual case: no file
         return profile_for(torch.__version__)
     return load_profile(cached)  # a dangling link, a FIFO, a malformed file: said in one line

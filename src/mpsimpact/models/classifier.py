@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpsimpact.prediction.meta_model import build_meta_model, usable_positions
+from mpsimpact.prediction.meta_model import build_meta_model, pad_for_the_head, usable_positions
 from mpsimpact.config import EMBEDDED_MODEL
 from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
 from mpsimpact.blocked_attention import register as register_blocked
@@ -255,9 +255,12 @@ def meta_classifier(config: Any, embedded: bool, attention: str = "eager") -> nn
     """The same classifier built on `meta` from its config: no weights, nothing allocated."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    built = build_meta_model(AutoModel if embedded else AutoModelForSequenceClassification, config,
-                             implementation(attention))
-    return with_blocks((SentenceClassifier(built) if embedded else SequenceClassifier(built)).eval(), attention)
+    model_class = AutoModel if embedded else AutoModelForSequenceClassification
+    config, padding = pad_for_the_head(config, model_class)  # as `check` traces a config without a pad id
+    built = build_meta_model(model_class, config, implementation(attention))
+    module = with_blocks((SentenceClassifier(built) if embedded else SequenceClassifier(built)).eval(), attention)
+    module.padding = padding  # what the trace assumed, for the reports ("" for nothing)
+    return module
 
 
 def implementation(attention: str) -> str:

@@ -308,7 +308,7 @@ def _label_index(row: Row, names: tuple[str, ...], source: str) -> int:
     label = row.label
     if isinstance(label, str) and label.strip() in names:
         return names.index(label.strip())
-    if isinstance(label, str) and re.fullmatch(r"\s*\d+\s*", label):
+    if isinstance(label, str) and re.fullmatch(r"\s*[0-9]+\s*", label):  # digits 0-9 (as every number typed)
         label = int(label)
     if type(label) is int and 0 <= label < len(names):
         return label

@@ -26,7 +26,7 @@ from mpsimpact.errors import DiskFullError, UsageError, said
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
 MIN_FREE_BYTES = 16 << 20  # refuse an --out on a disk with less free: reports hold figures and logits
-_PARTIAL_FILE = re.compile(r"^\..+\.(\d+)\.[^.]+\.partial$")  # atomic_write_bytes' temporary files
+_PARTIAL_FILE = re.compile(r"^\..+\.([0-9]+)\.[^.]+\.partial$")  # atomic_write_bytes' temporary files
 
 
 def warn(message: str) -> None:
@@ -253,6 +253,7 @@ class _Claim:
     folder: Path
     fd: int  # the marker, flock-ed for as long as this process holds the claim
     created: bool  # this claim made the folder (so giving it back removes it again)
+    made: tuple[Path, ...] = ()  # the folders above it the claim made, innermost first (removed with it)
 
 
 _CLAIMS: dict[Path, _Claim] = {}
@@ -332,7 +333,7 @@ def remove_dead_partial_folders(folder: Path) -> None:
     """`.NAME.partial-PID/` folders next to `folder` whose writer no longer runs."""
     for partial in folder.parent.glob(f".{folder.name}.partial-*"):
         pid = partial.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not is_process_alive(int(pid)):
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not is_process_alive(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
 
 
@@ -349,6 +350,7 @@ def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
     folder = fresh_out_dir(out, default_prefix, needed)  # refuses a folder this process claimed, too
     key = folder.absolute()
     with _CLAIMS_LOCK:
+        made = tuple(p for p in (folder.parent, *folder.parent.parents) if not os.path.lexists(p))
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -362,10 +364,11 @@ def claim_out_dir(out: str | None, default_prefix: str, needed: int = MIN_FREE_B
             except OSError as error:
                 if created:
                     shutil.rmtree(folder, ignore_errors=True)
+                _remove_empty(made)
                 raise UsageError(f"--out '{folder}' cannot be written ({error.strerror}); "
                                  "pass another --out.") from None
             remove_dead_partial_folders(folder)
-        _CLAIMS[key] = _Claim(folder, fd, created)
+        _CLAIMS[key] = _Claim(folder, fd, created, made)
     _unclaim_at_exit()
     return folder
 
@@ -382,7 +385,15 @@ def unclaim_out_dir(folder: Path) -> None:
         if claim.created:
             with contextlib.suppress(OSError):
                 claim.folder.rmdir()
+                _remove_empty(claim.made)
     os.close(claim.fd)
+
+
+def _remove_empty(folders: tuple[Path, ...]) -> None:
+    """Removes `folders` (innermost first) while each is empty: the folders a claim made above --out."""
+    with contextlib.suppress(OSError):
+        for folder in folders:
+            folder.rmdir()
 
 
 def unclaim_all_out_dirs() -> None:

@@ -63,11 +63,15 @@ class ResumableFolder:
             data = None
         lines = (data or b"").decode("utf-8", "replace").splitlines(keepends=True)  # a garbled line: dropped below
         self.items: list[Any] = []
-        for line in lines:
-            with contextlib.suppress(ValueError):  # a line a kill cut short (or garbled) is dropped
-                if line.endswith("\n"):
-                    self.items.append(parse_json(line))
-        if len(self.items) != len(lines):
+        self.damaged: list[str] = []  # a line per line dropped here, for the reader's one warning line
+        for number, line in enumerate(lines, 1):
+            try:
+                if not line.endswith("\n"):
+                    raise ValueError("cut short: a kill or a full disk stopped its write")
+                self.items.append(parse_json(line))
+            except ValueError as error:  # dropped: its item is done again
+                self.damaged.append(f"line {number}: {str(error).splitlines()[0][:100]}")
+        if self.damaged:
             self.keep(self.items)
         self.resumed = len(self.items)
 
@@ -77,19 +81,35 @@ class ResumableFolder:
         atomic_write_text(self.log, "".join(json.dumps(item) + "\n" for item in self.items))
 
     def append(self, item: dict[str, Any]) -> None:
+        """Appends one item's line, synced; a write that fails part-way (a full disk, a signal) is cut back to
+        where the line began, so the log never ends in half a line."""
         line = (json.dumps(item) + "\n").encode("utf-8")
         with disk_full_said(self.log, len(line)):
             # O_NONBLOCK: a FIFO put in the log's place fails at once (ENXIO) instead of waiting for a reader
             fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UsageError(f"'{self.log}' is not a regular file; mpsimpact keeps the log of finished "
+                                     "items there: move it away, or pass another --out.")
+                _append_whole(fd, line)
+            finally:
                 os.close(fd)
-                raise UsageError(f"'{self.log}' is not a regular file; mpsimpact keeps the log of finished items "
-                                 "there: move it away, or pass another --out.")
-            with os.fdopen(fd, "ab") as fh:
-                fh.write(line)
-                fh.flush()
-                os.fsync(fh.fileno())
         self.items.append(item)
+
+
+def _append_whole(fd: int, line: bytes) -> None:
+    """Writes `line` at the end of the open file `fd` (O_APPEND) and syncs it, or leaves the file as it was: a
+    write stopped part-way (ENOSPC, a quota, Ctrl-C) is cut back to the file's length before it."""
+    start = os.fstat(fd).st_size
+    try:
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
 
 
 def _open_lock(partial: Path) -> int:

@@ -10,7 +10,8 @@ from typing import Any
 
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.prediction.meta_model import (
-    MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, resolve_task,
+    MetaModel, build_meta_model, explain_build_error, heads_of, length_limit, load_model_config, pad_for_the_head,
+    resolve_task,
 )
 from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
 from mpsimpact.prediction.outcome import PredictionSection, Subject
@@ -51,8 +52,12 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
 
     judged = judge_release(cfg.torch_profile)
     config, where = load_model_config(cfg.model)
+    if cfg.target_len is not None and not getattr(config, "is_encoder_decoder", False):
+        raise UsageError(f"--target-len is the decoder's length of an encoder-decoder, and '{cfg.model}' (model type "
+                         f"'{config.model_type}') is none: its one length is --seq-len; drop --target-len.",
+                         option="--target-len")
     model_class, task, task_basis = resolve_task(config, cfg.task)
-    padding = pad_for_the_head(config, model_class)
+    config, padding = pad_for_the_head(config, model_class)
     try:
         module = build_meta_model(model_class, config, cfg.attention)
     except Exception as error:  # a config transformers accepted, but no model can be built from (any error type)
@@ -73,17 +78,6 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         "padding": padding,
     }
     return model, info
-
-
-def pad_for_the_head(config: Any, model_class: Any) -> str:
-    """A sequence-classification head pools each sample's last token before padding, and refuses batches of
-    more than one without a pad token: a config with none gets one for the trace (the last id, which the
-    zero token ids never meet, so every token counts). Returns what was done, in words ("" when nothing)."""
-    if (getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None)
-            or "ForSequenceClassification" not in getattr(model_class, "__name__", "")):
-        return ""
-    config.pad_token_id = config.vocab_size - 1
-    return f"; pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last token)"
 
 
 def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
@@ -175,7 +169,8 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg),
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
-                                   f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)") + info["padding"]},
+                                   f"use_cache={cfg.cache}" + ("" if cfg.cache else " (--no-cache)")
+                                   + (f"; {info['padding']}" if info["padding"] else "")},
         "release": section.release_json(),
         **({"mac": model.mac.to_json()} if model.mac is not None else {}),
         "torch_profile": profile_info(judged),

@@ -3,7 +3,9 @@ config.json), for any task and attention implementation, and traced at any batch
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 
 from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, name_problem, parse_json, path_problem
-from mpsimpact.bounds import read_file_bytes, shown_path
+from mpsimpact.bounds import json_value_problem, read_file_bytes, shown_path
 from mpsimpact.errors import ModelLoadError, UsageError
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside, is_in_packages
@@ -145,7 +147,44 @@ def _check_model_type(path: Path | None, source: str) -> str | None:
             f"'{source}' has model_type '{str(model_type)[:60]}', an architecture transformers {__version__} does not "
             "know; upgrade transformers or check the config."
         )
+    check_config_values(fields, CONFIG_MAPPING[model_type], file)
     return model_type
+
+
+def check_config_values(fields: dict[str, Any], config_class: Any, file: Path, prefix: str = "") -> None:
+    """A config holds what JSON allows, as a dataset must (bounds.json_value_problem): no lone surrogate and no NaN
+    anywhere, and no infinity (1e400 is one) in a field `config_class` does not declare, which the model never
+    reads (a declared one may hold Infinity, as Mamba-2's time_step_limit does, written by transformers); a
+    sub-config (text_config, vision_config) is held to its own class's fields.
+
+    Raises:
+        ModelLoadError: one line naming the file and the field.
+    """
+    from transformers import CONFIG_MAPPING
+
+    declared, subs = _declared_fields(config_class), getattr(config_class, "sub_configs", None) or {}
+    for name, value in fields.items():
+        sub = subs.get(name) if isinstance(value, dict) else None
+        if sub is not None and sub.__name__ == "AutoConfig":  # the sub-config's own model_type says its class
+            model_type = value.get("model_type")  # a lazy mapping: `in`, then [], as transformers reads it
+            sub = CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+        if sub is not None:
+            check_config_values(value, sub, file, f"{prefix}{name}.")
+            continue
+        found = json_value_problem({name: value}, prefix.rstrip("."), infinity=name in declared)
+        if found is not None:
+            raise ModelLoadError(f"'{file}': {found[0].lstrip('.')} {found[1]}; remove it or correct it.")
+
+
+@functools.lru_cache(maxsize=64)
+def _declared_fields(config_class: Any) -> frozenset[str]:
+    """The fields a transformers config class declares: its constructor's parameters and its defaults' keys."""
+    names = set(inspect.signature(config_class.__init__).parameters)
+    try:
+        names |= set(config_class().to_dict())
+    except Exception:  # a class that needs arguments: its parameters alone
+        pass
+    return frozenset(names)
 
 
 def check_config_fields(fields: dict[str, Any], file: Path | str) -> None:
@@ -258,6 +297,21 @@ def resolve_task(config: Any, task: str) -> tuple[Any, str, str]:
 
 def _class_names(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def pad_for_the_head(config: Any, model_class: Any) -> tuple[Any, str]:
+    """A sequence-classification head pools each sample's last token before padding, and refuses batches of
+    more than one without a pad token: a config with none is traced with one (the last id, which the zero token
+    ids of a trace never meet, so every token counts). Returns the config to build from (a copy where a pad id
+    was added: the caller's is left as it was) and what was done, in words ("" when nothing). `check` and every
+    scenario's classifier (models.classifier.meta_classifier, which `plan` and `run` trace) share it."""
+    if (getattr(config, "pad_token_id", 0) is not None or not getattr(config, "vocab_size", None)
+            or "ForSequenceClassification" not in getattr(model_class, "__name__", "")):
+        return config, ""
+    config = copy.deepcopy(config)
+    config.pad_token_id = config.vocab_size - 1
+    return config, (f"pad_token_id unset in the config, traced as {config.pad_token_id} (the head pools the last "
+                    "token)")
 
 
 def build_meta_model(model_class: Any, config: Any, attention: str | None = None) -> torch.nn.Module:

@@ -64,6 +64,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         **section.to_json({"largest_safe_batch": safe_here[length],
                            "largest_safe_batch_by_length": dict(sorted(safe_here.items())),
                            "largest_safe_batch_ceiling": ceiling})}
+    if getattr(meta, "padding", ""):  # said as `check` says it: what the trace assumed
+        report["padding"] = meta.padding
     if mac is not None:
         report["mac"] = mac.to_json()
     if config.backward:

@@ -31,6 +31,8 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
                   f"only), decided for MPS on torch {report['profile']['label']}.", markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
+    if report.get("padding"):
+        console.print(f"Traced with the model's config as given, but for this: {report['padding']}.", markup=False)
     if report.get("mac"):
         console.print(f"{report['mac']['sentence']}: a tensor that reaches the buffer stops the run with MPS's "
                       "'Invalid buffer size'.", markup=False)

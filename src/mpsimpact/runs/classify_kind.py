@@ -31,6 +31,11 @@ def select_reference(config, model, texts: list[str], geometry: Geometry, bounda
         ref, spot = device_reference(model, texts, geometry.run_length, device, boundary, advance)
         info.update(device=device, cached=False, cpu_spot_check=spot)
     else:
+        if config.reference_device == "device":  # said once, where it changes nothing
+            from mpsimpact.output.files import warn
+
+            warn("--reference-device device computes the reference on the run's device, and that is the CPU "
+                 "here, where the reference runs in any case: nothing changes.")
         advance = progress("reference (CPU fp32)", len(texts))
         ref, info["cached"] = reference_logits(model, texts, geometry.run_length, advance)
     return ref, info
@@ -38,6 +43,10 @@ def select_reference(config, model, texts: list[str], geometry: Geometry, bounda
 
 class ClassifyKind(RunKind):
     """Inference of a classifier: logits per text, corrupted above a relative error threshold."""
+
+    reads = frozenset({"threshold", "reference_device", "dataset"})
+    not_read = {"steps": "it trains nothing (finetune takes optimiser steps)",
+                "lr": "it trains nothing (finetune takes optimiser steps)"}
 
     name = "inference"
     columns = (*PASS_COLUMNS, ("flips", "flips"), ("accuracy", "accuracy"),

@@ -22,6 +22,11 @@ class EmbedKind(RunKind):
 
     name = "embedding"
     dtypes = ("float32",)
+    reads = frozenset({"reference_device"})
+    not_read = {"steps": "it trains nothing", "lr": "it trains nothing",
+                "threshold": f"it judges each vector by its cosine to the reference vector (wrong below "
+                             f"{COSINE_THRESHOLD}), not by a relative error",
+                "dataset": "it embeds the embedded tweet corpus and queries it with texts of its own"}
     columns = (*PASS_COLUMNS, ("self_retrieval_failures", "self-retrieval failures"),
                ("recall_at_10", "recall@10"), ("top1_changed", "top-1 changed"), ("wall_s", "wall s"))
     files = ("report.json", "report.md", "report.html", "samples.jsonl", "embeddings.npz", "figures")

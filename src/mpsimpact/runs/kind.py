@@ -5,6 +5,7 @@ The runner, the report writer and the CLI ask the kind (runs.kinds finds it by n
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, ClassVar
 
 from mpsimpact.config import DEFAULT_ATTENTION, RUN_ATTENTIONS
@@ -17,6 +18,9 @@ from mpsimpact.output.page import (
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
 # (the conditions table's keys and titles); every schema-1 field keeps its name, place and meaning.
 SCHEMA_VERSION = 2
+# The `run` options (RunConfig fields) that some kinds read and others do not: each kind names those it reads
+# (RunKind.reads); given to a kind that does not read it, one is refused in one line saying why (RunKind.check).
+KIND_OPTIONS = ("steps", "lr", "threshold", "reference_device", "dataset")
 # The columns a kind that judges one device pass per condition (classify, embed) leads with.
 PASS_COLUMNS = (("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"),
                 ("corrupted_fraction", "fraction"), ("first_corrupted_index", "first corrupted"),
@@ -42,8 +46,21 @@ class RunKind(abc.ABC):
     console_formats: ClassVar[dict[str, str]] = {"wall_s": "{:.1f}s", "corrupted_fraction": "{:.1%}"}
     console_header: ClassVar[tuple[str, ...]]  # the console table's column titles
 
-    def check(self, config: Any) -> None:
-        """Refuses, before anything is loaded, the options this kind does not support."""
+    # Of KIND_OPTIONS, those this kind reads, and why it does not read each other one (words after "it").
+    reads: ClassVar[frozenset[str]] = frozenset()
+    not_read: ClassVar[dict[str, str]] = {}
+
+    def check(self, config: Any, given: Any = None) -> None:
+        """Refuses, before anything is loaded, the options this kind does not support: an option of
+        KIND_OPTIONS it does not read (`given`: the config's fields the command line gave; None: those that
+        differ from the config's defaults), an attention or a dtype it does not run."""
+        fields = {field.name: field.default for field in dataclasses.fields(config)}
+        for name in KIND_OPTIONS:
+            asked = name in given if given is not None else getattr(config, name) != fields[name]
+            if asked and name not in self.reads:
+                flag = "--" + name.replace("_", "-")
+                why = self.not_read.get(name, "its kind of run does not read it")
+                raise UsageError(f"run {config.scenario} does not use {flag}: {why}; drop {flag}.", option=flag)
         if config.attention not in self.attentions or config.dtype not in self.dtypes:
             raise UsageError(f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and "
                              f"--dtype {' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} "

@@ -15,7 +15,7 @@ from mpsimpact.engine.faults import TensorSpec, classify_bmm
 from mpsimpact.engine.profile_file import ASPECTS, BMM_CHOICES, BMM_FIELDS, PROFILE_KIND, PROFILE_SCHEMA
 from mpsimpact.engine.release import (
     INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, MASKED_FILL_MESSAGE, MULTI_DIMENSION_ROWS, ONE_DIMENSION_ROWS,
-    SUM_64_BIT_MESSAGE, FaultProfile, bmm_failure_texts, parse_version,
+    SUM_64_BIT_MESSAGE, FaultProfile, bmm_failure_texts, release_name,
 )
 from mpsimpact.runs.family_cells import TESTS_BY_NAME
 from mpsimpact.output.page import cell_name
@@ -185,11 +185,12 @@ def family_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def profile_release(emulated: bool, emulated_release: str, torch_version: str) -> str:
-    """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0")."""
+    """The release a sweep measured: the one it emulated, or the installed torch's ("2.15.0"; a pre-release or a
+    development build named as such: engine.release.release_name)."""
     for candidate in ((emulated_release, torch_version) if emulated else (torch_version,)):
-        parsed = parse_version(candidate)
-        if parsed is not None:
-            return ".".join(map(str, parsed))
+        name = release_name(candidate)
+        if name is not None:
+            return name
     return "0.0.0"
 
 

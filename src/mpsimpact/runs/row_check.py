@@ -83,6 +83,8 @@ def resumed_rows(logs: tuple[Any, Any], grids: tuple[list[Any], list[Any]], devi
                                     lambda row, cell: reread_problem(row, cell, device, emulated, index_bits, profile))
         if dropped:
             log.keep(rows)
+        dropped = [*getattr(log, "damaged", ()), *dropped]  # lines the log itself could not read come first
+        if dropped:
             said.append(f"{len(dropped)} of {log.log.name} ({dropped[0]}{'; ...' if len(dropped) > 1 else ''})")
         kept += rows
     if said:

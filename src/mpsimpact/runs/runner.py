@@ -29,15 +29,13 @@ def run_scenario(config: RunConfig,
     """
     from mpsimpact.runs.scenario import get_scenario
 
-    config.validate()
+    device = check_run(config)
     release = judge_release(config.torch_profile)  # once, here: the value travels down
     scenario_cls = get_scenario(config.scenario)
-    device = resolve_device(config.device)
     scenario = scenario_cls(model=config.model, dataset=config.dataset)
     kind = scenario.kind
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
-    kind.check(config)
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
@@ -63,18 +61,59 @@ def run_scenario(config: RunConfig,
     return report, arrays
 
 
+def check_run(config: RunConfig, given: Any = None) -> str:
+    """Everything a run can be refused for before any work (the command calls it before it claims --out;
+    `run_scenario` again): each option's value, the options its scenario's kind does not read (`given`: the
+    fields the command line gave; see RunKind.check), --run-length against the length the run will have, the
+    device and its emulation, and --memory where this Mac's own memory counts. Returns the device.
+
+    Raises:
+        UsageError: one line naming the option and why.
+    """
+    from mpsimpact.config import check_run_length
+    from mpsimpact.engine.mac_memory import is_auto
+    from mpsimpact.errors import UsageError
+    from mpsimpact.runs.device import resolve_emulation
+    from mpsimpact.runs.scenario import get_scenario
+
+    config.validate()
+    scenario_cls = get_scenario(config.scenario)
+    scenario_cls.kind.check(config, given)
+    check_half_threshold(config, given)
+    check_run_length(config.run_length, config.max_length or scenario_cls.default_max_length)
+    device = resolve_device(config.device)
+    emulated = resolve_emulation(config.emulate, device)
+    if device == "mps" and not emulated and config.memory is not None and not is_auto(config.memory):
+        raise UsageError("--memory declares another Mac for an emulated run; on this Mac's GPU its own memory "
+                         "counts (`mpsimpact doctor` measures it). Drop --memory, or add --device cpu.",
+                         option="--memory")
+    if device != "mps" and not emulated and config.memory is not None:
+        raise UsageError(f"--memory emulates a Mac's memory, and this run on {device} is not emulated (--no-emulate): "
+                         "nothing would hold a tensor to that Mac's largest buffer. Drop --memory or --no-emulate.",
+                         option="--memory")
+    return device
+
+
+def check_half_threshold(config: RunConfig, given: Any = None) -> None:
+    """Refuses a --threshold (given: in `given`, else other than the default) below what half precision is judged at
+    (config.HALF_THRESHOLD): the run would judge at that floor instead, not at the threshold asked."""
+    from mpsimpact.config import CORRUPTION_THRESHOLD, HALF_THRESHOLD
+    from mpsimpact.errors import UsageError
+
+    asked = "threshold" in given if given is not None else config.threshold != CORRUPTION_THRESHOLD
+    if asked and config.dtype != "float32" and config.threshold < HALF_THRESHOLD:
+        raise UsageError(f"--threshold {config.threshold:g} is below the {HALF_THRESHOLD:g} a {config.dtype} run is "
+                         "judged at (kernel-order rounding keeps clean texts below it, not below less): give "
+                         f"--threshold {HALF_THRESHOLD:g} or more, or drop it.", option="--threshold")
+
+
 def run_mac(config: RunConfig, device: str) -> Any:
     """The Mac whose largest buffer the run meets (engine.mac_memory.MacMemory), or None: --memory's for an
     emulated run; on a Mac's own GPU, that Mac's (measured by `mpsimpact doctor`, else assumed)."""
     from mpsimpact.engine.mac_memory import resolve_mac, this_mac
     from mpsimpact.engine.release import cache_root
-    from mpsimpact.errors import UsageError
 
-    if device == "mps" and not config.emulate:
-        if config.memory is not None and config.memory.strip().lower() != "auto":
-            raise UsageError("--memory declares another Mac for an emulated run; on this Mac's GPU its own memory "
-                             "counts (`mpsimpact doctor` measures it). Drop --memory, or add --device cpu.",
-                             option="--memory")
+    if device == "mps" and not config.emulate:  # --memory other than auto is refused there (check_run)
         return this_mac(cache_root())
     return resolve_mac(config.memory, cache_root())
 

@@ -35,6 +35,10 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
     profile = judge_release(config.torch_profile).profile
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
+    if config.in_process and emulated:
+        raise UsageError("--in-process runs a real device's cells in this process instead of a worker that may "
+                         f"crash; this sweep is emulated on {device}, and every emulated cell runs in this process "
+                         "already: drop --in-process (or add --no-emulate).", option="--in-process")
     mac, buffer = mac_buffer(config, device)  # refuses --memory auto off a Mac before the folder is claimed
     out = fresh_out_dir(config.out, "sweep")  # claimed, and resumed, by resumable_folder below
     cells, family_cells = grid(config.index_bits, config.dtypes, config.layouts, config.quick), \

@@ -19,6 +19,8 @@ class TrainKind(RunKind):
     backward = True
     dtypes = ("float32",)
     attentions = ("eager",)
+    reads = frozenset({"steps", "lr", "threshold", "dataset"})
+    not_read = {"reference_device": "its reference steps run on the CPU, in full"}
     columns = (
         ("guard", "guard"), ("status", "status"), ("phase", "stopped in"),
         ("corrupted_count", "corrupted logits"), ("corrupted_gradient_tensors", "wrong gradient tensors"),

@@ -6,12 +6,12 @@ the guard still stops and splits them."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.bounds import read_release
 from mpsimpact.config import ATTENTIONS, BATCH_SIZE, EMBEDDED_MODEL, MAX_LENGTH, NEWER, TORCH_PROFILE
 from mpsimpact.config import Check, Validated, option
 from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
@@ -25,7 +25,6 @@ DEFAULT_VERSIONS = ("4.44.2", "4.57.6", "5.24.0")
 # The tiny emulated run's release: the last where both eager's P V wraps and fused SDPA is wrong, so
 # the guard has something to stop and split on either attention path.
 EMULATED_PROFILE = "2.12.1"
-_RELEASE = re.compile(r"^\d+\.\d+(\.\d+)?((a|b|rc|\.post|\.dev)\d+)*$")
 
 Progress = Callable[[str, str], None]  # (transformers version, stage: building, probing, done, failed)
 Prober = Callable[[Path, dict[str, Any]], dict[str, Any]]
@@ -35,8 +34,10 @@ def _parse_versions(versions: tuple[str, ...]) -> None:
     if not versions:
         raise ValueError("no release given")
     for version in versions:
-        if not _RELEASE.match(version):
-            raise ValueError(f"'{version}' is not a release")
+        try:
+            read_release(version)  # the rule every release a person types is read by
+        except ValueError:
+            raise ValueError(f"'{version}' is not a release") from None
     repeated = sorted({v for v in versions if versions.count(v) > 1})
     if repeated:
         raise ValueError(f"{', '.join(repeated)} given twice")
