@@ -343,6 +343,14 @@ def test_a_bad_json_path_is_a_usage_error_that_creates_and_replaces_nothing(pyte
         assert (pytester.path / where).is_symlink() and (pytester.path / "target.json").read_text() == "keep"
 
 
+@pytest.mark.parametrize("bits", ["١٢", "1_2", "12.0", " 12", "0x0c", "40"])
+def test_a_bad_index_width_is_one_line_before_any_test_runs(pytester, bits):
+    pytester.makepyfile(test_x="def test_x():\n    open('ran', 'w')\n")
+    result = pytester.runpytest_inprocess("--mps-index-bits", bits, "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and len(stderr_lines(result)) == 1
+    assert "--mps-index-bits" in result.stderr.str() and not (pytester.path / "ran").exists()
+
+
 @pytest.mark.ci  # worker processes
 def test_under_xdist_a_bad_marker_is_one_line_and_exit_4(pytester):
     pytester.makepyfile(test_marked="import pytest\n\n\n@pytest.mark.mpsimpact('bogus')\ndef test_x():\n"

@@ -45,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mps-profile", default=None, metavar="RELEASE",
                     help="The torch release whose MPS faults apply (2.12.1, 'conservative', or a profile.json from "
                          "`mpsimpact sweep`); default: as the mpsimpact commands decide, said in the header.")
-    group.addoption("--mps-index-bits", type=int, default=None, metavar="N",
+    group.addoption("--mps-index-bits", default=None, metavar="N",
                     help="Scale every limit by 2^(32-N) (4..32; 32 is MPS), so small tests cross them as "
                          "full-size runs do.")
     group.addoption("--mps-devices", default=None, metavar="LIST",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mpsimpact.bounds import read_whole
 from mpsimpact.pytest_plugin.sighting import EMULATED, SPLIT, STOPPED, WARNED, WARNED_PLAIN
 from mpsimpact.pytest_plugin.usage import index_bits_problem
 
@@ -32,8 +33,13 @@ class Settings:
     def of(cls, config: pytest.Config) -> Settings:
         """The options, checked (one line each, as pytest says a usage error; nothing is created)."""
         bits, devices = config.getoption("mps_index_bits"), config.getoption("mps_devices")
-        if bits is not None and (problem := index_bits_problem(bits, "--mps-index-bits")):
-            raise pytest.UsageError(problem)
+        if bits is not None:  # read as every number a person types (bounds.read_whole): digits 0-9 alone
+            try:
+                bits = read_whole(bits)
+            except ValueError as error:
+                raise pytest.UsageError(f"--mps-index-bits {bits!r} {error}; give 4..32 (32 is MPS).") from None
+            if problem := index_bits_problem(bits, "--mps-index-bits"):
+                raise pytest.UsageError(problem)
         if devices is not None:
             devices = tuple(d.strip() for d in devices.split(",") if d.strip())
             unknown = [d for d in devices if d not in DEVICE_CHOICES]
