@@ -173,6 +173,9 @@ class ActiveEmulator(Protocol):
     def as_one_call(self, op: str | None = None) -> contextlib.AbstractContextManager[None]:
         """Counts the calls made inside as the one call they split (a product, or a call of `op`)."""
 
+    def decomposes(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether a composite op that reached the dispatch modes whole is decomposed into its kernels."""
+
 
 # The active modes of this thread, by role ("emulator", "guard"), innermost last. One registry, so
 # the emulator and the guard can find each other without importing each other.

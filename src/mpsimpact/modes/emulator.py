@@ -16,7 +16,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    check_index_bits,
+    DECOMPOSED_OPS, check_index_bits,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
     sdpa_operands,
 )
@@ -121,6 +121,7 @@ class EmulateMode(MatmulMode):
         self._buffer = memory.buffer_at(index_bits) if self.memory is not None else None
         self.calls = 0
         self._near = limits(index_bits)[1]  # every rule needs a count at VIEW_LIMIT or more
+        self._most = dim_max(index_bits)  # a call whose every tensor has at most DIM_MAX elements is past none
         self.records: list[CallRecord] = []
         # Called with each record and what the emulator does with it (`_keep`): the pytest plugin's summary.
         self.listeners: list[Callable[[CallRecord, str], None]] = []
@@ -132,6 +133,17 @@ class EmulateMode(MatmulMode):
         self._allocations = any(allocates(c.op) for c in others)  # a plan traced with them replays them
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
+
+    def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
+        """A composite op that reached the mode whole (under no_grad or inference_mode) is decomposed into the
+        kernels MPS runs: always under a plan (whose calls are counted by name as its trace names them), and
+        always a product (its bmm/mm calls are counted as a trace counts them); any other op only where a tensor
+        it reads or makes could pass a limit (op_size.size_call: broadcasts, growing and unknown families
+        included). Below every limit it runs whole, as without the emulator: the same values, at a fraction of
+        the cost."""
+        if self.plan is not None or func in DECOMPOSED_OPS:
+            return True
+        return size_call(func, args, kwargs, *judged_at(self.index_bits)) is not None
 
     def ignore_compile_internals(self) -> bool:
         """Yes: torch.compile traces with the emulator stepped aside (Dynamo skips every frame while a mode that
@@ -321,7 +333,8 @@ class EmulateMode(MatmulMode):
         if sized.after:  # judged on what it made ('other' families: never a stop)
             out = func(*args, **kwargs)
             made = judged_outputs(func, outputs_of(out), judged_at(self.index_bits)[1])
-            self._decide_other(func, sized.inputs, made)
+            if max((t.numel() for t in (*sized.inputs, *made)), default=0) > self._most:
+                self._decide_other(func, sized.inputs, made)
             return out
         fault = self._decide_other(func, sized.inputs, [sized.out] if sized.out is not None else sized.inputs)
         if fault.rule == "reduction-wrap":

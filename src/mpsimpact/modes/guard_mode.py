@@ -21,16 +21,18 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
+    ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
-from mpsimpact.modes.chunking import Split, cat_in_place, entry_bound, run_in_pieces, split_bmm
+from mpsimpact.modes.chunking import Split, cat_in_place, run_in_pieces, split_bmm
 from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import (
     SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
-from mpsimpact.modes.shape_table import COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, NO_KERNEL, PLAIN, SIZED, plain_check
+from mpsimpact.modes.shape_table import (
+    COMPOSITE_SIZED, FULL, NO_KERNEL, PLAIN, SIZED, near_a_limit, plain_check,
+)
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
@@ -191,21 +193,12 @@ class GuardMode(EntryJudge, MatmulMode):
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """A composite op is judged whole (softmax.int as softmax, an 'other' op on what it makes) unless
-        one of its tensors passes DIM_MAX, or an emulator runs below (which sees the kernels it runs, and
-        names them as a traced plan does): decomposing every one would double strict mode's cost."""
-        if active_emulator() is not None:
-            return True
-        if func in DECOMPOSED_OPS:  # a product: decomposed to see its bmm/mm unless below every limit
-            name = DECOMPOSED_ENTRY.get(func)
-            if name is None:
-                return True
-            bound = entry_bound(name, args, kwargs)
-            if name == "sdpa":
-                query, key = args[0], args[1]
-                bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
-            return bound >= self._view_limit
-        most = self._most
-        return any(t.numel() > most for t in tensors_of(args, kwargs))
+        one of its tensors passes DIM_MAX (shape_table.near_a_limit), or the emulator below decomposes it: decomposing
+        every one would double strict mode's cost."""
+        active = active_emulator()
+        if active is not None:
+            return active.decomposes(func, args, kwargs)  # the emulator below decides what it must see
+        return near_a_limit(func, args, kwargs, self._view_limit, self._most)
 
     # Note [Symbolic sizes]
     # ~~~~~~~~~~~~~~~~~~~~~

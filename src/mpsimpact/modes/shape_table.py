@@ -8,15 +8,32 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import COMPOSITE, MATMUL, OTHER, PRODUCT, aten, route
-from mpsimpact.modes.chunking import product_elements
-from mpsimpact.modes.op_size import SKIPPED, op_family
+from mpsimpact.modes.base import COMPOSITE, DECOMPOSED_OPS, MATMUL, OTHER, PRODUCT, aten, route
+from mpsimpact.modes.chunking import entry_bound, product_elements
+from mpsimpact.modes.op_size import SKIPPED, op_family, tensors_of
 
 # The products MatmulMode decomposes, by the entry point whose bound (chunking.entry_bound) says whether they
 # can meet a rule (below it they run whole, so a dispatch mode beneath sees them as without a guard);
 # tensordot and bilinear are always decomposed.
 DECOMPOSED_ENTRY = {aten.matmul.default: "matmul", aten.linear.default: "linear",
                     aten.einsum.default: "einsum", aten._scaled_dot_product_attention_math.default: "sdpa"}
+
+def near_a_limit(func: Any, args: tuple, kwargs: dict, view_limit: int, most: int) -> bool:
+    """Whether a composite op that reached a dispatch mode whole could meet a rule, so that the mode decomposes
+    it to see the kernels it runs: a product (DECOMPOSED_OPS) whose bound (its operands and output, SDPA's
+    scores) reaches VIEW_LIMIT, or any op one of whose tensors passes DIM_MAX (`most`). Below, the op runs whole
+    and is judged as its family, on what it makes."""
+    if func in DECOMPOSED_OPS:
+        name = DECOMPOSED_ENTRY.get(func)
+        if name is None:
+            return True
+        bound = entry_bound(name, args, kwargs)
+        if name == "sdpa":
+            query, key = args[0], args[1]
+            bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
+        return bound >= view_limit
+    return any(t.numel() > most for t in tensors_of(args, kwargs))
+
 
 # (is linear, shape of a, shape of b) -> the largest element count of the call's operands (as bmm sees them,
 # broadcast) and output: the guard's hot path reads shapes, not sizes one by one.
