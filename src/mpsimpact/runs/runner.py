@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -12,9 +13,11 @@ import torch
 
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
-from mpsimpact.config import RunConfig
+from mpsimpact.config import RunConfig, batch_ceiling
+from mpsimpact.prediction.demo_size import power_lengths, quick_geometry, quick_words, silent_sizes
 from mpsimpact.prediction.outcome import PredictionSection, Subject
-from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.meta_model import heads_of, trace_meta, usable_positions
+from mpsimpact.prediction.safe_size import PerTextTraces
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import STUDY, judge_release
 from mpsimpact.runs.kind import SCHEMA_VERSION
@@ -35,13 +38,15 @@ def run_scenario(config: RunConfig,
     device = resolve_device(config.device)
     scenario = scenario_cls(model=config.model, dataset=config.dataset)
     kind = scenario.kind
+    kind.check(config)
+    mac = run_mac(config, device)
+    shapes = ModelShapes(scenario, config.attentions[0], config, kind.backward, release.profile, mac)
+    config, chosen = quick_config(config, shapes, release.profile) if config.quick_sizes else (config, "")
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
-    kind.check(config)
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
-    mac = run_mac(config, device)
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
                                    profile=release.profile, dtype=config.dtype, mac=mac)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
@@ -59,8 +64,78 @@ def run_scenario(config: RunConfig,
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
-    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
+    said = [chosen] if chosen else []
+    if (sizes := where_silent(sections[geometry.attentions[0]], shapes, config, geometry)) is not None:
+        report["silent_sizes"] = sizes
+        said.append(sizes["sentence"])
+    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"], said)
     return report, arrays
+
+
+def where_silent(section: PredictionSection, shapes: ModelShapes, config: RunConfig,
+                 geometry: Geometry) -> dict[str, Any] | None:
+    """Where a run predicted to stop (an abort or an error, at any call) would show the silent effect instead
+    (demo_size.silent_sizes, at the run's length and index width first); None where it does not stop, or on a
+    release nobody measured (nobody can tell where it is silent)."""
+    if section.prediction.stop is None or section.release.profile.conservative:
+        return None
+    if shapes.attention != geometry.attentions[0]:  # blocked_eager where eager would not fit this Mac
+        shapes = ModelShapes(shapes.scenario, geometry.attentions[0], config, shapes.backward, shapes.profile,
+                             shapes.mac)
+    return shapes.silent_sizes(geometry.max_length, config.index_bits, batch_ceiling(geometry.batch_size))
+
+
+class ModelShapes:
+    """The scenario's model as one attention traces it on meta in the run's dtype: its heads, its usable length
+    and its per-text calls at any length (each traced when first asked), for --quick's geometry and the sizes
+    that show the silent effect (prediction.demo_size). Nothing is read before it is asked."""
+
+    def __init__(self, scenario: Any, attention: str, config: RunConfig, backward: bool, profile: Any,
+                 mac: Any) -> None:
+        self.scenario, self.attention, self.dtype = scenario, attention, getattr(torch, config.dtype)
+        self.backward, self.profile, self.mac = backward, profile, mac
+
+    @functools.cached_property
+    def model_config(self) -> Any:
+        return self.scenario.load_config()
+
+    @property
+    def heads(self) -> int:
+        return heads_of(self.model_config)
+
+    @property
+    def positions(self) -> int:
+        return usable_positions(self.model_config)
+
+    @functools.cached_property
+    def calls_at(self) -> PerTextTraces:
+        """The per-text calls at a length (safe_size.PerTextTraces)."""
+        meta = self.scenario.meta_module(self.model_config, attention=self.attention).to(self.dtype)
+        return PerTextTraces(meta, backward=self.backward, allocations=self.mac is not None, profile=self.profile)
+
+    def silent_sizes(self, length: int, index_bits: int, ceiling: int) -> dict[str, Any]:
+        """demo_size.silent_sizes for this model, release and Mac."""
+        return silent_sizes(self.calls_at, length, self.positions, self.heads, index_bits, self.profile, ceiling,
+                            self.mac)
+
+
+def quick_config(config: RunConfig, shapes: ModelShapes, profile: Any) -> tuple[RunConfig, str]:
+    """--quick for this model: the config with the geometry that shows the silent effect (demo_size.quick_geometry:
+    the sizes it set, QUICK's, where they do; else chosen among those not given), and what it chose in words ("" where
+    it kept them). A release nobody measured keeps them: nobody can tell which geometry would be silent there."""
+    if profile.conservative or None in (config.batch_size, config.max_length):
+        return config, ""
+    if "max_length" in config.quick_sizes and config.max_length > shapes.positions:  # a model of fewer positions
+        longest = max(power_lengths(shapes.positions), default=shapes.positions)
+        config = dataclasses.replace(config, max_length=longest)
+    asked = (config.batch_size, config.max_length, config.index_bits)
+    chosen, at_asked = quick_geometry(shapes.calls_at, asked, set(config.quick_sizes), shapes.positions,
+                                      shapes.heads, profile, shapes.mac)
+    words = quick_words(asked, chosen, at_asked, profile.label)
+    if chosen is None or chosen == asked:
+        return config, words
+    batch, length, bits = chosen
+    return dataclasses.replace(config, batch_size=batch, max_length=length, index_bits=bits), words
 
 
 def run_mac(config: RunConfig, device: str) -> Any:
@@ -124,8 +199,10 @@ def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> l
 _VERSION_ROWS: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 
-def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
-    notes = [geometry.mode + "."]
+def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any], said: list[str] = ()) -> list[str]:
+    """The report's notes: the mode, then `said` (what --quick chose, where the effect would be silent), then how
+    the run differs from MPS at full scale."""
+    notes = [geometry.mode + ".", *said]
     if geometry.substituted:
         notes.append(f"{geometry.substituted[0].upper()}{geometry.substituted[1:]}.")
     elif BLOCKED in geometry.attentions:
