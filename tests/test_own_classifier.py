@@ -185,3 +185,88 @@ def test_a_refused_run_names_the_plan_of_its_model(two_layers):
     result, text = invoke(["run", "finetune", "--model", str(two_layers), "--attention", "blocked_eager"])
     assert result.exit_code == 2
     assert f"`{shlex.join(['mpsimpact', 'plan', 'finetune', '--model', str(two_layers), '--versions'])}`" in text
+
+
+def test_silent_batches_are_every_batch_whose_forward_is_silently_wrong():
+    from tiny import tiny_bert
+
+    from mpsimpact.prediction.outcome import predict
+    from mpsimpact.prediction.safe_size import per_text_calls, plan_at, silent_batches
+
+    calls = per_text_calls(tiny_bert("meta"), 64)
+    # 4 heads at 64 tokens: P is 4 * 64**2 = 16,384 elements a text, the feed-forward's output (64, 32) 2,048. At
+    # 16 bits P V wraps from 65,536 / 16,384 = 4 -> 5 texts; the addmm reaches 2**16 at 32 texts and aborts.
+    # On 2.13.0 the scale on the scores aborts wherever P V would wrap: nothing is silent.
+    for release, expected in (("2.14.0", [(5, 31)]), ("2.13.0", [])):
+        brute = [b for b in range(1, 81) if predict(plan_at(calls, b, 16, release), b, 4).outcome == "wrong"]
+        assert silent_batches(calls, 4, 16, release, ceiling=80) == expected
+        assert brute == [b for first, last in expected for b in range(first, last + 1)]  # every batch, one by one
+
+
+def meta_of(config_path):
+    """The classifier of a config on meta, with 2 of its layers: each layer repeats layer 0's calls, where every rule
+    first decides (the traces of twelve cost six times as much and decide the same)."""
+    from transformers import AutoConfig
+
+    from mpsimpact.models.classifier import meta_classifier
+
+    return meta_classifier(AutoConfig.from_pretrained(config_path, num_hidden_layers=2), embedded=False)
+
+
+def test_quick_geometry_is_the_arithmetic_and_a_direct_trace_agrees():
+    from pathlib import Path
+
+    from mpsimpact.engine.release import profile_for
+    from mpsimpact.prediction.demo_size import quick_geometry
+    from mpsimpact.prediction.meta_model import trace_meta
+    from mpsimpact.prediction.outcome import predict
+    from mpsimpact.prediction.safe_size import PerTextTraces
+
+    profile = profile_for("2.14.0")
+    roberta = Path(__file__).parent / "data" / "twitter-roberta-base-sentiment-latest"
+    meta = meta_of(roberta)
+    traces = PerTextTraces(meta, profile=profile)
+    every = {"batch_size", "max_length", "index_bits"}
+    chosen, at_asked = quick_geometry(traces, (16, 256, 23), every, 512, 12, profile)
+    assert chosen == (16, 512, 25) and at_asked.outcome == "abort"
+    for (batch, length, bits), outcome in (((16, 512, 25), "wrong"), ((16, 256, 23), "abort")):
+        direct = predict(trace_meta(meta, batch, length, index_bits=bits, profile=profile), batch, 12)
+        assert direct.outcome == outcome
+    # 8 texts pinned: P (96, 512, 512) = 25,165,824 passes 2**24 (wrong from batch-head 64: text 5) while the addmm
+    # (4096, 3072) = 12,582,912 stays under it; at 23 bits the addmm aborts.
+    assert quick_geometry(traces, (8, 256, 23), every - {"batch_size"}, 512, 12, profile)[0] == (8, 512, 24)
+    # 256 tokens pinned: the addmm and P cross together at any width and batch; 32 bits pinned: P passes 2**32 in
+    # 32 texts only past 3,344 tokens, beyond the model's 512.
+    assert quick_geometry(traces, (16, 256, 23), every - {"max_length"}, 512, 12, profile)[0] is None
+    assert quick_geometry(traces, (16, 256, 32), every - {"index_bits"}, 512, 12, profile)[0] is None
+
+
+def test_quick_geometry_on_other_shapes():
+    from pathlib import Path
+
+    from tiny import tiny_bert
+
+    from mpsimpact.engine.release import profile_for
+    from mpsimpact.prediction.demo_size import quick_geometry
+    from mpsimpact.prediction.safe_size import PerTextTraces
+
+    profile, every = profile_for("2.14.0"), {"batch_size", "max_length", "index_bits"}
+    # BERT-base: the same feed-forward against P as RoBERTa-base.
+    bert = PerTextTraces(meta_of(Path(__file__).parent / "data" / "bert-base" / "config.json"), profile=profile)
+    assert quick_geometry(bert, (16, 256, 23), every, 512, 12, profile)[0] == (16, 512, 25)
+    # A tiny BERT (4 heads, feed-forward 32, 64 positions): 16 x 64 holds P = 2**18, the addmm 2**15. At 17 bits
+    # P V wraps from batch-head 32, text 8 (8 of 16 wrong); at 16, from text 4 (12 of 16): 17 is nearer a third.
+    # At 32 tokens P = 2**16 and 15 bits give 8 of 16 too: the longer length is taken.
+    tiny = PerTextTraces(tiny_bert("meta"), profile=profile)
+    chosen, at_asked = quick_geometry(tiny, (16, 64, 23), every, 64, 4, profile)
+    assert (chosen, at_asked.outcome) == ((16, 64, 17), "clean")
+    # The embedded model's own quick geometry is silent: kept as it is.
+    embedded = PerTextTraces(meta_classifier_of_the_embedded(), profile=profile)
+    assert quick_geometry(embedded, (16, 256, 23), every, 512, 12, profile)[0] == (16, 256, 23)
+
+
+def meta_classifier_of_the_embedded():
+    from mpsimpact.runs.scenario import get_scenario
+
+    scenario = get_scenario("sentiment")()
+    return scenario.meta_module(scenario.load_config())
