@@ -68,9 +68,9 @@ def assert_quick_run_is_silent(model, out):
     assert report["geometry"]["emulated"] and (report["config"]["batch_size"], report["config"]["max_length"],
                                                report["config"]["index_bits"]) == (16, 512, 25)
     assert "batch 16, max length 512" in text and "25-bit index" in text
-    assert ("--quick chose 16 texts of 512 tokens at a 25-bit index for this model, where the damage is silent: at "
-            "its usual 16 texts of 256 tokens at a 23-bit index, torch 2.14.0 kills the process at addmm in "
-            "model.roberta.encoder.layer.0.intermediate.dense.") in text
+    assert ("--quick chose 16 texts of 512 tokens at a 25-bit index for this model, where the damage is silent on "
+            "torch 2.14.0: at its usual 16 texts of 256 tokens at a 23-bit index, torch 2.14.0 kills the process at "
+            "addmm in model.roberta.encoder.layer.0.intermediate.dense.") in text
     assert (off["status"], off["first_corrupted_index"], off["corrupted_count"]) == ("completed", 10, 6)
     assert off["predicted_first_corrupted_index"] == 10 and report["model"] == str(model)
     return report
@@ -270,3 +270,45 @@ def meta_classifier_of_the_embedded():
 
     scenario = get_scenario("sentiment")()
     return scenario.meta_module(scenario.load_config())
+
+
+@pytest.mark.parametrize("release", ["2.13.0", "2.15.0"])
+def test_quick_on_a_release_with_no_silent_geometry_takes_the_published_releases(two_layers, release):
+    # 2.13.0 aborts at the scale on the scores wherever P V would wrap, and nobody measured 2.15.0: --quick takes the
+    # geometry that is silent on 2.14.0, so that quick runs of one model on two releases compare (same sizes).
+    from mpsimpact.config import RunConfig
+    from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.runs.runner import ModelShapes, quick_config
+    from mpsimpact.runs.scenario import get_scenario
+
+    quick = dict(batch_size=16, max_length=256, index_bits=23, quick_sizes=("batch_size", "max_length", "index_bits"))
+    for model, kept in ((str(two_layers), False), (None, True)):  # the embedded model: its usual one is silent there
+        config = RunConfig(model=model, **quick)
+        shapes = ModelShapes(get_scenario("sentiment")(model=model), "eager", config, False, None)
+        chosen, words = quick_config(config, shapes, resolve_profile(release))
+        sizes = (chosen.batch_size, chosen.max_length, chosen.index_bits)
+        assert sizes == ((16, 256, 23) if kept else (16, 512, 25)) and bool(words) != kept
+        unknown = "none is on torch 2.13.0" if release == "2.13.0" else "nobody measured torch 2.15.0 on MPS"
+        assert kept or f"where the damage is silent on torch 2.14.0, a release measured on Macs where the bug is " \
+                       f"silent ({unknown})" in words
+
+
+def test_quick_on_a_model_of_fewer_positions_runs_at_its_longest_power_of_two(tmp_path):
+    # 100 positions: --quick's 256 tokens would be refused; it takes 64 (a power of two, replayed exactly), where
+    # this tiny RoBERTa (4 heads, feed-forward 32) is silent; a length given past them is left for the run to refuse
+    # as it refuses any (tests/test_plan.py, test_plan_and_run_agree_on_the_usable_length).
+    from transformers import RobertaConfig
+
+    from mpsimpact.config import RunConfig
+    from mpsimpact.engine.release import resolve_profile
+    from mpsimpact.runs.runner import ModelShapes, quick_config
+    from mpsimpact.runs.scenario import get_scenario
+
+    RobertaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_attention_heads=4, num_hidden_layers=2,
+                  max_position_embeddings=102, num_labels=3).save_pretrained(tmp_path)  # 102 - (1 + 1) = 100 usable
+    scenario = get_scenario("sentiment")(model=str(tmp_path))
+    for given, length in ((None, 64), (256, 256)):
+        config = RunConfig(model=str(tmp_path), batch_size=16, max_length=given or 256, index_bits=23,
+                           quick_sizes=("batch_size", "index_bits") + (() if given else ("max_length",)))
+        chosen = quick_config(config, ModelShapes(scenario, "eager", config, False, None), resolve_profile("2.14.0"))[0]
+        assert chosen.max_length == length

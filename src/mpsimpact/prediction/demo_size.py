@@ -320,14 +320,21 @@ def silent_sizes_words(sizes: dict[str, Any], release: str) -> str:
 
 
 def quick_words(asked: tuple[int, int, int], chosen: tuple[int, int, int] | None, at_asked: Prediction,
-                release: str) -> str:
+                judged: Any, sized_on: Any) -> str:
     """What --quick did for a model whose usual geometry (`asked`) shows no silent effect: the geometry it chose
-    instead and why, or that it found none and runs the usual one. "" where it kept `asked`."""
+    instead, on which release's rules (`sized_on`: the `judged` one's, or the published demo's where none is silent
+    on it or nobody measured it) and why, or that it found none and runs the usual one. "" where it kept `asked`."""
     if chosen == asked:
         return ""
     usual = f"{asked[0]} texts of {asked[1]} tokens at a {asked[2]}-bit index"
+    if sized_on.ref == judged.ref:
+        on = f" on torch {judged.label}"
+    else:
+        unknown = (f"nobody measured torch {judged.release} on MPS" if judged.conservative
+                   else f"none is on torch {judged.label}")
+        on = f" on torch {sized_on.label}, a release measured on Macs where the bug is silent ({unknown})"
     if chosen is None:
-        return (f"--quick found no geometry that shows the silent effect for this model on torch {release}, so it "
-                f"runs its usual {usual}.")
+        return (f"--quick found no geometry that shows the silent effect for this model{on}, so it runs its usual "
+                f"{usual}.")
     return (f"--quick chose {chosen[0]} texts of {chosen[1]} tokens at a {chosen[2]}-bit index for this model, where "
-            f"the damage is silent: at its usual {usual}, torch {release} {spoken(at_asked)}.")
+            f"the damage is silent{on}: at its usual {usual}, torch {sized_on.label} {spoken(at_asked)}.")

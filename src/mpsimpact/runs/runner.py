@@ -19,7 +19,7 @@ from mpsimpact.prediction.outcome import PredictionSection, Subject
 from mpsimpact.prediction.meta_model import heads_of, trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import PerTextTraces
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.engine.release import STUDY, judge_release
+from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, STUDY, judge_release, profile_for
 from mpsimpact.runs.kind import SCHEMA_VERSION
 from mpsimpact.runs.device_pass import Geometry, decide_geometry
 
@@ -40,7 +40,7 @@ def run_scenario(config: RunConfig,
     kind = scenario.kind
     kind.check(config)
     mac = run_mac(config, device)
-    shapes = ModelShapes(scenario, config.attentions[0], config, kind.backward, release.profile, mac)
+    shapes = ModelShapes(scenario, config.attentions[0], config, kind.backward, mac)
     config, chosen = quick_config(config, shapes, release.profile) if config.quick_sizes else (config, "")
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
@@ -77,23 +77,25 @@ def where_silent(section: PredictionSection, shapes: ModelShapes, config: RunCon
     """Where a run predicted to stop (an abort or an error, at any call) would show the silent effect instead
     (demo_size.silent_sizes, at the run's length and index width first); None where it does not stop, or on a
     release nobody measured (nobody can tell where it is silent)."""
-    if section.prediction.stop is None or section.release.profile.conservative:
+    profile = section.release.profile
+    if section.prediction.stop is None or profile.conservative:
         return None
     if shapes.attention != geometry.attentions[0]:  # blocked_eager where eager would not fit this Mac
-        shapes = ModelShapes(shapes.scenario, geometry.attentions[0], config, shapes.backward, shapes.profile,
-                             shapes.mac)
-    return shapes.silent_sizes(geometry.max_length, config.index_bits, batch_ceiling(geometry.batch_size))
+        shapes = ModelShapes(shapes.scenario, geometry.attentions[0], config, shapes.backward, shapes.mac)
+    return silent_sizes(shapes.traces(profile), geometry.max_length, shapes.positions, shapes.heads,
+                        config.index_bits, profile, batch_ceiling(geometry.batch_size), shapes.mac)
 
 
 class ModelShapes:
     """The scenario's model as one attention traces it on meta in the run's dtype: its heads, its usable length
-    and its per-text calls at any length (each traced when first asked), for --quick's geometry and the sizes
-    that show the silent effect (prediction.demo_size). Nothing is read before it is asked."""
+    and its per-text calls at any length under a release's rules (each traced when first asked), for --quick's
+    geometry and the sizes that show the silent effect (prediction.demo_size). Nothing is read before it is
+    asked."""
 
-    def __init__(self, scenario: Any, attention: str, config: RunConfig, backward: bool, profile: Any,
-                 mac: Any) -> None:
+    def __init__(self, scenario: Any, attention: str, config: RunConfig, backward: bool, mac: Any) -> None:
         self.scenario, self.attention, self.dtype = scenario, attention, getattr(torch, config.dtype)
-        self.backward, self.profile, self.mac = backward, profile, mac
+        self.backward, self.mac = backward, mac
+        self._traces: dict[str, PerTextTraces] = {}
 
     @functools.cached_property
     def model_config(self) -> Any:
@@ -107,31 +109,37 @@ class ModelShapes:
     def positions(self) -> int:
         return usable_positions(self.model_config)
 
-    @functools.cached_property
-    def calls_at(self) -> PerTextTraces:
-        """The per-text calls at a length (safe_size.PerTextTraces)."""
-        meta = self.scenario.meta_module(self.model_config, attention=self.attention).to(self.dtype)
-        return PerTextTraces(meta, backward=self.backward, allocations=self.mac is not None, profile=self.profile)
-
-    def silent_sizes(self, length: int, index_bits: int, ceiling: int) -> dict[str, Any]:
-        """demo_size.silent_sizes for this model, release and Mac."""
-        return silent_sizes(self.calls_at, length, self.positions, self.heads, index_bits, self.profile, ceiling,
-                            self.mac)
+    def traces(self, profile: Any) -> PerTextTraces:
+        """The per-text calls at any length as `profile`'s release makes them (safe_size.PerTextTraces)."""
+        if profile.ref not in self._traces:
+            meta = self.scenario.meta_module(self.model_config, attention=self.attention).to(self.dtype)
+            self._traces[profile.ref] = PerTextTraces(meta, backward=self.backward, allocations=self.mac is not None,
+                                                      profile=profile)
+        return self._traces[profile.ref]
 
 
-def quick_config(config: RunConfig, shapes: ModelShapes, profile: Any) -> tuple[RunConfig, str]:
+def quick_config(config: RunConfig, shapes: ModelShapes, judged: Any) -> tuple[RunConfig, str]:
     """--quick for this model: the config with the geometry that shows the silent effect (demo_size.quick_geometry:
     the sizes it set, QUICK's, where they do; else chosen among those not given), and what it chose in words ("" where
-    it kept them). A release nobody measured keeps them: nobody can tell which geometry would be silent there."""
-    if profile.conservative or None in (config.batch_size, config.max_length):
+    it kept them). Sized on the `judged` release's rules, else (none is silent there, or nobody measured it) on the
+    published demo's release, where the bug is silent: the quick runs of one model on two releases compare."""
+    if None in (config.batch_size, config.max_length):
         return config, ""
-    if "max_length" in config.quick_sizes and config.max_length > shapes.positions:  # a model of fewer positions
+    if config.max_length > shapes.positions:  # a model of fewer positions: at most its own, or refused as given
+        if "max_length" not in config.quick_sizes:
+            return config, ""  # decide_geometry says so, as for any run
         longest = max(power_lengths(shapes.positions), default=shapes.positions)
         config = dataclasses.replace(config, max_length=longest)
-    asked = (config.batch_size, config.max_length, config.index_bits)
-    chosen, at_asked = quick_geometry(shapes.calls_at, asked, set(config.quick_sizes), shapes.positions,
-                                      shapes.heads, profile, shapes.mac)
-    words = quick_words(asked, chosen, at_asked, profile.label)
+    asked, published = (config.batch_size, config.max_length, config.index_bits), profile_for(PUBLISHED_DEMO_RELEASE)
+    rules = [] if judged.conservative else [judged]
+    rules += [published] if published.ref != judged.ref else []
+    chosen, at_asked, profile = None, None, judged
+    for profile in rules:
+        chosen, at_asked = quick_geometry(shapes.traces(profile), asked, set(config.quick_sizes), shapes.positions,
+                                          shapes.heads, profile, shapes.mac)
+        if chosen is not None:
+            break
+    words = quick_words(asked, chosen, at_asked, judged, profile)
     if chosen is None or chosen == asked:
         return config, words
     batch, length, bits = chosen
