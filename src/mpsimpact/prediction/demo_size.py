@@ -14,7 +14,7 @@ from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import MEASURED, MacMemory, call_bytes, smallest_showing
 from mpsimpact.prediction.outcome import Prediction, predict, spoken
 from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib, largest_fitting_batch
-from mpsimpact.prediction.safe_size import PerTextCall, largest_safe_batch, plan_at, silent_batches
+from mpsimpact.prediction.safe_size import PerTextCall, distinct_calls, largest_safe_batch, plan_at, silent_batches
 from mpsimpact.config import GIB, QUICK_BATCH_FACTOR
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -259,7 +259,7 @@ def quick_geometry(calls_at: Callable[[int], list[PerTextCall]], asked: tuple[in
     demo's, then the longest length and the widest index; None where none does. `calls_at(length)`: the
     per-text calls at that length."""
     batch, length, bits = asked
-    at_asked = predict(plan_at(calls_at(length), batch, bits, profile, mac), batch, heads)
+    at_asked = predict(plan_at(distinct_calls(calls_at(length)), batch, bits, profile, mac), batch, heads)
     if at_asked.outcome == "wrong":
         return asked, at_asked
     found = []
@@ -269,7 +269,8 @@ def quick_geometry(calls_at: Callable[[int], list[PerTextCall]], asked: tuple[in
                 if "batch_size" in free else [(batch, batch)]
             texts = min((min(max(batch, first), last) for first, last in stretches), key=lambda n: abs(n - batch),
                         default=None)
-            prediction = predict(plan_at(calls_at(size), texts, width, profile, mac), texts, heads) if texts else None
+            prediction = predict(plan_at(distinct_calls(calls_at(size)), texts, width, profile, mac), texts,
+                                 heads) if texts else None
             if prediction is not None and prediction.outcome == "wrong":
                 share = prediction.corrupted_count / texts
                 found.append(((abs(texts - batch), abs(share - PUBLISHED_SHARE), -size, -width), (texts, size, width)))

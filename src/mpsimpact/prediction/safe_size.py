@@ -341,11 +341,28 @@ def batch_candidates(calls: list[PerTextCall], index_bits: int, ceiling: int,
     return sorted(c for c in candidates | {1} if 1 <= c <= ceiling)
 
 
+def distinct_calls(calls: list[PerTextCall]) -> list[PerTextCall]:
+    """The calls less each that repeats an earlier one's op and operands at every batch (a later layer's), SDPA's
+    calls and their math paths' kept whole: the forward's outcome, its first wrong text and where it first stops
+    are the same at every batch (outcome.predict reads the first of each), for a fraction of the arithmetic."""
+    seen, kept = set(), []
+    for p in calls:
+        c = p.call
+        if c.within is None and c.family != "sdpa":
+            key = (c.op, c.phase, c.needs_grad, c.a, c.b, p.a4, p.b4)
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(p)
+    return kept
+
+
 def silent_batches(calls: list[PerTextCall], heads: int, index_bits: int, profile: FaultProfile,
                    ceiling: int = 1 << 24, mac: MacMemory | None = None) -> list[tuple[int, int]]:
     """The stretches (first, last) of batches in 1..ceiling whose forward pass is silently wrong with the wrong
     texts known (outcome.Prediction.outcome "wrong": nothing stops, nothing uncharacterised alone): where a run
     shows the silent effect. Decided once per stretch of `batch_candidates`."""
+    calls = distinct_calls(calls)
     starts = batch_candidates(calls, index_bits, ceiling, mac)
     stretches: list[tuple[int, int]] = []
     for start, end in zip(starts, [*starts[1:], ceiling + 1]):
