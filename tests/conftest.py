@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
 # A JSON answer (--json) is exempt from the width (a machine reads it), and so is a line with a word of 50
 # characters or more (a temporary folder's path: a word is never wrapped inside).
 _BACKQUOTED = re.compile(r"`[^`\n]*`")
+_WORD = re.compile(r"(?<!\S)'[^'\n]*'(?=[\s`]|$)|\S+")  # a word; a quoted path with spaces (a shell's word) is one
 
 
 def console_problems(args: list[str], env: dict, stdout: str, stderr: str) -> list[str]:
@@ -58,7 +59,7 @@ def console_problems(args: list[str], env: dict, stdout: str, stderr: str) -> li
         lines = text.splitlines()
         narrow = (env.get("COLUMNS") or os.environ.get("COLUMNS")) == "80" and "--json" not in args
         problems += [f"{name} line over 80 columns: {line!r}" for line in lines
-                     if narrow and len(line) > 80 and max(map(len, line.split())) < 50]  # a path is one word
+                     if narrow and len(line) > 80 and max(map(len, _WORD.findall(line))) < 50]  # a path is one word
         for line, after in zip(lines, [*lines[1:], ""]):
             if not line.startswith(("│", "┃")) and _BACKQUOTED.sub("", line).count("`") % 2:  # a table cell wraps
                 problems.append(f"{name}: a backquoted command cut at the line's end: {line!r}")

@@ -70,6 +70,9 @@ def test_a_quick_run_fits_80_columns_and_says_whether_it_was_silent(args, tmp_pa
     if args is QUICK_213:  # which op, and that the process would die
         assert ("Not silent: the process would die at the scaling of the attention scores: torch 2.13.0 aborts "
                 "there") in flat(text)
+        # and that no size is silent there: the scale on the scores aborts wherever P V would wrap
+        assert ("No batch of up to 16,777,216 texts at 256 tokens or any power-of-two length from 16 to 512 at the "
+                "23-bit index shows the silent effect on torch 2.13.0") in " ".join(text.split())
         assert "16x12x256x256" not in text  # shapes are for --verbose and the files
     assert "stopped_by_guard" not in text and "rule int32-kernel" not in text and "rule input-wrap" not in text
     assert re.search(r"^\[\d\] guard raise: mpsimpact guard: ", text, re.M)  # a footnote, not a cell

@@ -67,14 +67,14 @@ def test_8gb_says_no_run_shows_the_effect_and_why():
 
 
 def test_where_the_buffer_fits_but_the_working_set_does_not_the_answer_says_so():
-    from mpsimpact.prediction.demo_size import recommend
+    from mpsimpact.prediction.demo_size import RunAsked, recommend
 
     option = {"attention": "blocked_eager", "dtype": "float16", "max_length": 512, "batch_size": 1398,
               "first_corrupted_text": 1365, "corrupted_count": 33, "outcome": "33 texts wrong from text 1365",
               "estimated_peak_gib": 9.8, "largest_tensor_gib": 8.19}
     # A Mac measured with a 12 GiB buffer but lending only 8 GiB: the working set, not the buffer, binds.
     mac = MacMemory(None, 12 * 2**30, 8 * 2**30, "measured", "M9, today")
-    rec = recommend([option], mac, "sentiment")
+    rec = recommend([option], mac, RunAsked("sentiment"))
     assert rec["command"] is None and "No run shows the effect in 8.0 GiB" in rec["why"]
     assert "needs about 9.8 GiB" in rec["why"] and "Invalid buffer size" not in rec["why"]
 
@@ -89,9 +89,9 @@ def test_on_2_13_0_only_blocked_eager_shows_the_effect():
 
 
 def test_no_silent_option_says_where_the_run_stops():
-    from mpsimpact.prediction.demo_size import recommend
+    from mpsimpact.prediction.demo_size import RunAsked, recommend
 
-    rec = recommend([], MacMemory.of_size(16), "sentiment")
+    rec = recommend([], MacMemory.of_size(16), RunAsked("sentiment"))
     assert rec["command"] is None and "stops the run" in rec["why"]
 
 

@@ -214,6 +214,11 @@ HANDED_TO = {
 }
 
 
+# Config fields no option of their own name sets: what --quick set (RunConfig.quick_sizes) follows from which sizes
+# were given (test_quick_records_the_sizes_it_set).
+DERIVED = {("run", "quick_sizes")}
+
+
 def captured_config(monkeypatch, target: str, args: list[str]):
     module, _, name = target.rpartition(".")
     seen = []
@@ -269,12 +274,28 @@ def test_options_not_given_keep_the_config_defaults_and_every_given_one_reaches_
     given, expected = list(args), dict(positional)
     params, hints = {p.name: p for p in cli_commands()[command].params}, typing.get_type_hints(config)
     for field in dataclasses.fields(config):
-        if field.name in positional:
+        if field.name in positional or (command, field.name) in DERIVED:
             continue
         argv, value = other_value(params[field.name], field, hints[field.name])
         given += argv
         expected[field.name] = value
     assert captured_config(monkeypatch, target, given) == config(**expected)
+
+
+@pytest.mark.parametrize(("given", "sizes"), [
+    ([], ("batch_size", "max_length", "index_bits")),
+    (["--max-length", "512"], ("batch_size", "index_bits")),
+    (["--batch-size", "8", "--index-bits", "24", "--max-length", "128"], ()),
+])
+def test_quick_records_the_sizes_it_set(monkeypatch, given, sizes):
+    from mpsimpact.commands.run import QUICK
+
+    config = captured_config(monkeypatch, HANDED_TO["run"][1], ["run", "sentiment", "--quick", *given])
+    assert config.quick_sizes == sizes  # the run may choose these for the model, never one that was given
+    asked = dict(zip(given[::2], map(int, given[1::2])))
+    assert (config.batch_size, config.max_length, config.index_bits) == tuple(
+        asked.get(flag, default) for flag, default in zip(("--batch-size", "--max-length", "--index-bits"), QUICK))
+    assert captured_config(monkeypatch, HANDED_TO["run"][1], ["run", "sentiment", *given]).quick_sizes == ()
 
 
 def test_check_task_choices_are_the_tasks_check_knows():

@@ -2,6 +2,8 @@
 and every unlabelled block whose lines are commands, carries a marker comment on the line above it:
 
     <!-- readme-test: run -->                       runs by default (CI)
+    <!-- readme-test: ci -->                        runs in CI after the default selection (`pytest -m ci`): a whole
+                                                    command of more than a few CPU-seconds
     <!-- readme-test: slow -->                      runs with `pytest -m slow` (over a minute on 2 CPU cores)
     <!-- readme-test: network, slow -->             needs the package index too (skipped when unreachable)
     <!-- readme-test: skip: needs a Mac -->         never runs here; the reason is shown by `pytest -ra`
@@ -33,7 +35,7 @@ SHELL_INFO = {"bash", "sh", "shell", "console"}
 COMMAND_LINE = re.compile(r"^\s*(\$ )?(mpsimpact|pip|pytest|python|uv|hf)(\s+(?!\S*:\s)|$)")
 FENCE = re.compile(r"^(\s*)```\s*(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
-KINDS = {"run", "slow", "network"}
+KINDS = {"run", "ci", "slow", "network"}
 LINKED = ("tests", "src", "scenarios", "docs", "benchmarks", "README.md", "pyproject.toml")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 SHELL_SYNTAX = re.compile(r"[|&;<>$`]")
@@ -107,7 +109,7 @@ def parse_marker(marker: str) -> Spec:
         return Spec(frozenset({"skip"}), reason=reason)
     kinds = frozenset(re.split(r"[,\s]+", head))
     if not kinds <= KINDS:
-        raise ValueError(f"'{marker}': unknown kind {sorted(kinds - KINDS)}; expected run, slow, network or skip")
+        raise ValueError(f"'{marker}': unknown kind {sorted(kinds - KINDS)}; expected run, ci, slow, network or skip")
     exit_code, expect, span = 0, [], None
     for option in options:
         word, _, value = option.partition(" ")
@@ -156,7 +158,7 @@ def _param(block: Block):
         spec = parse_marker(block.marker or "")
     except ValueError:
         spec = Spec(frozenset({"skip"}), reason="unmarked or malformed (see the marker test)")
-    marks = [getattr(pytest.mark, kind) for kind in sorted(spec.kinds & {"slow", "network"})]
+    marks = [getattr(pytest.mark, kind) for kind in sorted(spec.kinds & {"ci", "slow", "network"})]
     if "skip" in spec.kinds:
         marks.append(pytest.mark.skip(reason=f"README.md:{block.line}: {spec.reason}"))
     return pytest.param(block, spec, marks=marks, id=block.name)

@@ -174,3 +174,19 @@ def test_a_run_judges_its_release_once_and_predicts_each_attention_once(counted)
     assert [predicted.count(id(s.plan)) for s in sections] == [1, 1]
     assert report["predictions"] == {a: s.prediction.to_json() for a, s in zip(("eager", "sdpa"), sections)}
     assert report["release"] == sections[0].release_json()
+
+
+def test_quick_chooses_the_geometry_where_a_models_damage_is_silent(tmp_path, tiny_roberta_dir):
+    model, data = tiny_roberta_dir
+    out = tmp_path / "run"
+    # 64 positions: --quick's 256 tokens become 64, where 16 texts hold P (64, 64, 64) = 2**18 elements, far under
+    # 2**23: clean. Of the geometries that are silent, 17 bits wraps P V from batch-head 2**17 / 64**2 = 32, text 8
+    # (8 of 16 wrong: the share nearest a third), the feed-forward's (1024, 32) = 2**15 elements staying under it.
+    result, text = invoke(["run", "sentiment", "--model", str(model), "--dataset", str(data), "--quick", *PROFILE,
+                           "--guard", "off", "--out", str(out)])
+    assert result.exit_code == 0, text
+    report = load_report(out)
+    assert [report["config"][k] for k in ("batch_size", "max_length", "index_bits")] == [16, 64, 17]
+    off = report["conditions"][0]
+    assert (off["first_corrupted_index"], off["corrupted_count"], off["predicted_first_corrupted_index"]) == (8, 8, 8)
+    assert "--quick chose 16 texts of 64 tokens at a 17-bit index for this model" in " ".join(text.split())

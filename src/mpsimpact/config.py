@@ -177,6 +177,10 @@ TORCH_PROFILE = Check(
 GUARDS = ("off", "raise", "chunk")
 # `run --attention`: transformers' names (blocked_attention.NAME is "blocked_eager"); both: eager and sdpa.
 RUN_ATTENTIONS = ("eager", "sdpa", "both", "blocked_eager")
+# The sizes `run --quick` sets when they are not given (RunConfig.quick_sizes), and may choose for the model: the
+# batch up to QUICK_BATCH_FACTOR times the one it set (prediction.demo_size.quick_geometry).
+QUICK_SIZES = ("batch_size", "max_length", "index_bits")
+QUICK_BATCH_FACTOR = 2
 # Half precision: a text is corrupted above this relative difference from the same-dtype,
 # small-batch reference (see docs and benchmarks/README.md for the measured margins).
 HALF_THRESHOLD = 2e-2
@@ -207,6 +211,9 @@ class RunConfig(Validated):
     attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
     memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
+    # --quick: the sizes it set because they were not given (QUICK_SIZES); where they show no silent effect for
+    # the model, the run chooses them (runs.runner.quick_config) and says so
+    quick_sizes: tuple[str, ...] = option((), Check("--quick", choices=QUICK_SIZES))
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded: each field, --run-length against
@@ -216,6 +223,14 @@ class RunConfig(Validated):
         if self.expect is not None and "off" not in self.guards:
             raise UsageError(f"--expect judges the guard-off condition, which --guard {self.guard} does not run; "
                              "give --guard off or all, or drop --expect.", option="--expect")
+
+    def plan_command(self, *options: str) -> str:
+        """The `mpsimpact plan` command for this run's scenario and model, with `options` ("--memory", "auto"):
+        a command the run recommends plans the model it ran."""
+        import shlex
+
+        model = ("--model", self.model) if self.model else ()
+        return shlex.join(("mpsimpact", "plan", self.scenario, *model, *options))
 
     @property
     def corruption_threshold(self) -> float:
@@ -234,9 +249,12 @@ class RunConfig(Validated):
     def written_bytes(self) -> int:
         """At most what the report folder will hold, checked against the free space before any work: pages
         and figures (REPORT_BYTES), and per text and condition a samples.jsonl line and its logits (about
-        0.5 KiB measured; TEXT_BYTES). A batch size left to the scenario counts as the largest default."""
+        0.5 KiB measured; TEXT_BYTES). A batch size left to the scenario counts as the largest default; one
+        --quick may choose, as the largest it may choose."""
         conditions = len(self.guards) * len(self.attentions)
-        return REPORT_BYTES + (self.batch_size or DEFAULT_BATCH_CEILING) * conditions * TEXT_BYTES
+        batch = (self.batch_size or DEFAULT_BATCH_CEILING) * (QUICK_BATCH_FACTOR if "batch_size" in self.quick_sizes
+                                                              else 1)
+        return REPORT_BYTES + batch * conditions * TEXT_BYTES
 
 
 def check_run_length(run_length: int | None, max_length: int | None) -> None:

@@ -9,7 +9,9 @@ from mpsimpact.commands.options import option, shared
 
 
 # --quick: 16 texts of 256 tokens at a 23-bit index (LIMIT 2**23 = 8,388,608), where P (16*12, 256, 256)
-# = 12,582,912 elements wraps from text 10: the same fault as 4096 x 512 at 32 bits, in seconds.
+# = 12,582,912 elements wraps from text 10: the same fault as 4096 x 512 at 32 bits, in seconds. For a model
+# where that shows no silent effect (another call stops first), the run chooses the sizes not given
+# (RunConfig.quick_sizes, runs.runner.quick_config) and says so.
 QUICK = (16, 256, 23)
 QUICK_TEXT = "--batch-size 16 --max-length 256 --index-bits 23"
 
@@ -46,18 +48,24 @@ def main(
                                           "dtype; half precision is judged against a same-dtype reference."),
     memory: str | None = shared("--memory"),
     quick: bool = typer.Option(False, "--quick", help=f"The 20-second demo: {QUICK_TEXT} unless given "
-                               "(emulated at a narrow index width, and said so)."),
+                               "(emulated at a narrow index width, and said so); for a model where that is not "
+                               "silent, the sizes not given that are (said so)."),
     verbose: bool = options.verbose(),
 ) -> None:
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
+    quick_sizes = None
     if quick:
-        batch_size, max_length, index_bits = (given if given is not None else default for given, default in
-                                              zip((batch_size, max_length, index_bits), QUICK))
+        from mpsimpact.config import QUICK_SIZES  # QUICK's fields, in its order
+
+        asked = (batch_size, max_length, index_bits)
+        quick_sizes = tuple(name for name, value in zip(QUICK_SIZES, asked) if value is None)
+        batch_size, max_length, index_bits = (value if value is not None else default
+                                              for value, default in zip(asked, QUICK))
     given = dict(scenario=scenario, batch_size=batch_size, max_length=max_length, device=device, emulate=emulate,
                  guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
                  reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps,
                  lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory)
-    run_config = options.config_from(CONFIG, **given)  # validated before anything heavy is imported
+    run_config = options.config_from(CONFIG, **given, quick_sizes=quick_sizes)  # checked before heavy imports
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder

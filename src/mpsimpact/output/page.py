@@ -51,8 +51,11 @@ def without_rule_names(text: str) -> str:
 
 def command_lines(command: str, width: int = 80) -> list[str]:
     """A command to type, alone on its lines and pasteable as printed: broken only before an option (`--flag
-    value` kept together), each line but the last ending in " \\", the next indented by two spaces."""
-    words = command.split()
+    value` kept together), each line but the last ending in " \\", the next indented by two spaces. A quoted word
+    (a path with a space) stays one word, quoted as the shell reads it."""
+    import shlex
+
+    words = [shlex.quote(word) for word in shlex.split(command)]
     pieces: list[str] = []
     for word in words:
         if pieces and not word.startswith("-") and pieces[-1].startswith("-") and " " not in pieces[-1]:

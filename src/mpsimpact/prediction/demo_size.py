@@ -3,17 +3,19 @@ the smallest run that shows the effect clearly and fits, or why none does."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import shlex
 from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
-from mpsimpact.engine.faults import MPS_INDEX_BITS
+from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import MEASURED, MacMemory, call_bytes, smallest_showing
-from mpsimpact.prediction.outcome import predict
+from mpsimpact.prediction.outcome import Prediction, predict, spoken
 from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib, largest_fitting_batch
-from mpsimpact.prediction.safe_size import largest_safe_batch, plan_at
-from mpsimpact.config import GIB
+from mpsimpact.prediction.safe_size import PerTextCall, distinct_calls, largest_safe_batch, plan_at, silent_batches
+from mpsimpact.config import GIB, QUICK_BATCH_FACTOR
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEMO_LENGTHS = (512, 384, 256, 128)
@@ -124,17 +126,33 @@ def best_option(options: list[dict[str, Any]]) -> dict[str, Any] | None:
                                                      list(DTYPE_BYTES).index(o["dtype"])))
 
 
-def run_command(scenario: str, option: dict[str, Any], device: str | None = None) -> str:
-    """The `mpsimpact run` command of a demo option (on `device`, where given)."""
-    command = f"mpsimpact run {scenario}" + (f" --device {device}" if device else "")
-    command += f" --batch-size {option['batch_size']} --max-length {option['max_length']}"
-    command += f" --dtype {option['dtype']}" if option["dtype"] != "float32" else ""
-    return command + (f" --attention {option['attention']}" if option["attention"] != "eager" else "")
+@dataclasses.dataclass(frozen=True)
+class RunAsked:
+    """What chose the runs a plan recommends beyond each option's own sizes, dtype and attention: the scenario, its
+    model (--model; None: the scenario's own) and the index width. Every `mpsimpact run` command it writes carries
+    them, so that the command runs what the plan describes."""
+
+    scenario: str
+    model: str | None = None
+    index_bits: int = MPS_INDEX_BITS
+
+    def command(self, option: dict[str, Any] | None = None, device: str | None = None) -> str:
+        """The `mpsimpact run` command of a demo option (on `device`, where given); without one, the quick demo
+        of this model (--quick sets its own index width)."""
+        words = ["mpsimpact", "run", self.scenario, *(["--model", self.model] if self.model else [])]
+        if option is None:
+            return shlex.join([*words, "--quick"])
+        words += [*(["--device", device] if device else []), "--batch-size", str(option["batch_size"]),
+                  "--max-length", str(option["max_length"])]
+        words += ["--dtype", option["dtype"]] if option["dtype"] != "float32" else []
+        words += ["--attention", option["attention"]] if option["attention"] != "eager" else []
+        return shlex.join(words + (["--index-bits", str(self.index_bits)] if self.index_bits != MPS_INDEX_BITS
+                                   else []))
 
 
-def recommend(options: list[dict[str, Any]], mac: MacMemory, scenario: str) -> dict[str, Any]:
+def recommend(options: list[dict[str, Any]], mac: MacMemory, asked: RunAsked) -> dict[str, Any]:
     """The run to type on `mac` (`best_option` of those that fit), or why there is none and what instead: the
-    smallest Mac that can, and the emulated run on any machine."""
+    smallest Mac that can, and the emulated run on any machine; each command with what `asked` says."""
     for option in options:
         option["fits"] = fits(option, mac)
     if not options:
@@ -145,17 +163,17 @@ def recommend(options: list[dict[str, Any]], mac: MacMemory, scenario: str) -> d
     best = best_option([o for o in options if o["fits"]])
     if best is not None:
         how = f" with {BLOCKED} attention ({REASON})" if best["attention"] == BLOCKED else ""
-        return {"command": run_command(scenario, best), "option": best, "why": (
+        return {"command": asked.command(best), "option": best, "why": (
             f"{best['batch_size']} x {best['max_length']} in {best['dtype']}{how}: about "
             f"{best['estimated_peak_gib']} GiB of {mac.working_set / GIB:.1f}, its largest tensor "
             f"{best['largest_tensor_gib']} GiB under the {mac.largest_buffer / GIB:.1f} GiB buffer; "
             f"{best['outcome']}.")}
-    return _instead(options, mac, scenario)
+    return _instead(options, mac, asked)
 
 
-def _instead(options: list[dict[str, Any]], mac: MacMemory, scenario: str) -> dict[str, Any]:
+def _instead(options: list[dict[str, Any]], mac: MacMemory, asked: RunAsked) -> dict[str, Any]:
     """No option fits `mac`: why (its largest buffer, or its working set), the smallest Mac that can show the
-    effect and its command, and the emulated run on any machine (--device cpu)."""
+    effect and its command, and the emulated run on any machine (--device cpu; --quick the same in seconds)."""
     buffer_gib = mac.largest_buffer / GIB
     if all(o["largest_tensor_gib"] * GIB >= mac.largest_buffer for o in options):
         half, full = (2**MPS_INDEX_BITS * n / GIB for n in (2, 4))
@@ -171,11 +189,11 @@ def _instead(options: list[dict[str, Any]], mac: MacMemory, scenario: str) -> di
                f"{demo['estimated_peak_gib']} GiB.")
     found = smallest_showing(lambda other: any(fits(o, other) for o in options))
     emulated = best_option([o for o in options if o["dtype"] == "float32"] or options)
-    answer: dict[str, Any] = {"command": None, "why": why,
-                              "emulated_command": run_command(scenario, emulated, device="cpu")}
+    answer: dict[str, Any] = {"command": None, "why": why, "emulated_command": asked.command(emulated, device="cpu"),
+                              "quick_command": asked.command()}
     if found is not None:
         chosen = best_option([o for o in options if fits(o, found)])
-        answer["smallest_mac"] = {"mac_gb": found.unified_gb, "command": run_command(scenario, chosen),
+        answer["smallest_mac"] = {"mac_gb": found.unified_gb, "command": asked.command(chosen),
                                   "outcome": chosen["outcome"]}
     return answer
 
@@ -216,3 +234,108 @@ def mac_table(config: Any, first_corrupted: int, calls: list, length: int = 512,
             row[BLOCKED] = cells(BLOCKED, blocked_first, mac)
         rows.append(row)
     return rows
+
+
+# The published demo's share of wrong texts (683 of 2048, docs/fault-model.md "The published downstream demo"):
+# of the geometries that show the silent effect, --quick takes the one whose share is nearest it.
+PUBLISHED_SHARE = 683 / 2048
+SHORTEST_DEMO_LENGTH = 16  # tokens: the shortest length --quick and the silent sizes look at
+
+
+def power_lengths(positions: int) -> list[int]:
+    """The power-of-two lengths from SHORTEST_DEMO_LENGTH up to `positions`, longest first: an emulated run
+    replays the plan of these exactly at a reduced length (a wrap's period maps only for powers of two)."""
+    return [1 << n for n in range(max(positions, 1).bit_length() - 1, SHORTEST_DEMO_LENGTH.bit_length() - 2, -1)]
+
+
+def quick_geometry(calls_at: Callable[[int], list[PerTextCall]], asked: tuple[int, int, int], free: set[str],
+                   positions: int, heads: int, profile: Any, mac: Any = None) -> tuple[tuple[int, int, int] | None,
+                                                                                         Prediction]:
+    """--quick's geometry (batch, length, index bits) for a model, and the prediction at `asked`. `asked` itself
+    where it shows the silent effect (a forward pass silently wrong, its texts known, nothing stopping); else,
+    varying the sizes named in `free` ("batch_size", "max_length", "index_bits"; a power-of-two length up to
+    `positions`, an index width in INDEX_BITS_RANGE, a batch up to QUICK_BATCH_FACTOR times the asked one), the
+    geometry that does, closest to the asked batch, then with the share of wrong texts nearest the published
+    demo's, then the longest length and the widest index; None where none does. `calls_at(length)`: the
+    per-text calls at that length."""
+    batch, length, bits = asked
+    at_asked = predict(plan_at(distinct_calls(calls_at(length)), batch, bits, profile, mac), batch, heads)
+    if at_asked.outcome == "wrong":
+        return asked, at_asked
+    found = []
+    for size in power_lengths(positions) if "max_length" in free else [length]:
+        for width in range(INDEX_BITS_RANGE[1], INDEX_BITS_RANGE[0] - 1, -1) if "index_bits" in free else [bits]:
+            stretches = silent_batches(calls_at(size), heads, width, profile, QUICK_BATCH_FACTOR * batch, mac) \
+                if "batch_size" in free else [(batch, batch)]
+            texts = min((min(max(batch, first), last) for first, last in stretches), key=lambda n: abs(n - batch),
+                        default=None)
+            prediction = predict(plan_at(distinct_calls(calls_at(size)), texts, width, profile, mac), texts,
+                                 heads) if texts else None
+            if prediction is not None and prediction.outcome == "wrong":
+                share = prediction.corrupted_count / texts
+                found.append(((abs(texts - batch), abs(share - PUBLISHED_SHARE), -size, -width), (texts, size, width)))
+    return min(found)[1] if found else None, at_asked
+
+
+def silent_sizes(calls_at: Callable[[int], list[PerTextCall]], length: int, positions: int, heads: int,
+                 index_bits: int, profile: Any, ceiling: int, mac: Any = None) -> dict[str, Any]:
+    """Where a run that stops would show the silent effect instead, under `profile`'s rules (on `mac`, with its
+    largest buffer): the stretches of batches (safe_size.silent_batches, up to `ceiling`) at `length`, else at the
+    longest power-of-two length up to `positions` that has any, with the first wrong text of the first stretch,
+    the batch of it whose share of wrong texts is nearest the published demo's, and all of it in a sentence;
+    "batches" empty where none does at any of them."""
+    lengths = [length, *(size for size in power_lengths(positions) if size != length)]
+    sizes = {"max_length": None, "index_bits": index_bits, "batches": [], "first_corrupted_text": None,
+             "example_batch": None, "ceiling": ceiling, "lengths": lengths, "mac": mac.label if mac else None}
+    for size in lengths:
+        stretches = silent_batches(calls_at(size), heads, index_bits, profile, ceiling, mac)
+        if stretches:
+            first = stretches[0][0]
+            text = predict(plan_at(calls_at(size), first, index_bits, profile, mac), first, heads).first_corrupted_text
+            shown = min(max(first, round(text / (1 - PUBLISHED_SHARE))), stretches[0][1])  # the published share
+            sizes |= {"max_length": size, "batches": [list(s) for s in stretches], "first_corrupted_text": text,
+                      "example_batch": shown}
+            break
+    return sizes | {"sentence": silent_sizes_words(sizes, profile.label)}
+
+
+def silent_sizes_words(sizes: dict[str, Any], release: str) -> str:
+    """`silent_sizes` in one sentence: which batches of how many tokens show the silent effect on `release`, or
+    that none does."""
+    bits = sizes["index_bits"]
+    narrowed = f" at the {bits}-bit index" if bits != MPS_INDEX_BITS else ""
+    release += f" on {sizes['mac']}" if sizes.get("mac") else ""
+    if not sizes["batches"]:
+        lengths = sizes["lengths"]
+        at = f"{lengths[0]} tokens" + (f" or any power-of-two length from {lengths[-1]} to {max(lengths)}"
+                                       if len(lengths) > 1 else "")
+        return (f"No batch of up to {sizes['ceiling']:,} texts at {at}{narrowed} shows the silent effect on torch "
+                f"{release} for this model: wherever a call crosses a limit, the run stops first (or its wrong "
+                "values are not characterised).")
+    (first, last), *more = sizes["batches"]
+    upto = f"at least {last:,}" if last >= sizes["ceiling"] else f"{last:,}"
+    others = f" (and {len(more)} more stretch{'es' if len(more) > 1 else ''} of batches)" if more else ""
+    return (f"The silent effect shows instead from {first:,} to {upto} texts of {sizes['max_length']} tokens"
+            f"{narrowed}{others} on torch {release} for this model: wrong from text {sizes['first_corrupted_text']:,}, "
+            f"and nothing stops (e.g. --batch-size {sizes['example_batch']} --max-length {sizes['max_length']}).")
+
+
+def quick_words(asked: tuple[int, int, int], chosen: tuple[int, int, int] | None, at_asked: Prediction,
+                judged: Any, sized_on: Any) -> str:
+    """What --quick did for a model whose usual geometry (`asked`) shows no silent effect: the geometry it chose
+    instead, on which release's rules (`sized_on`: the `judged` one's, or the published demo's where none is silent
+    on it or nobody measured it) and why, or that it found none and runs the usual one. "" where it kept `asked`."""
+    if chosen == asked:
+        return ""
+    usual = f"{asked[0]} texts of {asked[1]} tokens at a {asked[2]}-bit index"
+    if sized_on.ref == judged.ref:
+        on = f" on torch {judged.label}"
+    else:
+        unknown = (f"nobody measured torch {judged.release} on MPS" if judged.conservative
+                   else f"none is on torch {judged.label}")
+        on = f" on torch {sized_on.label}, a release measured on Macs where the bug is silent ({unknown})"
+    if chosen is None:
+        return (f"--quick found no geometry that shows the silent effect for this model{on}, so it runs its usual "
+                f"{usual}.")
+    return (f"--quick chose {chosen[0]} texts of {chosen[1]} tokens at a {chosen[2]}-bit index for this model, where "
+            f"the damage is silent{on}: at its usual {usual}, torch {sized_on.label} {spoken(at_asked)}.")

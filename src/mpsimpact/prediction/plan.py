@@ -8,10 +8,11 @@ from typing import Any
 
 from mpsimpact.errors import UsageError
 from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
+from mpsimpact.prediction.demo_size import silent_sizes
 from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
-from mpsimpact.prediction.safe_size import largest_safe_batch, per_text_calls, plan_at
+from mpsimpact.prediction.safe_size import PerTextTraces, largest_safe_batch, plan_at
 from mpsimpact.engine.mac_memory import resolve_mac
 from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, cache_root, judge_release, profile_for
 
@@ -45,8 +46,8 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
     profile, mac = judged.profile, resolve_mac(config.memory, cache_root())
-    traced = {L: per_text_calls(meta, L, backward=config.backward, allocations=mac is not None, profile=profile)
-              for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
+    traces = PerTextTraces(meta, backward=config.backward, allocations=mac is not None, profile=profile)
+    traced = {L: traces(L) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
@@ -68,6 +69,10 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         report["padding"] = meta.padding
     if mac is not None:
         report["mac"] = mac.to_json()
+    # Where it would be silent instead (on a Mac, --memory's recommendation says it: the demo that fits)
+    if section.prediction.stop is not None and not profile.conservative and not config.memory:
+        report["silent_sizes"] = silent_sizes(traces, length, positions, heads, config.index_bits, profile, ceiling,
+                                              mac)
     if config.backward:
         report["backward_faulting_calls"] = sum(1 for c in section.plan.faults if c.phase == "backward")
     if config.memory:
@@ -88,8 +93,8 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
     smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
     from mpsimpact.blocked_attention import NAME as BLOCKED
-    from mpsimpact.prediction.demo_size import (blocked_options, demo_options, mac_table, product_safe_batch,
-                                                recommend, working_set_words)
+    from mpsimpact.prediction.demo_size import (RunAsked, blocked_options, demo_options, mac_table,
+                                                product_safe_batch, recommend, working_set_words)
 
     def trace_blocked(batch: int, length: int) -> Any:
         meta = scenario.meta_module(model_config, BLOCKED)
@@ -107,7 +112,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
         blocked_safe = product_safe_batch(traced[512], heads, config.index_bits, profile) if 512 in traced else 0
     table = mac_table(model_config, safe.get(512, 0) + 1, traced.get(512, []),
                       blocked_first=blocked_safe + 1 if blocked_safe else None, dtypes=dtypes)
-    recommendation = recommend(options, mac, scenario.name)
+    recommendation = recommend(options, mac, RunAsked(scenario.name, config.model, config.index_bits))
     if unmeasured is not None:
         recommendation["why"] = (
             f"Cannot tell on torch {unmeasured.release}: nobody measured it on MPS, so nobody can tell whether any "

@@ -16,6 +16,7 @@ from mpsimpact.engine.mac_memory import MacMemory, call_bytes
 from mpsimpact.engine.release import FaultProfile
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.outcome import predict
 
 
 # (c0, c1, c2, den): the entry at length L is (c0 + c1*L + c2*L*L) / den, exactly.
@@ -270,6 +271,22 @@ def per_text_calls(meta_module: Any, length: int, *, backward: bool = False, all
     return per_text(two, four)
 
 
+class PerTextTraces:
+    """`per_text_calls` of one meta module at any length, each length traced once, when first asked: the
+    lengths plan, --quick and the silent sizes look at (prediction.demo_size)."""
+
+    def __init__(self, meta_module: Any, *, backward: bool = False, allocations: bool = False,
+                 profile: FaultProfile | None = None) -> None:
+        self.meta_module, self.profile = meta_module, profile
+        self.options = {"backward": backward, "allocations": allocations, "profile": profile}
+        self._traced: dict[int, list[PerTextCall]] = {}
+
+    def __call__(self, length: int) -> list[PerTextCall]:
+        if length not in self._traced:
+            self._traced[length] = per_text_calls(self.meta_module, length, **self.options)
+        return self._traced[length]
+
+
 def per_text(two: FaultPlan, four: FaultPlan) -> list[PerTextCall]:
     """The calls of traces at 2 and 4 texts, each with its operands at both (to rescale it).
 
@@ -297,9 +314,19 @@ def scalable(two: FaultPlan, four: FaultPlan) -> bool:
 
 def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int, profile: FaultProfile,
                        ceiling: int = 1 << 24, mac: MacMemory | None = None) -> int:
-    """The largest batch B such that every batch up to B is safe. The rules change outcome only
-    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch (on `mac`, where a
-    call's bytes reach its largest buffer), so only those candidate sizes are checked."""
+    """The largest batch B such that every batch up to B is safe, checked at `batch_candidates` alone."""
+    for batch in batch_candidates(calls, index_bits, ceiling, mac):
+        if plan_at(calls, batch, index_bits, profile, mac).faults:  # pure arithmetic on rescaled shapes
+            return batch - 1
+    return ceiling
+
+
+def batch_candidates(calls: list[PerTextCall], index_bits: int, ceiling: int,
+                     mac: MacMemory | None = None) -> list[int]:
+    """The batches in 1..ceiling, in order, where some call's outcome can change: the rules change outcome only
+    where a numel crosses 2**(bits-1) or 2**bits, or a wrap start enters the batch (on `mac`, where a call's
+    bytes reach its largest buffer). Between two of them (and from the last to `ceiling`) every call's fault
+    stays the same, so one plan at each start decides the whole stretch."""
     limit, view_limit = limits(index_bits)
     candidates = set(_buffer_batches(calls, mac.buffer_at(index_bits))) if mac is not None else set()
     for p in calls:
@@ -311,10 +338,40 @@ def largest_safe_batch(calls: list[PerTextCall], heads: int, index_bits: int, pr
         if p.call.family == "bmm":  # where the first wrapped row enters the batch
             for spec in (a, b):
                 candidates.add(-(-limit // spec.per_batch) // a.shape[0] + 1)
-    for batch in sorted(c for c in candidates if 1 <= c <= ceiling):
-        if plan_at(calls, batch, index_bits, profile, mac).faults:  # pure arithmetic on rescaled shapes
-            return batch - 1
-    return ceiling
+    return sorted(c for c in candidates | {1} if 1 <= c <= ceiling)
+
+
+def distinct_calls(calls: list[PerTextCall]) -> list[PerTextCall]:
+    """The calls less each that repeats an earlier one's op and operands at every batch (a later layer's), SDPA's
+    calls and their math paths' kept whole: the forward's outcome, its first wrong text and where it first stops
+    are the same at every batch (outcome.predict reads the first of each), for a fraction of the arithmetic."""
+    seen, kept = set(), []
+    for p in calls:
+        c = p.call
+        if c.within is None and c.family != "sdpa":
+            key = (c.op, c.phase, c.needs_grad, c.a, c.b, p.a4, p.b4)
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(p)
+    return kept
+
+
+def silent_batches(calls: list[PerTextCall], heads: int, index_bits: int, profile: FaultProfile,
+                   ceiling: int = 1 << 24, mac: MacMemory | None = None) -> list[tuple[int, int]]:
+    """The stretches (first, last) of batches in 1..ceiling whose forward pass is silently wrong with the wrong
+    texts known (outcome.Prediction.outcome "wrong": nothing stops, nothing uncharacterised alone): where a run
+    shows the silent effect. Decided once per stretch of `batch_candidates`."""
+    calls = distinct_calls(calls)
+    starts = batch_candidates(calls, index_bits, ceiling, mac)
+    stretches: list[tuple[int, int]] = []
+    for start, end in zip(starts, [*starts[1:], ceiling + 1]):
+        if predict(plan_at(calls, start, index_bits, profile, mac), start, heads).outcome != "wrong":
+            continue
+        if stretches and stretches[-1][1] == start - 1:
+            start = stretches.pop()[0]
+        stretches.append((start, end - 1))
+    return stretches
 
 
 def _buffer_batches(calls: list[PerTextCall], buffer: int) -> set[int]:

@@ -41,6 +41,8 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     if pred["stops"]:
         line = stop_line(pred["stops"], calls, unmeasured_release(report["profile"]))
         console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
+        if report.get("silent_sizes"):
+            console.print(report["silent_sizes"]["sentence"], markup=False)
     else:
         console.print(f"Predicted: {pred['describe']}.", markup=False)
     ceiling = report.get("largest_safe_batch_ceiling")
@@ -85,7 +87,7 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
                       "there, run:", markup=False)
         _print_command(console, smallest["command"])
     if emulated := rec.get("emulated_command"):
-        quick = f"{emulated.split(' --')[0]} --quick"  # the same scenario at a narrow index
+        quick = rec["quick_command"]  # the same scenario and model at a narrow index
         console.print("On any machine, emulated on its CPU (every result says EMULATED; at this size it takes "
                       f"minutes on a laptop's CPU, where `{quick}` shows the same effect in seconds):",
                       markup=False)

@@ -134,7 +134,7 @@ def _run_length(config: Any, device: str, emulated: bool, full: int, max_length:
         return max_length
     if device == "mps" or (not emulated and device != "cpu"):
         hint = "" if device != "mps" else (
-            f" `mpsimpact plan {config.scenario} --memory auto` names the smallest demo that fits this Mac.")
+            f" `{config.plan_command('--memory', 'auto')}` names the smallest demo that fits this Mac.")
         raise MemoryPreflightError(
             f"This run needs about {full / GIB:.1f} GiB for attention scores and activations; {device} "
             f"offers {device_memory(device) / GIB:.1f} GiB. Lower --batch-size or --max-length, or use "

@@ -63,8 +63,8 @@ class RunKind(abc.ABC):
                 raise UsageError(f"run {config.scenario} does not use {flag}: {why}; drop {flag}.", option=flag)
         if config.attention not in self.attentions or config.dtype not in self.dtypes:
             raise UsageError(f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and "
-                             f"--dtype {' or '.join(self.dtypes)} only; `mpsimpact plan {config.scenario} "
-                             "--versions` predicts sdpa.")
+                             f"--dtype {' or '.join(self.dtypes)} only; `{config.plan_command('--versions')}` "
+                             "predicts sdpa.")
 
     @abc.abstractmethod
     def run(self, config: Any, scenario: Any, model: Any, geometry: Any, sections: dict,

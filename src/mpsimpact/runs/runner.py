@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -12,11 +13,13 @@ import torch
 
 from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
-from mpsimpact.config import RunConfig
+from mpsimpact.config import RunConfig, batch_ceiling
+from mpsimpact.prediction.demo_size import power_lengths, quick_geometry, quick_words, silent_sizes
 from mpsimpact.prediction.outcome import PredictionSection, Subject
-from mpsimpact.prediction.meta_model import trace_meta
+from mpsimpact.prediction.meta_model import heads_of, trace_meta, usable_positions
+from mpsimpact.prediction.safe_size import PerTextTraces
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.engine.release import STUDY, judge_release
+from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, STUDY, judge_release, profile_for
 from mpsimpact.runs.kind import SCHEMA_VERSION
 from mpsimpact.runs.device_pass import Geometry, decide_geometry
 
@@ -34,12 +37,14 @@ def run_scenario(config: RunConfig,
     scenario_cls = get_scenario(config.scenario)
     scenario = scenario_cls(model=config.model, dataset=config.dataset)
     kind = scenario.kind
+    mac = run_mac(config, device)
+    shapes = ModelShapes(scenario, config.attentions[0], config, kind.backward, mac)
+    config, chosen = quick_config(config, shapes, release.profile) if config.quick_sizes else (config, "")
     batch = config.batch_size or scenario_cls.default_batch_size
     max_length = config.max_length or scenario_cls.default_max_length
     torch.manual_seed(config.seed)
     scenario.load()
     model = scenario.model
-    mac = run_mac(config, device)
     geometry = dataclasses.replace(decide_geometry(config, model, device, batch, max_length, kind.backward),
                                    profile=release.profile, dtype=config.dtype, mac=mac)
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
@@ -57,7 +62,11 @@ def run_scenario(config: RunConfig,
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
-    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"])
+    said = [chosen] if chosen else []
+    if (sizes := where_silent(sections[geometry.attentions[0]], shapes, config, geometry)) is not None:
+        report["silent_sizes"] = sizes
+        said.append(sizes["sentence"])
+    report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"], said)
     return report, arrays
 
 
@@ -105,6 +114,79 @@ def check_half_threshold(config: RunConfig, given: Any = None) -> None:
         raise UsageError(f"--threshold {config.threshold:g} is below the {HALF_THRESHOLD:g} a {config.dtype} run is "
                          "judged at (kernel-order rounding keeps clean texts below it, not below less): give "
                          f"--threshold {HALF_THRESHOLD:g} or more, or drop it.", option="--threshold")
+
+def where_silent(section: PredictionSection, shapes: ModelShapes, config: RunConfig,
+                 geometry: Geometry) -> dict[str, Any] | None:
+    """Where a run predicted to stop (an abort or an error, at any call) would show the silent effect instead
+    (demo_size.silent_sizes, at the run's length and index width first); None where it does not stop, or on a
+    release nobody measured (nobody can tell where it is silent)."""
+    profile = section.release.profile
+    if section.prediction.stop is None or profile.conservative:
+        return None
+    if shapes.attention != geometry.attentions[0]:  # blocked_eager where eager would not fit this Mac
+        shapes = ModelShapes(shapes.scenario, geometry.attentions[0], config, shapes.backward, shapes.mac)
+    return silent_sizes(shapes.traces(profile), geometry.max_length, shapes.positions, shapes.heads,
+                        config.index_bits, profile, batch_ceiling(geometry.batch_size), shapes.mac)
+
+
+class ModelShapes:
+    """The scenario's model as one attention traces it on meta in the run's dtype: its heads, its usable length
+    and its per-text calls at any length under a release's rules (each traced when first asked), for --quick's
+    geometry and the sizes that show the silent effect (prediction.demo_size). Nothing is read before it is
+    asked."""
+
+    def __init__(self, scenario: Any, attention: str, config: RunConfig, backward: bool, mac: Any) -> None:
+        self.scenario, self.attention, self.dtype = scenario, attention, getattr(torch, config.dtype)
+        self.backward, self.mac = backward, mac
+        self._traces: dict[str, PerTextTraces] = {}
+
+    @functools.cached_property
+    def model_config(self) -> Any:
+        return self.scenario.load_config()
+
+    @property
+    def heads(self) -> int:
+        return heads_of(self.model_config)
+
+    @property
+    def positions(self) -> int:
+        return usable_positions(self.model_config)
+
+    def traces(self, profile: Any) -> PerTextTraces:
+        """The per-text calls at any length as `profile`'s release makes them (safe_size.PerTextTraces)."""
+        if profile.ref not in self._traces:
+            meta = self.scenario.meta_module(self.model_config, attention=self.attention).to(self.dtype)
+            self._traces[profile.ref] = PerTextTraces(meta, backward=self.backward, allocations=self.mac is not None,
+                                                      profile=profile)
+        return self._traces[profile.ref]
+
+
+def quick_config(config: RunConfig, shapes: ModelShapes, judged: Any) -> tuple[RunConfig, str]:
+    """--quick for this model: the config with the geometry that shows the silent effect (demo_size.quick_geometry:
+    the sizes it set, QUICK's, where they do; else chosen among those not given), and what it chose in words ("" where
+    it kept them). Sized on the `judged` release's rules, else (none is silent there, or nobody measured it) on the
+    published demo's release, where the bug is silent: the quick runs of one model on two releases compare."""
+    if None in (config.batch_size, config.max_length):
+        return config, ""
+    if config.max_length > shapes.positions:  # a model of fewer positions: at most its own, or refused as given
+        if "max_length" not in config.quick_sizes:
+            return config, ""  # decide_geometry says so, as for any run
+        longest = max(power_lengths(shapes.positions), default=shapes.positions)
+        config = dataclasses.replace(config, max_length=longest)
+    asked, published = (config.batch_size, config.max_length, config.index_bits), profile_for(PUBLISHED_DEMO_RELEASE)
+    rules = [] if judged.conservative else [judged]
+    rules += [published] if published.ref != judged.ref else []
+    chosen, at_asked, profile = None, None, judged
+    for profile in rules:
+        chosen, at_asked = quick_geometry(shapes.traces(profile), asked, set(config.quick_sizes), shapes.positions,
+                                          shapes.heads, profile, shapes.mac)
+        if chosen is not None:
+            break
+    words = quick_words(asked, chosen, at_asked, judged, profile)
+    if chosen is None or chosen == asked:
+        return config, words
+    batch, length, bits = chosen
+    return dataclasses.replace(config, batch_size=batch, max_length=length, index_bits=bits), words
 
 
 def run_mac(config: RunConfig, device: str) -> Any:
@@ -163,8 +245,10 @@ def version_rows(scenario, model, batch: int, length: int, index_bits: int) -> l
 _VERSION_ROWS: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
 
-def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any]) -> list[str]:
-    notes = [geometry.mode + "."]
+def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any], said: list[str] = ()) -> list[str]:
+    """The report's notes: the mode, then `said` (what --quick chose, where the effect would be silent), then how
+    the run differs from MPS at full scale."""
+    notes = [geometry.mode + ".", *said]
     if geometry.substituted:
         notes.append(f"{geometry.substituted[0].upper()}{geometry.substituted[1:]}.")
     elif BLOCKED in geometry.attentions:
