@@ -56,6 +56,10 @@ def write_run(folder, run, corrupted=None):
     """report.json, and samples.jsonl with `corrupted` positions per completed guard (default: the
     report's count from its first corrupted index)."""
     folder.mkdir(parents=True)
+    batch = run["geometry"]["batch_size"]
+    for c in run["conditions"]:  # as a run writes it: the fraction of its count
+        if c.get("corrupted_count") is not None:
+            c["corrupted_fraction"] = c["corrupted_count"] / batch
     (folder / "report.json").write_text(json.dumps(run))
     lines = []
     for c in run["conditions"]:
@@ -64,7 +68,7 @@ def write_run(folder, run, corrupted=None):
         first, count = c.get("first_corrupted_index"), c.get("corrupted_count") or 0
         bad = set((corrupted or {}).get(c["guard"], range(first, first + count) if count else ()))
         name = c["guard"] if c.get("attention", "eager") == "eager" else f"{c['attention']}-{c['guard']}"  # as runs name them
-        lines += [json.dumps({"guard": name, "position": i, "corrupted": i in bad}) for i in range(BATCH)]
+        lines += [json.dumps({"guard": name, "position": i, "corrupted": i in bad}) for i in range(batch)]
     (folder / "samples.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -186,6 +190,8 @@ def test_versions_and_profile_changed_with_equal_outcomes_is_informational(tmp_p
 def test_different_geometry_is_not_comparable(tmp_path, section, key, value, words):
     other = report()
     (other[section] if section else other)[key] = value
+    if section == "geometry" and key in other["config"]:  # a run's config holds the sizes it ran at
+        other["config"][key] = value
     result, text = compare(*pair(tmp_path, other))
     assert result.exit_code == 1, text
     assert f"different geometry: not comparable ({words})" in text
@@ -313,7 +319,7 @@ def _empty_folder(tmp_path):
         (_not_a_report, "is not an mpsimpact run report"),
         (lambda t: (write_run(t / "run", report()), write_sweep(t / "sweep")), "Cannot compare a run ('{old}') with a sweep ('{new}')"),
         (lambda t: (write_run(t / "a", report(schema_version=0)), write_run(t / "b", report())),
-         "'{old}' has schema_version 0 and '{new}' has 1"),
+         "'{old}/report.json' is damaged or mixes two results: schema_version is 0, not one of 1..2"),
         (lambda t: (write_run(t / "a", report()), write_run(t / "b", report(schema_version=3))),
          "'{new}/report.json' has schema_version 3, newer than this mpsimpact reads (2)"),
     ],

@@ -91,7 +91,7 @@ DAMAGES = {
     "NaN in summary.json": (nan_in_summary, "summary.json': NaN is not a number JSON allows"),
     "NaN in a row": (nan_in_a_row, "line 10: NaN is not a number JSON allows"),
     "flipped observation": (flipped_row, "are not the ones summary.json counts"),
-    "cells miscounted": (cells_miscounted, 'cells is "30", not a whole number >= 1'),
+    "cells miscounted": (cells_miscounted, 'cells is text, not a whole number'),
 }
 
 
@@ -154,7 +154,8 @@ def test_bad_samples_are_one_line_and_exit_2(tmp_path, samples, words):
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("accuracy", float("nan"), "accuracy is NaN, not a number between 0 and 1"),
     ("corrupted_count", BATCH + 1, f"corrupted_count is {BATCH + 1}, not a count of at most {BATCH}"),
-    ("first_corrupted_index", "1365", 'first_corrupted_index is "1365", not a position below 2048'),
+    ("first_corrupted_index", "1365", 'first_corrupted_index is text, not a whole number'),
+    ("first_corrupted_index", 2048, "first_corrupted_index is 2048, not a position below 2048"),
     ("flips", -3, "flips is -3"),
 ])
 def test_a_report_number_out_of_range_is_one_line_and_exit_2(tmp_path, field, value, words):
@@ -163,4 +164,4 @@ def test_a_report_number_out_of_range_is_one_line_and_exit_2(tmp_path, field, va
     old = write_run(tmp_path / "old", report())
     new = write_run(tmp_path / "new", report())
     (new / "report.json").write_text(json.dumps(run))  # json writes NaN as NaN, as a run's report.json could
-    one_line_exit_2(old, new, "report.json' is damaged or mixes two results: condition 1 (guard off): " + words)
+    one_line_exit_2(old, new, "report.json' is damaged or mixes two results: conditions.0." + words)

@@ -18,6 +18,7 @@ from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import allocates
 from mpsimpact.modes.piecewise import has_split
+from mpsimpact.output.record import ABSENT, Record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,61 @@ class Prediction:
                                                 "message": stop.fault.message},
             "silent_faults": [call.to_json() for call in self.silent],
         }
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PredictionBlock(Record):
+    """A prediction as files hold it, one vocabulary for run, plan and check: the outcome in a word and in words,
+    the first wrong sample and head, how many samples go wrong and what fraction, the calls nobody characterised or
+    measured, and where MPS stops. report.json's block keeps its schema-1 fields (first_corrupted_text, ...; "stops":
+    the first stop) and adds plan's and check's ("stops" there: every stopping call's row)."""
+
+    outcome: str
+    first_corrupted_text: int | None = ABSENT
+    first_corrupted_head: int | None = ABSENT
+    corrupted_count: int = ABSENT
+    corrupted_fraction: float = ABSENT
+    uncharacterised_faults: int = ABSENT
+    unmeasured_faults: int = ABSENT
+    stops: dict[str, Any] | list[dict[str, Any]] | None = ABSENT
+    silent_faults: list[dict[str, Any]] = ABSENT
+    describe: str = ABSENT
+    first_wrong_sample: int | None = ABSENT
+    first_wrong_head: int | None = ABSENT
+    wrong_samples: int | None = ABSENT
+    wrong_fraction: float | None = ABSENT
+    uncharacterised_calls: int = ABSENT
+    unmeasured_calls: int = ABSENT
+    note: str = ABSENT
+
+    def disagreement(self, batch: int) -> str | None:
+        """What makes its numbers disagree with a batch of `batch`, in words, or None."""
+        for count, fraction, first in (("corrupted_count", "corrupted_fraction", "first_corrupted_text"),
+                                       ("wrong_samples", "wrong_fraction", "first_wrong_sample")):
+            n, share, at = self.get(count), self.get(fraction), self.get(first)
+            if n is not None and not 0 <= n <= batch:
+                return f"{count} is {n}, not a count of at most {batch}"
+            if n is not None and share is not None and abs(share - n / batch) > 1e-9:
+                return f"{fraction} is {share}, not {count} / batch = {n}/{batch}"
+            if at is not None and not 0 <= at < batch:
+                return f"{first} is {at}, not a position below {batch}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReleaseBlock(Record):
+    """Which release a command judged and why (engine.release.JudgedRelease.to_json), and what the installed torch
+    would do on a Mac ("on_a_mac"; None where it is the one judged): report.json's, plan.json's and check.json's
+    "release"."""
+
+    judged: str
+    release: str
+    label: str = ABSENT
+    measured: bool = ABSENT
+    why: str = ABSENT
+    installed: str = ABSENT
+    sentence: str = ABSENT
+    on_a_mac: str | None = ABSENT
 
 
 def unmeasured_calls(calls: tuple[CallRecord, ...]) -> str:

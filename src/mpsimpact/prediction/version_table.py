@@ -3,6 +3,7 @@ workload (inference, one training step), from shapes alone. The slide for "what 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,24 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.prediction.outcome import Prediction, predict, step_outcome
 from mpsimpact.prediction.meta_model import trace_meta
 from mpsimpact.engine.release import CONSERVATIVE, MEASURED_RELEASES, measured_profiles, profile_for
+from mpsimpact.output.record import ABSENT, Record
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VersionRow(Record):
+    """One row of the version table as files hold it (report.json's and plan.json's "versions"): a release range,
+    an attention implementation and a workload (older reports: "phase"), and what that geometry does there."""
+
+    release: str
+    attention: str
+    outcome: str
+    workload: str = ABSENT
+    phase: str = ABSENT
+    first_corrupted_text: int | None = ABSENT
+    corrupted_count: int | None = ABSENT
+    message: str | None = ABSENT
+    cannot_tell: bool = ABSENT
+    note: str | None = ABSENT
 
 
 def cell(forward: Prediction, whole: Prediction | None) -> dict[str, Any]:

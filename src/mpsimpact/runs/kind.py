@@ -265,6 +265,11 @@ class RunKind(abc.ABC):
             corrupted.setdefault(key, set()).update([position] if sample["corrupted"] else [])
         if not texts:
             raise files.damaged(name, "it holds no texts")
+        batch, statuses = run["geometry"]["batch_size"], {condition_key(c.get("attention"), c["guard"]): c["status"]
+                                                           for c in run["conditions"]}
+        for key, seen in texts.items():  # a line per text of each completed condition: none cut, none added
+            if statuses.get(key) == "completed" and seen != set(range(batch)):
+                raise files.damaged(name, f"guard {key} holds {len(seen)} of the batch's {batch} texts")
         return {key: frozenset(found) for key, found in corrupted.items()}
 
     def condition_rows(self, run: dict) -> list[list[str]]:

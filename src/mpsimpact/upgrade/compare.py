@@ -11,7 +11,7 @@ from typing import Any
 from mpsimpact.engine.faults import SILENT_KINDS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.output.page import cell_name, without_rule_names
-from mpsimpact.runs.kind import SCHEMA_VERSION, RunKind, status_words, stop_kind, stopped_in
+from mpsimpact.runs.kind import RunKind, status_words, stop_kind, stopped_in
 from mpsimpact.runs.kinds import kind_of
 from mpsimpact.runs.sweep import NOT_RUN
 from mpsimpact.config import DEFAULT_ATTENTION
@@ -93,11 +93,6 @@ def compare_folders(old: str | Path, new: str | Path) -> Comparison:
     if before.kind != after.kind:
         raise UsageError(f"Cannot compare a {before.kind} ('{old}') with a {after.kind} ('{new}'); "
                          "pass two run folders or two sweep folders.")
-    readable = set(range(1, SCHEMA_VERSION + 1))  # each schema only adds to the one before
-    versions = {before.schema_version, after.schema_version}
-    if len(versions) > 1 and not versions <= readable:
-        raise UsageError(f"'{old}' has schema_version {before.schema_version} and '{new}' has "
-                         f"{after.schema_version}; re-run the older one with this mpsimpact to compare them.")
     environment = _environment_rows(before, after)
     part = _compare_runs(before, after) if isinstance(before, RunFolder) else _compare_sweeps(before, after)
     differing = _differing_geometry(before, after)
