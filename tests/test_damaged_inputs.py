@@ -16,7 +16,8 @@ from mpsimpact.engine.release import resolve_profile
 from mpsimpact.output.record import field_type, fits
 from mpsimpact.runs.family_cells import FamilyCell, family_grid
 from mpsimpact.runs.run_report import RunReport
-from mpsimpact.runs.sweep_summary import SweepSummary
+from mpsimpact.runs.sweep_summary import SweepRow, SweepSummary
+from mpsimpact.bounds import parse_json
 from mpsimpact.runs.row_check import reread_problem, reread_rows
 from mpsimpact.runs.sweep import Cell, grid
 from interrupted import interrupted_sweep
@@ -132,6 +133,48 @@ NESTED = {  # what the tester saw crash, and its neighbours: (folder, file, chan
     "a row's torch an object": ("sweep", "sweep.jsonl", set_in([2, "torch"], {}), "line 3: torch is an object"),
     "a row's width text": ("sweep", "sweep.jsonl", set_in([1, "index_bits"], "16"), "line 2: index_bits is text"),
 }
+
+
+# A quick run's report.json and samples.jsonl, damaged as a tester did (issue 57): each one line, exit 2, naming
+# the file and the field (before, compare answered most of them as if nothing were wrong).
+def cut_last_line(rows):
+    rows.pop()
+
+
+AGREEMENT = {
+    "a status nobody writes": ("run", "report.json", set_in(["conditions", 0, "status"], "banana"),
+                               'conditions.0.status is "banana", not one of completed'),
+    "another kind": ("run", "report.json", set_in(["kind"], "training"),
+                     "columns are not those of a run of kind training"),
+    "schema_version true": ("run", "report.json", set_in(["schema_version"], True), "schema_version is true"),
+    "samples' last line cut": ("run", "samples.jsonl", cut_last_line, "holds 15 of the batch's 16 texts"),
+    "a fraction beside its count": ("run", "report.json", set_in(["conditions", 0, "corrupted_fraction"], 0.9),
+                                    "conditions.0.corrupted_fraction is 0.9, not corrupted_count / batch = 6/16"),
+    "wall_s NaN": ("run", "report.json", set_in(["conditions", 0, "wall_s"], float("nan")),
+                   "conditions.0.wall_s is NaN, not a finite number"),
+    "release null": ("run", "report.json", set_in(["release"], None), "release is null, not an object"),
+    "the config's batch another's": ("run", "report.json", set_in(["config", "batch_size"], 17),
+                                     "config.batch_size is 17, geometry.batch_size 16"),
+}
+
+
+@pytest.mark.parametrize("case", AGREEMENT, ids=list(AGREEMENT))
+def test_a_report_whose_fields_disagree_is_one_line_naming_file_and_field(real, tmp_path, case):
+    what, name, change, words = AGREEMENT[case]
+    damaged = damaged_copy(real / what, tmp_path, name, change)
+    for code, stderr, output in compare_both_ways(real / what, damaged):
+        assert code == 2, output
+        line = one_message(stderr)
+        assert f"{damaged / name}' is damaged" in line and words in line, line
+
+
+def test_a_quick_run_and_a_sweep_read_back_as_typed_values_write_the_same_bytes(real):
+    for folder, name, typed in (("run", "report.json", RunReport), ("sweep", "summary.json", SweepSummary)):
+        text = (real / folder / name).read_text()
+        assert json.dumps(typed.from_json(parse_json(text, allow_nan=True)).to_json(), indent=2) + "\n" == text
+    rows = (real / "sweep" / "sweep.jsonl").read_text()
+    assert "".join(json.dumps(SweepRow.from_json(json.loads(line)).to_json()) + "\n"
+                   for line in rows.splitlines()) == rows
 
 
 @pytest.mark.parametrize("case", NESTED, ids=list(NESTED))

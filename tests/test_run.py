@@ -172,7 +172,7 @@ def test_a_run_judges_its_release_once_and_predicts_each_attention_once(counted)
     assert [s.plan.profile.release for s in sections] == ["2.14.0", "2.14.0"]
     predicted = [id(plan) for plan in counted["predict"]]
     assert [predicted.count(id(s.plan)) for s in sections] == [1, 1]
-    assert report["predictions"] == {a: s.prediction.to_json() for a, s in zip(("eager", "sdpa"), sections)}
+    assert report["predictions"] == {a: s.prediction_json() for a, s in zip(("eager", "sdpa"), sections)}
     assert report["release"] == sections[0].release_json()
 
 

@@ -89,8 +89,8 @@ def check_output(as_json: bool, verbose: bool) -> None:
 
 def print_result(data: Any, as_json: bool, print_tables: Callable[[], None]) -> None:
     """--json: `data` as one JSON object; else the tables."""
-    if as_json:
-        typer.echo(json.dumps(data, indent=2, default=str))
+    if as_json:  # a typed value (output.record.Record) as the file it writes
+        typer.echo(json.dumps(data.to_json() if hasattr(data, "to_json") else data, indent=2, default=str))
     else:
         print_tables()
 

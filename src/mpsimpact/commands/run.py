@@ -70,6 +70,7 @@ def main(
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder
     from mpsimpact.runs.kinds import kind_of
+    from mpsimpact.runs.run_report import RunReport
     from mpsimpact.runs.runner import check_run, run_scenario
 
     check_run(run_config, {name for name, value in given.items() if value is not None})  # before any work
@@ -77,7 +78,7 @@ def main(
         with progress_steps() as steps:
             report, arrays = run_scenario(run_config, steps)
         kind = kind_of(report)
-        write_run_folder(folder, report, arrays, kind)
+        report = write_run_folder(folder, report, arrays, kind, RunReport.of)
     _print_summary(report, folder, kind, verbose)
     _check_expectation(report, expect, kind)
 

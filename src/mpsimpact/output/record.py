@@ -90,6 +90,13 @@ class Record(Mapping):
             raise Damaged(f"{where}{problem}")
         return made
 
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> Any:
+        """The value a writer made (`values`: what the file will hold, before JSON), read as any reader reads the
+        file: through JSON (a path or a numpy number as JSON writes it), then `from_json`. A writer's own fields that
+        disagree raise Damaged: a bug, never a file written that its reader would refuse."""
+        return cls.from_json(json.loads(json.dumps(values, default=str)))
+
     def problem(self) -> str | None:
         """What makes the fields disagree, in words that start with a field's name, or None."""
         return None

@@ -14,7 +14,8 @@ from mpsimpact.prediction.meta_model import (
     resolve_task,
 )
 from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
-from mpsimpact.prediction.outcome import PredictionSection, Subject
+from mpsimpact.output.record import ABSENT, Record
+from mpsimpact.prediction.outcome import CallRow, PredictionBlock, PredictionSection, ReleaseBlock, Subject
 from mpsimpact.prediction.safe_size import (
     TRACE_TEXTS, BoundarySearch, bisect_clean, fit_lengths, is_clean, largest_safe_batch, longest_safe_length,
     per_text, plan_at, plan_signature, scalable,
@@ -151,8 +152,50 @@ def searched(high: int, search: Callable[[], BoundarySearch]) -> BoundarySearch:
         return BoundarySearch(None, high, f"not searched: a trace the search needs failed ({error.message})")
 
 
-def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
-    """Everything `mpsimpact check` prints and writes, as one JSON-ready dict."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckGeometry(Record):
+    batch_size: int
+    seq_len: int
+    target_len: int | None = ABSENT
+    workload: str = ABSENT
+    phase: str = ABSENT  # reports before "workload"
+    index_bits: int = ABSENT
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckReport(Record):
+    """What `check` concludes (check.json, and its --json): the model as built, the release judged, the geometry,
+    the calls traced and those that fault, the prediction, the largest safe batch and longest safe length as
+    searched, the peak memory of a real run, the guard advice. Made by `build_check_report`, written by
+    reports.check."""
+
+    config: dict[str, Any]
+    model: dict[str, Any]
+    release: ReleaseBlock
+    geometry: CheckGeometry
+    prediction: PredictionBlock
+    mac: dict[str, Any] = ABSENT
+    torch_profile: dict[str, Any] = ABSENT
+    calls_traced: int = ABSENT
+    ops_traced: int = ABSENT
+    faulting_calls: list[CallRow] = ABSENT
+    largest_safe_batch: int | None = ABSENT
+    largest_safe_batch_search: dict[str, Any] = ABSENT
+    longest_safe_length: int | None = ABSENT
+    longest_safe_length_search: dict[str, Any] = ABSENT
+    estimated_peak_gib: float = ABSENT
+    estimated_peak_basis: str = ABSENT
+    guard_advice: list[str] = ABSENT
+    generation: str = ABSENT
+    traces: int = ABSENT
+
+    def problem(self) -> str | None:
+        said = self.prediction.disagreement(self.geometry.batch_size)
+        return f"prediction.{said}" if said else None
+
+
+def build_check_report(cfg: CheckConfig) -> CheckReport:
+    """Everything `mpsimpact check` prints and writes, as one typed value."""
     cfg.validate()
     model, info = prepare(cfg)
     judged = info.pop("judged")
@@ -165,7 +208,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
                       int(getattr(model.config, "hidden_size", 0) or 0), model.module.dtype, model.backward)
     section = PredictionSection(judged, plan, batch, length, subject)
     target = (cfg.target_len or length) if info["encoder_decoder"] else None
-    return {
+    return CheckReport.of({
         "config": dataclasses.asdict(cfg),
         "model": info | {"max_length": length_limit(model.config)[0],
                          "inputs": f"token ids of zeros; attention mask: {model.mask}; "
@@ -182,7 +225,7 @@ def build_check_report(cfg: CheckConfig) -> dict[str, Any]:
                            "longest_safe_length_search": by_length.to_json()}),
         "generation": generation_note(plan, info["task"], batch, length),
         "traces": model.traces,
-    }
+    })
 
 
 def generation_note(plan: FaultPlan, task: str, batch: int, length: int) -> str:

@@ -134,6 +134,31 @@ class PredictionBlock(Record):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class CallRow(Record):
+    """One faulting call as plan.json and check.json hold it (`call_row`): the call, its layouts and sizes, what MPS
+    does with it and by which rule, and the first wrong batch of its rows, sample and head."""
+
+    index: int
+    op: str
+    kind: str
+    phase: str = ABSENT
+    module: str = ABSENT
+    a: list[int] = ABSENT
+    b: list[int] = ABSENT
+    a_layout: str = ABSENT
+    b_layout: str = ABSENT
+    a_numel: int = ABSENT
+    b_numel: int = ABSENT
+    out_numel: int = ABSENT
+    rule: str = ABSENT
+    inferred: bool = ABSENT
+    first_bad_batch: int | None = ABSENT
+    first_bad_sample: int | None = ABSENT
+    first_bad_head: int | None = ABSENT
+    message: str = ABSENT
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ReleaseBlock(Record):
     """Which release a command judged and why (engine.release.JudgedRelease.to_json), and what the installed torch
     would do on a Mac ("on_a_mac"; None where it is the one judged): report.json's, plan.json's and check.json's
@@ -352,11 +377,12 @@ def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callab
     return outcome, words
 
 
-def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False) -> dict[str, Any]:
+def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False,
+              prediction: Prediction | None = None) -> dict[str, Any]:
     """The first wrong (sample, head) of the outputs, the fraction of the batch that goes wrong (None where
     nobody characterised which samples), the outcome in words (for a training step, with what its backward
     pass adds: step_outcome), and the calls where MPS stops the run."""
-    prediction = predict(plan, batch, heads, "forward")
+    prediction = prediction or predict(plan, batch, heads, "forward")  # the forward pass's, where made already
     whole = predict(plan, batch, heads, "all") if training else None
     outcome, words = step_outcome(prediction, whole, _describe)
     profile = plan.profile
@@ -509,6 +535,14 @@ class PredictionSection:
     @functools.cached_property
     def prediction(self) -> Prediction:
         return predict(self.plan, self.batch, self.subject.heads)
+
+    def prediction_json(self) -> dict[str, Any]:
+        """The prediction block as run's report.json holds it (a PredictionBlock): schema 1's fields first
+        (Prediction.to_json), then those of plan's and check's block that it lacks (`summarise`), in one vocabulary."""
+        block = self.prediction.to_json()
+        said = summarise(self.plan, self.batch, self.subject.heads, training=self.subject.training,
+                         prediction=self.prediction)
+        return block | {key: value for key, value in said.items() if key not in block}
 
     def release_json(self) -> dict[str, Any]:
         """The judged release and why, with what the installed torch would do to this run on a Mac, and the flag

@@ -9,7 +9,9 @@ from typing import Any
 from mpsimpact.errors import UsageError
 from mpsimpact.config import EMBEDDED_MODEL, PlanConfig, batch_ceiling
 from mpsimpact.prediction.demo_size import silent_sizes
-from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
+from mpsimpact.output.record import ABSENT, Record
+from mpsimpact.prediction.outcome import CallRow, PredictionBlock, PredictionSection, ReleaseBlock, Subject, predict
+from mpsimpact.prediction.version_table import VersionRow, version_table
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import PerTextTraces, largest_safe_batch, plan_at
@@ -28,7 +30,7 @@ def sweep_batches(heads: int, index_bits: int) -> list[int]:
     return sorted({*ROUND_BATCHES, *edges, *(edge + 1 for edge in edges)} - {0})
 
 
-def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
+def build_plan_report(config: PlanConfig, scenario: Any) -> PlanReport:
     """Traces the scenario's model on meta (config only) and predicts everything `plan` prints.
 
     Args:
@@ -78,13 +80,46 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
     if config.memory:
         report["memory"] = memory_section(config, scenario, traced, model_config, heads, safe, profile, mac)
     if config.versions:
-        from mpsimpact.prediction.version_table import version_table
-
         report["versions"] = version_table(lambda attention: scenario.meta_module(model_config, attention),
                                            batch, length, heads, config.index_bits)
     if config.sweep:
         report["sweep"] = sweep(traced, heads, config.index_bits, profile, mac)
-    return report
+    return PlanReport.of(report)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanReport(Record):
+    """What `plan` concludes (plan.json, and its --json): the release judged, the calls traced and those that fault,
+    the prediction, the largest safe batches, the peak memory of a real run and the guard advice; with --memory,
+    --versions and --sweep their sections. Made by `build_plan_report`, written by reports.plan."""
+
+    config: dict[str, Any]
+    release: ReleaseBlock
+    prediction: PredictionBlock
+    profile: dict[str, Any] = ABSENT
+    model: str = ABSENT
+    heads: int = ABSENT
+    layers: int = ABSENT
+    calls_traced: int = ABSENT
+    ops_traced: int = ABSENT
+    faulting_calls: list[CallRow] = ABSENT
+    largest_safe_batch: int = ABSENT
+    largest_safe_batch_by_length: dict[str, int] = ABSENT
+    largest_safe_batch_ceiling: int = ABSENT
+    estimated_peak_gib: float = ABSENT
+    estimated_peak_basis: str = ABSENT
+    guard_advice: list[str] = ABSENT
+    padding: str = ABSENT
+    mac: dict[str, Any] = ABSENT
+    silent_sizes: dict[str, Any] = ABSENT
+    backward_faulting_calls: int = ABSENT
+    memory: dict[str, Any] = ABSENT
+    versions: list[VersionRow] = ABSENT
+    sweep: dict[str, Any] = ABSENT
+
+    def problem(self) -> str | None:
+        batch = self.config.get("batch_size")
+        return f"prediction.{said}" if type(batch) is int and (said := self.prediction.disagreement(batch)) else None
 
 
 def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config: Any, heads: int,

@@ -212,6 +212,6 @@ def render_markdown(report: dict[str, Any]) -> str:
 def write_check_folder(folder: Path, report: dict[str, Any]) -> Path:
     """Writes check.json and check.md into `folder` atomically (all or nothing)."""
     with folder_written_atomically(folder) as partial:
-        atomic_write_text(partial / "check.json", json.dumps(report, indent=2, default=str) + "\n")
+        atomic_write_text(partial / "check.json", json.dumps(report.to_json(), indent=2) + "\n")
         atomic_write_text(partial / "check.md", render_markdown(report))
     return folder

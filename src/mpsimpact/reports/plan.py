@@ -119,7 +119,7 @@ def write_plan_folder(report: dict[str, Any], folder: Any) -> Any:
     from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
 
     with folder_written_atomically(folder) as partial:
-        atomic_write_text(partial / "plan.json", json.dumps(report, indent=2, default=str) + "\n")
+        atomic_write_text(partial / "plan.json", json.dumps(report.to_json(), indent=2) + "\n")
         if "versions" in report:
             from mpsimpact.reports.versions import heatmap, to_markdown
 

@@ -3,7 +3,9 @@ run kind's own files, written atomically."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
@@ -114,20 +116,22 @@ def _versions_html(run: dict) -> str:
     return f"<h2>On every torch release (predicted from shapes)</h2><table><tr>{head}</tr>{body}</table>"
 
 
-def write_run_folder(out: Path, report: dict, arrays: dict, kind) -> Path:
+def write_run_folder(out: Path, report: dict, arrays: dict, kind, conclude: Callable[[dict], Any]) -> Any:
     """Writes report.json, report.md, report.html, the figures and the run `kind`'s own files
     (samples.jsonl, gradients.json, ...) into a hidden partial folder, then renames it to `out`: an
-    interrupted run leaves no complete-looking report."""
+    interrupted run leaves no complete-looking report. Returns what the run concluded: `conclude` (the typed
+    value's maker, runs.run_report.RunReport.of) of the report with its figures, which writes report.json and
+    which compare reads it back as."""
     import json
 
     with folder_written_atomically(out) as partial:
         figures = kind.figures(report, arrays)
         for name, data in kind.extra_files(report, arrays).items():
             atomic_write_bytes(partial / name, data)
-        report = report | {"figures": sorted(figures)}
+        run = conclude(report | {"figures": sorted(figures)})
         for name, data in figures.items():
             atomic_write_bytes(partial / name, data)
-        atomic_write_text(partial / "report.md", render_markdown(report, kind))
-        atomic_write_text(partial / "report.html", render_html(report, figures, kind))
-        atomic_write_text(partial / "report.json", json.dumps(report, indent=2, default=str) + "\n")
-    return Path(out)
+        atomic_write_text(partial / "report.md", render_markdown(run, kind))
+        atomic_write_text(partial / "report.html", render_html(run, figures, kind))
+        atomic_write_text(partial / "report.json", json.dumps(run.to_json(), indent=2) + "\n")
+    return run

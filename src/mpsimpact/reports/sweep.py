@@ -56,14 +56,13 @@ class SweepConsole:
         self.console.print(f"Interrupted: {kept} of {cells} cells are kept in {partial}/; "
                            f"{_resume_hint(config, out)}.")
 
-    def write(self, folder: Path, rows_and_families, derived: dict[str, Any], figure: bytes,
-              summary: dict[str, Any]) -> None:
+    def write(self, folder: Path, rows_and_families, derived: dict[str, Any], figure: bytes, summary: Any) -> None:
         """sweep.jsonl and families.jsonl (in grid order), profile.json, outcome_map.png and summary.json."""
         for name, items in zip(("sweep.jsonl", "families.jsonl"), rows_and_families):
             atomic_write_text(folder / name, "".join(json.dumps(r) + "\n" for r in items))
         atomic_write_text(folder / "profile.json", json.dumps(derived, indent=2) + "\n")
         atomic_write_bytes(folder / "outcome_map.png", figure)
-        atomic_write_text(folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(folder / "summary.json", json.dumps(summary.to_json(), indent=2) + "\n")  # a SweepSummary
 
     def summary(self, summary: dict[str, Any], out: Path, cached: Path) -> None:
         """The tables by observed class and by layout, the family cells, the files and the profile."""

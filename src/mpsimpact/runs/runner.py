@@ -15,7 +15,7 @@ from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig, batch_ceiling
 from mpsimpact.prediction.demo_size import power_lengths, quick_geometry, quick_words, silent_sizes
-from mpsimpact.prediction.outcome import PredictionSection, Subject
+from mpsimpact.prediction.outcome import PredictionSection, Subject, guard_advice
 from mpsimpact.prediction.meta_model import heads_of, trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import PerTextTraces
 from mpsimpact.engine.faults import MPS_INDEX_BITS
@@ -58,7 +58,9 @@ def run_scenario(config: RunConfig,
     sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
     body, arrays = kind.run(config, scenario, model, geometry, sections, progress)
     report = report_head(config, scenario, kind.name, geometry, sections, batch, max_length) | body
-    report["release"] = sections[geometry.attentions[0]].release_json()
+    first = sections[geometry.attentions[0]]
+    report["release"] = first.release_json()
+    report["guard_advice"] = guard_advice(first.plan, batch, first.subject)  # as plan's and check's
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
@@ -215,8 +217,8 @@ def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry,
         "model": model.name,
         "label_names": list(model.label_names),
         "data_source": scenario.data.source,
-        "prediction": sections[geometry.attentions[0]].prediction.to_json(),
-        "predictions": {a: section.prediction.to_json() for a, section in sections.items()},
+        "prediction": sections[geometry.attentions[0]].prediction_json(),
+        "predictions": {a: section.prediction_json() for a, section in sections.items()},
         "versions": version_rows(scenario, model, batch, max_length, config.index_bits),
     }
 

@@ -13,11 +13,12 @@ from typing import Any
 from mpsimpact.config import GIB, SweepConfig, memory_bytes
 from mpsimpact.engine.mac_memory import MacMemory
 from mpsimpact.engine.release import cache_root, cached_profile_path, judge_release
+from mpsimpact.runs.sweep_summary import SweepSummary
 from mpsimpact.errors import UsageError
 from mpsimpact.runs.cell import NOT_RUN, is_measured, not_run_counts
 
 
-def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
+def run_sweep(config: SweepConfig, show: Any) -> SweepSummary:
     """Runs every cell not finished by an earlier run of the same sweep into `--out`; returns the summary
     (with "disagree" and "not_ok" counts), each cell predicted by the release judged as every command judges it
     (engine.release.judge_release: --torch-profile's; else on a Mac the installed torch's, elsewhere 2.14.0),
@@ -82,6 +83,7 @@ def run_sweep(config: SweepConfig, show: Any) -> dict[str, Any]:
         summary, derived, figure = results(ordered, family_rows, config, mode, profile, device, emulated, budget)
         summary["largest_buffer"] = {"bytes": buffer, "words": buffer_words(mac, buffer)} if mac else None
         summary["resumed_cells"], summary["wall_s"] = len(done), round(time.perf_counter() - started, 1)
+        summary = SweepSummary.of(summary)  # what the sweep concludes: the typed value compare reads back
         show.write(folder.path, (ordered, family_rows), derived, figure, summary)
     show.summary(summary, out, cached_profile_path(derived["release"]))
     return summary
