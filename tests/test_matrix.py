@@ -175,7 +175,7 @@ def test_a_failing_install_is_a_row_with_the_reason_and_the_rest_are_probed(tmp_
     assert ok["status"] == "probed" and ok["findings"]["eager_first_corrupted_text"] == FIRST_WRONG and ok["findings"]["guard_ok"]
     assert set(ok["timing"]) == {"build_s", "probe_s"}
     assert (failed["status"], failed["reason"]) == ("failed", reason) and report["all_ok"] is False
-    assert report["config"]["transformers"] == ("4.57.6", "4.99.1") and report["config"]["batch_size"] == 4096
+    assert report["config"]["transformers"] == ["4.57.6", "4.99.1"] and report["config"]["batch_size"] == 4096
 
 
 def test_offline_uses_only_cached_environments_and_names_the_missing(tmp_path, probed, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 
 from mpsimpact.pytest_plugin.block import DEVICE_CHOICES, Block, Settings
 from mpsimpact.pytest_plugin.sighting import (
-    EMULATED, GUESSED, WARNED, WARNED_PLAIN, Sighting, columns, short_path, wrapped_lines,
+    EMULATED, GUESSED, WARNED, WARNED_PLAIN, Sighting, SightingsFile, columns, short_path, wrapped_lines,
 )
 from mpsimpact.pytest_plugin.usage import FIXTURE, GUARD_CHOICES, arguments_problem, first_problem, fixture_calls_problem
 
@@ -293,9 +293,9 @@ class MacRun:
         """The summary as JSON, written beside and renamed over (never half-written)."""
         from mpsimpact.output.files import atomic_write_text
 
-        data = {"release": self.release.to_json(), "settings": self.settings.to_json(),
-                "calls": [s.to_json() for s in self.sightings.values()]}
-        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+        data = SightingsFile.of({"release": self.release.to_json(), "settings": self.settings.to_json(),
+                                 "calls": [s.to_json() for s in self.sightings.values()]})
+        atomic_write_text(path, json.dumps(data.to_json(), indent=2) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.refused or self.usage is not None or not self.settings.active and not self.sightings:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from mpsimpact.errors import wrapped
+from mpsimpact.output.record import Record
 
 # What was done at a site, in the summary's words (each names who did it). The emulator's words by its outcome
 # (modes.emulator: RETURNED, INFERRED, RAISED, ABORTED, REFUSED).
@@ -60,12 +61,13 @@ class Sighting:
         self.actions += [a for a in other.actions if a not in self.actions]
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "first_bad_sample": self.first_bad_sample}
+        return SightingRow.of({**dataclasses.asdict(self), "first_bad_sample": self.first_bad_sample}).to_json()
 
     @classmethod
-    def from_json(cls, fields: dict[str, Any]) -> Sighting:
-        names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{name: value for name, value in fields.items() if name in names})
+    def from_json(cls, fields: Any) -> Sighting:
+        row = SightingRow.from_json(fields)
+        return cls(**{field.name: row[field.name] for field in dataclasses.fields(cls)})
+
 
     def line(self) -> str:
         """The summary's line for this site (one line; the terminal wraps it with `wrapped_lines`)."""
@@ -120,3 +122,35 @@ def short_path(filename: str) -> str:
     path = os.path.realpath(filename)
     holding = max((root for root in roots if path.startswith(root)), key=len, default=None)
     return path[len(holding):] if holding else filename
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SightingRow(Record):
+    """A Sighting as --mps-json and an xdist worker's report hold it (written and read by this class)."""
+
+    site: str
+    call: str
+    kind: str
+    rule: str
+    release: str
+    first_bad_batch: int | None
+    tests: list[str]
+    actions: list[str]
+    rows_per_sample: int
+    index_bits: int
+    said: str
+    first_bad_sample: int | None
+
+    def problem(self) -> str | None:
+        if self.rows_per_sample < 1 or not 4 <= self.index_bits <= 32:
+            return f"rows_per_sample {self.rows_per_sample} or index_bits {self.index_bits} is out of range"
+        return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SightingsFile(Record):
+    """--mps-json: the release judged, the options, and every call site that would fault."""
+
+    release: dict[str, Any]
+    settings: dict[str, Any]
+    calls: list[SightingRow]

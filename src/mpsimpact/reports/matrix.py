@@ -239,7 +239,7 @@ def heatmap(report: dict[str, Any]) -> bytes:
     return png(fig)
 
 
-def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
+def write_matrix_folder(out: Path, report: Any) -> Path:
     """matrix.json, matrix.md, matrix.html and matrix.png into a hidden partial folder, then renamed to
     `out` (from output.files.fresh_out_dir): an interrupted write leaves no complete-looking folder."""
     figure = heatmap(report)
@@ -247,7 +247,7 @@ def write_matrix_folder(out: Path, report: dict[str, Any]) -> Path:
         atomic_write_bytes(partial / "matrix.png", figure)
         atomic_write_text(partial / "matrix.md", render_markdown(report))
         atomic_write_text(partial / "matrix.html", render_html(report, figure))
-        atomic_write_text(partial / "matrix.json", json.dumps(report, indent=2, default=str) + "\n")
+        atomic_write_text(partial / "matrix.json", json.dumps(report.to_json(), indent=2) + "\n")  # MatrixReport
     return Path(out)
 
 

@@ -9,13 +9,14 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mpsimpact.bounds import read_release
 from mpsimpact.config import ATTENTIONS, BATCH_SIZE, EMBEDDED_MODEL, MAX_LENGTH, NEWER, TORCH_PROFILE
 from mpsimpact.config import Check, Validated, option
 from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
 from mpsimpact.errors import UsageError
+from mpsimpact.output.record import ABSENT, Record
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
 from mpsimpact.upgrade.overlay import OverlayCache, OverlayError, probe_environment
 from mpsimpact.variables import is_offline
@@ -97,8 +98,46 @@ def probe_job(config: MatrixConfig, release: JudgedRelease | None = None) -> dic
     }
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MatrixRow(Record):
+    """One release of transformers: its environment, and what the probe found there (or why it could not)."""
+
+    transformers: str
+    status: Literal["probed", "missing", "failed"]
+    timing: dict[str, Any] = ABSENT
+    overlay: dict[str, Any] = ABSENT
+    probe: dict[str, Any] = ABSENT
+    findings: dict[str, Any] = ABSENT
+    cells: dict[str, Any] = ABSENT
+    reason: str = ABSENT
+
+    def problem(self) -> str | None:
+        return "status is probed, but it has no findings" if self.status == "probed" and not self.findings else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MatrixReport(Record):
+    """What `matrix` concludes (matrix.json): the release judged, the job probed, and a row per transformers
+    release; made by `build_matrix`, written by reports.matrix."""
+
+    schema: int
+    kind: Literal["matrix"]
+    rows: list[MatrixRow]
+    all_ok: bool
+    release: dict[str, Any] = ABSENT
+    config: dict[str, Any] = ABSENT
+    model: str = ABSENT
+    job: dict[str, Any] = ABSENT
+    offline: bool = ABSENT
+    cache: str = ABSENT
+    emulated: dict[str, Any] = ABSENT
+    environment: dict[str, Any] = ABSENT
+    columns: list[dict[str, Any]] = ABSENT
+    wall_s: float = ABSENT
+
+
 def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, prober: Prober = probe_environment,
-                 progress: Progress | None = None) -> dict[str, Any]:
+                 progress: Progress | None = None) -> MatrixReport:
     """Builds (or finds) each release's environment, probes it, and assembles matrix.json's content."""
     from mpsimpact.runs.environment import collect_environment
 
@@ -112,7 +151,7 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
     progress = progress or (lambda *_: None)
     rows = [environment_row(version, job, cache, prober, offline, progress) for version in config.transformers]
     compare_op_paths(rows)
-    return {
+    return MatrixReport.of({
         "release": release.to_json() | {"on_a_mac": None if release.is_installed else (
             f"On a Mac, the installed torch {release.installed.label}: its column ({column_of(release.installed)}) "
             f"below says what each release of transformers does there; --torch-profile "
@@ -125,7 +164,7 @@ def build_matrix(config: MatrixConfig, *, cache: OverlayCache | None = None, pro
         "rows": rows,
         "all_ok": all(r["status"] == "probed" and r["findings"]["guard_ok"] for r in rows),
         "wall_s": round(time.perf_counter() - started, 1),
-    }
+    })
 
 
 def column_of(profile: FaultProfile) -> str:
