@@ -21,7 +21,8 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, DECOMPOSED_OPS, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
+    ACTIVE, JAGGED, check_index_bits, MatmulMode, active_emulator, current_phase, eval_frame_callback, has_nested,
+    innermost, numbers_as_tensors, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
 from mpsimpact.modes.chunking import Split, cat_in_place, entry_bound, run_in_pieces, split_bmm
@@ -29,8 +30,10 @@ from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import (
     SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
+from mpsimpact.modes.op_table import (
+    AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, PRODUCT, QUICK, op_entry,
+)
 from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
-from mpsimpact.modes.shape_table import COMPOSITE_SIZED, DECOMPOSED_ENTRY, FULL, NO_KERNEL, PLAIN, SIZED, plain_check
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
@@ -87,6 +90,7 @@ class GuardMode(EntryJudge, MatmulMode):
         self._gated = strict and active_emulator() is None and all(
             device in HELD_BYTES for device in self._guarded_devices)
         self.watching = False  # the dispatch mode is pushed for the rest of the block
+        self._hot = True  # no emulator below: strict's hot path may answer (Note [Strict's hot path])
         self._held = 0  # how many times the dispatch mode is entered now (watching, or around one call)
         self._depth = 0  # the dispatch stack's length when the guard was entered
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
@@ -120,6 +124,7 @@ class GuardMode(EntryJudge, MatmulMode):
             entered = super().__enter__()
         finally:
             self._entering = False
+        self._hot = not ACTIVE.stacks["emulator"]
         self._held += 1
         return entered
 
@@ -195,15 +200,9 @@ class GuardMode(EntryJudge, MatmulMode):
         names them as a traced plan does): decomposing every one would double strict mode's cost."""
         if active_emulator() is not None:
             return True
-        if func in DECOMPOSED_OPS:  # a product: decomposed to see its bmm/mm unless below every limit
-            name = DECOMPOSED_ENTRY.get(func)
-            if name is None:
-                return True
-            bound = entry_bound(name, args, kwargs)
-            if name == "sdpa":
-                query, key = args[0], args[1]
-                bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
-            return bound >= self._view_limit
+        entry = op_entry(func)
+        if entry.route is PRODUCT:  # decomposed to see its bmm/mm unless its entry's bound is below every limit
+            return entry.bound_by is None or entry_bound(entry.bound_by, args, kwargs) >= self._view_limit
         most = self._most
         return any(t.numel() > most for t in tensors_of(args, kwargs))
 
@@ -216,28 +215,69 @@ class GuardMode(EntryJudge, MatmulMode):
     # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
     # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
 
-    # Dispatch level (MatmulMode.__torch_dispatch__ calls this).
+    # Note [Strict's hot path]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Watching, the dispatch mode sees every op of the model, and almost none can reach a limit. So each op is
+    # first looked up in the table (modes/op_table.py: one dictionary lookup by the overload's id) and decided
+    # there, before any of the route's work: a view runs (NO_KERNEL); an op whose every tensor has at most
+    # DIM_MAX elements runs where its output cannot outgrow them (INPUTS; BROADCAST where its inputs share a
+    # shape or their sizes' product is at most DIM_MAX, the most a broadcast makes); an op nobody sized (AFTER)
+    # runs and is judged only if what it made passes DIM_MAX; a Linear or matmul runs within its entry's bound
+    # (QUICK: read from the shape table). Everything else (a product past its bound, a GROWN op such as a
+    # factory or a lookup, a tensor past DIM_MAX, a tensor subclass, an emulator below, a compiled region
+    # running) takes the full route, which decides exactly as it did before this path existed: the hot path
+    # only answers calls that route would have run as they are. An op is run through its C++ callable
+    # (OpEntry.run), and Dynamo is kept out as MatmulMode does (Note [Dynamo kept out at no cost]).
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entry = OP_ENTRIES.get(id(func)) or op_entry(func)
+        hot = entry.hot
+        if hot is FULL or not self._hot or types and (JAGGED in types or _fake_mode(_FAKE) is not None) \
+                or eval_frame_callback() is not None:
+            return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
+        kwargs, fixed = kwargs or {}, None
+        try:
+            if hot is NO_KERNEL or self._passing:
+                return entry.run(*args, **kwargs)
+            if hot is QUICK:
+                if self._quick_pass(entry.bound_by, args, kwargs):
+                    return entry.run(*args, **kwargs)
+            elif _within(args, kwargs, self._most, entry.sizing is BROADCAST):
+                sizing = entry.sizing
+                if sizing is INPUTS or sizing is BROADCAST:
+                    return entry.run(*args, **kwargs)
+                if sizing is AFTER:
+                    return self._made(func, args, kwargs, entry.run(*args, **kwargs))
+                if size_call(func, args, kwargs, *judged_at(self.index_bits)) is None:
+                    return entry.run(*args, **kwargs)  # GROWN, to no more than DIM_MAX
+        except RuntimeError:  # as MatmulMode's route does with an op that refused its arguments
+            if has_nested(args, kwargs):
+                return self.on_nested(func, args, kwargs)
+            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
+            if fixed is None:
+                raise
+        if fixed is not None:
+            return self.dispatch(func, fixed, kwargs)
+        return self._torch_dispatch(func, types, args, kwargs)  # the full route
+
+    def _made(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
+        """An AFTER op's output on the hot path: as it is below DIM_MAX, else judged as on_other would."""
+        most = self._most
+        if type(out) is torch.Tensor and out.numel() <= most and not out.is_nested:
+            return out
+        if max((t.numel() for t in outputs_of(out)), default=0) <= most or self._passing or self._is_outer():
+            return out
+        sized = size_call(func, args, kwargs, *judged_at(self.index_bits))
+        if sized is None or not self.everywhere or not self._applies_call(sized, kwargs):
+            return out
+        return self._judge_after(func, args, kwargs, sized, self.index_bits, None, out)
+
     def dispatch(self, func, args: tuple, kwargs: dict):
-        """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
-        nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
-        its entry bound runs at once, without the full route (`plain_check`)."""
+        """The full route (MatmulMode.dispatch), but for a call inside one decided at its entry, and one whose sizes
+        are symbols (Note [Symbolic sizes])."""
         if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
             return func(*args, **kwargs)
         if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs)):
             return func(*args, **kwargs)  # See Note [Symbolic sizes]
-        check = PLAIN.get(id(func))
-        if check is None:
-            check = plain_check(func)
-        if check is not FULL and not ACTIVE.stacks["emulator"]:
-            if check is NO_KERNEL:
-                return func(*args, **kwargs)
-            if check is SIZED or check is COMPOSITE_SIZED:
-                most, full_most = judged_at(self.index_bits)
-                if (check is SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
-                        and size_call(func, args, kwargs, most, full_most) is None:
-                    return func(*args, **kwargs)
-            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
-                return func(*args, **kwargs)
         return super().dispatch(func, args, kwargs)
 
     # One bmm/mm with its real operands.
@@ -312,11 +352,12 @@ class GuardMode(EntryJudge, MatmulMode):
         return device.type in self.devices if self.devices is not None else (
             device.type == "mps" or active_emulator() is not None)
 
-    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active) -> Any:
+    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active, out: Any = None) -> Any:
         """An op whose output size only running it tells ('other' ops, lookups by mask): judged on what it
-        made. Nobody measured these families past a limit, so they fault silently or not at all: the
-        wrong values are dropped before anyone reads them."""
-        out = func(*args, **kwargs)
+        made (`out`, where it ran already). Nobody measured these families past a limit, so they fault silently
+        or not at all: the wrong values are dropped before anyone reads them."""
+        if out is None:
+            out = func(*args, **kwargs)
         outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
         if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
             return out
@@ -364,6 +405,30 @@ class GuardMode(EntryJudge, MatmulMode):
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
+
+
+_Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)
+
+
+def _within(args: tuple, kwargs: dict, most: int, broadcast: bool) -> bool:
+    """Whether every tensor of a call (lists opened one level) has at most `most` elements; with `broadcast`, also
+    whether none is empty and they share a shape or their sizes' product is at most `most` (the most elements
+    their broadcast can have). Strict's hot path: See Note [Strict's hot path]."""
+    product, shape, same = 1, None, True
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        for t in arg if type(arg) in _SEQUENCES else (arg,):
+            if isinstance(t, _Tensor):
+                n = t.numel()
+                if n > most or broadcast and not n:
+                    return False
+                if broadcast:
+                    product *= n
+                    if shape is None:
+                        shape = t.shape
+                    elif same and t.shape != shape:
+                        same = False
+    return same or product <= most
 
 
 def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:
