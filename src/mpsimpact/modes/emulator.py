@@ -469,7 +469,7 @@ def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.
         raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not "
                                "characterised")
     rest = [[0] if isinstance(a, (list, tuple)) and a else a for a in args[1:]]
-    return func(first, *rest, **({k: ([0] if k == "dim" and v else v) for k, v in kwargs.items()}))
+    return func(first, *rest, **({argument: ([0] if argument == "dim" and v else v) for argument, v in kwargs.items()}))
 
 
 def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:
