@@ -49,9 +49,10 @@ ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is None}
 FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is not None}
-# Each group as one flat tuple of (kind, owner, attribute): installed and taken away as a whole.
-_ENTRY_PLACES = tuple((name, owner, attribute) for name, places in ENTRY_POINTS.items() for owner, attribute in places)
-_FACTORY_PLACES = tuple((name, owner, attribute) for name, places in FACTORY_POINTS.items()
+# Each group as one flat tuple of (kind, owner, attribute, (owner, attribute)): installed and taken away as a whole.
+_ENTRY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in ENTRY_POINTS.items()
+                      for owner, attribute in places)
+_FACTORY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in FACTORY_POINTS.items()
                         for owner, attribute in places)
 
 
@@ -270,23 +271,24 @@ def install() -> None:
     _install(_ENTRY_PLACES)
 
 
-def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
-    if (places[0][1], places[0][2]) in _INSTALLED:
+def _install(places: tuple[tuple[str, Any, str, tuple[Any, str]], ...]) -> None:
+    if places[0][3] in _INSTALLED:
         return  # a group is in place as a whole or not at all
-    table = _torch_tables()
-    for name, owner, attribute in places:
+    table = _torch_tables() if not _TABLES_BUILT else None  # the first time, before any wrapper is in place
+    for name, owner, attribute, place in places:
         original = getattr(owner, attribute)
         own = attribute in owner.__dict__
-        made = _MADE.get((owner, attribute))
+        made = _MADE.get(place)
         if made is None or made.original is not original or made.own is not own:
             # made once per original: entering a guard is cheap
             if made is not None:
                 _RETIRED.append(made.wrapper)  # alive, so that its id in the builtin table stays its own
-            made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
-        _INSTALLED[(owner, attribute)] = made
+            made = _MADE[place] = _Installed(original, own, _wrapper(name, original, owner, attribute))
+            table = _torch_tables() if table is None else table
+            if id(original) in table:
+                table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
+        _INSTALLED[place] = made
         setattr(owner, attribute, made.wrapper)
-        if id(original) in table:
-            table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
 
 
 def _torch_tables() -> dict[int, str]:
@@ -354,7 +356,7 @@ def remove_handler(handler: EntryHandler) -> None:
         if not _ACTIVE:
             uninstall()
         elif births and not _BIRTHS:
-            places = [(owner, attribute) for _, owner, attribute in _FACTORY_PLACES]
+            places = [place for _, _, _, place in _FACTORY_PLACES]
             _uninstall(places)
             for place in places:
                 del _INSTALLED[place]

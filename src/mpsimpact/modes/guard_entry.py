@@ -62,14 +62,14 @@ class EntryJudge:
             return True
         kind = ENTRY_KINDS[name]
         try:
-            if kind.batched and not self.watching and _transforming():
-                return self._passes_transformed(kind, args, kwargs)
             if kind.at_entry:
                 return self._sdpa_is_plain(kind, args, kwargs)
-            if not self.everywhere:
-                return self._quick_pass(kind, args, kwargs)
             if self.watching:
                 return True  # the dispatch mode decides every op
+            if kind.batched and _transforming():
+                return self._passes_transformed(kind, args, kwargs)
+            if not self.everywhere:
+                return self._quick_pass(kind, args, kwargs)
             if kind.elements is not None:  # the fast path has no factory to judge; a gated strict guard sees a birth
                 return kind.elements(args, kwargs) < self._view_limit or self._watch()
             return self._quick_pass(kind, args, kwargs) or self._watch()

@@ -21,7 +21,7 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, JAGGED, check_index_bits, MatmulMode, active_emulator, current_phase, eval_frame_callback, has_nested,
+    ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, eval_frame_callback, has_nested,
     innermost, numbers_as_tensors, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
@@ -84,10 +84,11 @@ class GuardMode(EntryJudge, MatmulMode):
             self._applies = _any_flag(*(_DEVICE_FLAGS[device] for device in devices))  # type: ignore[method-assign]
         if profile is not None:  # a release asked for: resolved (a bad name refused) on entering, unless a value
             self.profile = profile if isinstance(profile, FaultProfile) else resolve_profile(profile)
-        self.everywhere = strict or active_emulator() is not None
+        emulated = bool(ACTIVE.stacks["emulator"])
+        self.everywhere = strict or emulated
         # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
         # only from a sighting of a tensor that could pass a limit.
-        self._gated = strict and active_emulator() is None and all(
+        self._gated = strict and not emulated and all(
             device in HELD_BYTES for device in self._guarded_devices)
         self.watching = False  # the dispatch mode is pushed for the rest of the block
         self._hot = True  # no emulator below: strict's hot path may answer (Note [Strict's hot path])
@@ -231,24 +232,36 @@ class GuardMode(EntryJudge, MatmulMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entry = OP_ENTRIES.get(id(func)) or op_entry(func)
         hot = entry.hot
-        if hot is FULL or not self._hot or types and (JAGGED in types or _fake_mode(_FAKE) is not None) \
-                or eval_frame_callback() is not None:
+        if hot is FULL or types or not self._hot or eval_frame_callback() is not None:
             return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
-        kwargs, fixed = kwargs or {}, None
+        if kwargs is None:
+            kwargs = {}
+        fixed = None
         try:
             if hot is NO_KERNEL or self._passing:
                 return entry.run(*args, **kwargs)
             if hot is QUICK:
                 if self._quick_pass(entry.bound_by, args, kwargs):
                     return entry.run(*args, **kwargs)
-            elif _within(args, kwargs, self._most, entry.sizing is BROADCAST):
-                sizing = entry.sizing
-                if sizing is INPUTS or sizing is BROADCAST:
+            elif hot is BROADCAST:
+                if _broadcast_within(args, kwargs, self._most):
                     return entry.run(*args, **kwargs)
-                if sizing is AFTER:
-                    return self._made(func, args, kwargs, entry.run(*args, **kwargs))
-                if size_call(func, args, kwargs, *judged_at(self.index_bits)) is None:
-                    return entry.run(*args, **kwargs)  # GROWN, to no more than DIM_MAX
+            else:
+                most = self._most
+                for arg in args:  # every tensor within DIM_MAX (the most common case inline: no list, no kwargs)
+                    if isinstance(arg, _Tensor):
+                        if arg.numel() > most:
+                            break
+                    elif type(arg) in _SEQUENCES and not _within(arg, most):
+                        break
+                else:
+                    if not kwargs or _within(kwargs.values(), most):
+                        if hot is INPUTS:
+                            return entry.run(*args, **kwargs)
+                        if hot is AFTER:
+                            return self._made(func, args, kwargs, entry.run(*args, **kwargs))
+                        if size_call(func, args, kwargs, *judged_at(self.index_bits)) is None:
+                            return entry.run(*args, **kwargs)  # GROWN, to no more than DIM_MAX
         except RuntimeError:  # as MatmulMode's route does with an op that refused its arguments
             if has_nested(args, kwargs):
                 return self.on_nested(func, args, kwargs)
@@ -411,26 +424,30 @@ _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)
 
 
-def _within(args: tuple, kwargs: dict, most: int, broadcast: bool) -> bool:
-    """Whether every tensor of a call (lists opened one level) has at most `most` elements; with `broadcast`, also
-    whether none is empty and they share a shape or their sizes' product is at most `most` (the most elements
-    their broadcast can have). Strict's hot path: See Note [Strict's hot path]."""
+def _within(items: Any, most: int) -> bool:
+    """Whether every tensor among `items` has at most `most` elements (Note [Strict's hot path])."""
+    return all(t.numel() <= most for t in items if isinstance(t, _Tensor))
+
+
+def _broadcast_within(args: tuple, kwargs: dict, most: int) -> bool:
+    """Whether an elementwise call's tensors (lists opened one level) have at most `most` elements each, none is
+    empty, and they share a shape or their sizes' product is at most `most`, the most their broadcast can have."""
     product, shape, same = 1, None, True
     for arg in (*args, *kwargs.values()) if kwargs else args:
         for t in arg if type(arg) in _SEQUENCES else (arg,):
             if isinstance(t, _Tensor):
                 n = t.numel()
-                if n > most or broadcast and not n:
+                if n > most or not n:
                     return False
-                if broadcast:
-                    product *= n
-                    if shape is None:
-                        shape = t.shape
-                    elif same and t.shape != shape:
-                        same = False
+                product *= n
+                if shape is None:
+                    shape = t.shape
+                elif same and t.shape != shape:
+                    same = False
     return same or product <= most
 
 
+@functools.lru_cache(maxsize=64)
 def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:
     """Whether a tensor has one of these flags (`is_cpu`, `is_cuda`): one attribute read, or one C call."""
     if len(flags) == 1:

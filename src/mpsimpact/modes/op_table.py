@@ -21,11 +21,12 @@ aten = torch.ops.aten
 # What a dispatch mode does with an op (MatmulMode.dispatch): decompose a product to see its bmm/mm (PRODUCT),
 # decompose another CompositeImplicitAutograd op (COMPOSITE), judge a bmm/mm (MATMUL), or hand it to on_other.
 PRODUCT, COMPOSITE, MATMUL, OTHER = "product", "composite", "matmul", "other"
-# How strict's hot path may pass an op (GuardMode.__torch_dispatch__): NO_KERNEL runs it (a view, or a product or
-# SDPA call decided elsewhere); SIZED (and COMPOSITE_SIZED, which a tensor past DIM_MAX would make it decompose)
-# where `sizing` finds nothing that could reach a limit; QUICK, a matmul or linear within its entry's bound (the
-# bound decomposing would take); FULL: the full route.
-FULL, NO_KERNEL, SIZED, COMPOSITE_SIZED, QUICK = "full", "no kernel", "sized", "composite sized", "quick"
+# How strict's hot path may pass an op (GuardMode.__torch_dispatch__, Note [Strict's hot path] in
+# modes/guard_mode.py): NO_KERNEL runs it (a view, or a product or SDPA call decided elsewhere); QUICK, a matmul
+# or linear, runs within its entry's bound (the bound decomposing would take); an op of the other families runs
+# by its `sizing` (below) where every tensor it reads has at most DIM_MAX elements; FULL takes the full route (a
+# bmm/mm, a product the table bounds by no entry point).
+FULL, NO_KERNEL, QUICK = "full", "no kernel", "quick"
 # How op_size.size_call sizes a call: SKIP (no kernel, or a product decided elsewhere), INPUTS (its output is no
 # larger than an input), BROADCAST (elementwise: its inputs broadcast), GROWN (its output may outgrow every input:
 # `output` says to what), AFTER (nobody wrote its output size down: judged on what it made).
@@ -54,7 +55,9 @@ class EntryKind:
     """A kind of call at torch's Python entry points, wrapped at `places` while a handler is active (modes/
     entrypoint.py). `quick`: decided on the hot path by its operands' shapes (guard_entry._quick_pass);
     `product`: a matrix product; `elements`: a factory's element count from its arguments (None: not a factory);
-    `sizes`: a factory whose operands are sizes, not tensors."""
+    `sizes`: a factory whose operands are sizes, not tensors. Derived (plain fields: the hot path reads them):
+    `at_entry`, decided at its entry as the one fused op it is (SDPA), not at the dispatch level; `batched`, a
+    call that vmap batches into one bigger call of the same kind."""
 
     name: str
     places: tuple[tuple[Any, str], ...]
@@ -63,16 +66,12 @@ class EntryKind:
     product: bool = False
     elements: Callable[[tuple, dict], int] | None = None
     sizes: bool = False
+    at_entry: bool = dataclasses.field(init=False)
+    batched: bool = dataclasses.field(init=False)
 
-    @property
-    def at_entry(self) -> bool:
-        """Decided at its entry as the one fused op it is (SDPA), not at the dispatch level."""
-        return self.bound is SCORES
-
-    @property
-    def batched(self) -> bool:
-        """A call that vmap batches into one bigger call of the same kind."""
-        return not self.at_entry and self.elements is None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "at_entry", self.bound is SCORES)
+        object.__setattr__(self, "batched", not self.at_entry and self.elements is None)
 
 
 def _sized(args: tuple, kwargs: dict) -> Any:
@@ -343,16 +342,16 @@ def _entry_for(func: Any) -> OpEntry:
     route = (PRODUCT if decomposed is not None else COMPOSITE if _is_composite(func)
              else MATMUL if "operands" in known else OTHER)
     bound_by = ENTRY_KINDS.get(decomposed) if decomposed else None
+    sizing = (SKIP if family in _SKIPPED else BROADCAST if family == "elementwise" else GROWN if family in _GROWING
+              else AFTER if family == "other" else INPUTS)
     if route is PRODUCT:
         hot = QUICK if bound_by is not None and bound_by.quick else FULL
     elif route is MATMUL:
         hot = FULL
-    elif family in _SKIPPED:
-        hot = FULL if route is COMPOSITE else NO_KERNEL
+    elif sizing is SKIP:  # a composite view (reshape) or SDPA: the full route runs one whole below DIM_MAX
+        hot = NO_KERNEL if route is OTHER else INPUTS
     else:
-        hot = SIZED if route is OTHER else COMPOSITE_SIZED
-    sizing = (SKIP if family in _SKIPPED else BROADCAST if family == "elementwise" else GROWN if family in _GROWING
-              else AFTER if family == "other" else INPUTS)
+        hot = sizing
     if sizing is GROWN and "output" not in known:
         known["output"] = (_laid_end_to_end if family == "cat" else _size_argument
                            if family in ("creation", "random") else None)

@@ -4,7 +4,6 @@ output by their shapes; and how a nested tensor's call is judged (Note [Nested t
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
