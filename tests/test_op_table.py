@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import mpsimpact.modes
+from mpsimpact.errors import OversizedOpError
 from mpsimpact.modes.op_table import ENTRY_KINDS, OP_ENTRIES, op_entry
+from tiny import tiny_bert, token_batch
 
 MODES = pathlib.Path(mpsimpact.modes.__file__).parent
 TABLE = "op_table.py"
@@ -169,7 +171,7 @@ def test_a_planted_decision_by_name_is_found(how):
 
 
 def test_a_planted_decision_in_a_real_module_is_found():
-    source = (MODES / "guard_mode.py").read_text()
+    source = (MODES / "guard_dispatch.py").read_text()
     planted = source.replace("    def on_other(self, func, args, kwargs):\n",
                              "    def on_other(self, func, args, kwargs):\n"
                              "        if op_name(func) in ('native_layer_norm', 'softmax'):\n"
@@ -197,3 +199,77 @@ def test_the_table_answers_for_every_overload_of_its_ops():
     assert op_entry(torch.ops.aten.sum.dim_IntList).combine == op_entry(torch.ops.aten.sum.default).combine
     assert op_entry(torch.ops.aten.linear.default).bound_by is ENTRY_KINDS["linear"]
     assert op_entry(torch.ops.aten.view.default).hot == "no kernel"
+
+
+# Strict's hot path (Note [Strict's hot path] in modes/guard_dispatch.py) answers only the calls the full route
+# would run as they are: with it and without it (GuardMode.hot_path), a guard makes the same records, the same
+# pieces and the same values; with it, fewer calls take the full route. 16 index bits: DIM_MAX 32,767.
+def _mixed_ops():
+    a, b = torch.ones(2**8 + 2), torch.arange(2**8, dtype=torch.float32)
+    outer = a[:, None] * b[None, :]  # a broadcast past DIM_MAX (66,048 elements) from two small tensors
+    normed = torch.nn.functional.layer_norm(outer.reshape(-1, 64), (64,))  # an op nobody sized, past DIM_MAX
+    table = torch.randn(40, 1024)
+    looked = torch.nn.functional.embedding(torch.arange(40).repeat(2), table)  # a lookup past DIM_MAX
+    joined = torch.cat([normed.flatten(), looked.flatten(), torch.ones(2**15 + 8)])
+    try:  # an op nobody sized (AFTER), small tensors in, 2**17 elements out: judged on what it made, stopped
+        torch.ones(2**7, 2**6).repeat(4, 4)
+        stopped = torch.tensor(False)
+    except OversizedOpError:
+        stopped = torch.tensor(True)
+    return [outer.sum(), normed.softmax(-1).amax(), looked.mean(), joined.sum(), (joined * 0.5).sum(), stopped]
+
+
+def _tiny_bert_step():
+    model, ids = tiny_bert(), token_batch(6, 64)  # P: 6 * 4 * 64 * 64 = 98,304 elements, past LIMIT
+    out = model(ids).last_hidden_state
+    out.square().mean().backward()
+    return [out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+
+
+def hot_and_full(work, monkeypatch):
+    """{hot path on: (values, records, pieces, calls that took the full route), and off: the same}."""
+    from mpsimpact.modes.base import MatmulMode
+    from mpsimpact.modes.guard import guard
+    from mpsimpact.modes.guard_mode import GuardMode
+
+    route, full = MatmulMode._torch_dispatch, []
+
+    def counted(self, func, *rest):
+        full.append(func)
+        return route(self, func, *rest)
+
+    monkeypatch.setattr(MatmulMode, "_torch_dispatch", counted)
+    runs = {}
+    for hot in (False, True):
+        monkeypatch.setattr(GuardMode, "hot_path", hot)
+        full.clear()
+        torch.manual_seed(0)
+        with guard("chunk", index_bits=16, devices=("cpu",), strict=True, profile="2.9.1") as g:
+            values = work()
+        records = [(r.op, r.fault.rule, r.phase) for r in (*g.chunked, *g.stopped)]
+        runs[hot] = (values, records, list(g.chunk_sizes), len(full))
+    return runs
+
+
+def same_decisions(runs):
+    (values, records, sizes, _), (hot_values, hot_records, hot_sizes, _) = runs[False], runs[True]
+    return bool(records) and hot_records == records and hot_sizes == sizes and all(
+        torch.equal(x, y) for x, y in zip(hot_values, values, strict=True))
+
+
+@pytest.mark.parametrize("work", [_mixed_ops, _tiny_bert_step], ids=["mixed ops", "tiny BERT, forward and backward"])
+def test_strict_hot_path_decides_as_the_full_route(work, monkeypatch):
+    runs = hot_and_full(work, monkeypatch)
+    assert same_decisions(runs)
+    assert 0 < runs[True][3] < runs[False][3]  # the judged calls took the full route; most others did not
+
+
+@pytest.mark.parametrize("planted", ["every broadcast passes", "what an unsized op made is not looked at"])
+def test_a_planted_hot_path_that_passes_too_much_is_caught(planted, monkeypatch):
+    from mpsimpact.modes import guard_dispatch
+
+    if planted == "every broadcast passes":
+        monkeypatch.setattr(guard_dispatch, "_broadcast_within", lambda args, kwargs, most: True)
+    else:
+        monkeypatch.setattr(guard_dispatch.DispatchJudge, "_made", lambda self, func, args, kwargs, out: out)
+    assert not same_decisions(hot_and_full(_mixed_ops, monkeypatch))

@@ -10,7 +10,6 @@ mode] in modes/entrypoint.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import operator
 import warnings
@@ -21,23 +20,18 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, eval_frame_callback, has_nested,
-    innermost, numbers_as_tensors, op_name,
+    ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
-from mpsimpact.modes.chunking import Split, cat_in_place, entry_bound, run_in_pieces, split_bmm
+from mpsimpact.modes.chunking import Split, entry_bound, run_in_pieces, split_bmm
+from mpsimpact.modes.guard_dispatch import DispatchJudge
 from mpsimpact.modes.guard_entry import EntryJudge
-from mpsimpact.modes.op_size import (
-    SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
-)
-from mpsimpact.modes.op_table import (
-    AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, PRODUCT, QUICK, op_entry,
-)
-from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
+from mpsimpact.modes.op_size import has_symbolic_sizes, tensors_of
+from mpsimpact.modes.op_table import PRODUCT, op_entry
+from mpsimpact.modes.piecewise import Pieces
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
-from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
 from mpsimpact.variables import GUARD_MODES
@@ -65,10 +59,12 @@ class MpsImpactWarning(UserWarning):
     """Emitted by guard mode "warn", once per op site, with the text the error would have."""
 
 
-class GuardMode(EntryJudge, MatmulMode):
+class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
     """What `guard()` activates: an entry-point handler that answers small calls at once, and the
     dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
     `everywhere`: under an emulator, or strict; then every other op too, by its family)."""
+
+    hot_path = True  # strict's hot path answers what it can (Note [Strict's hot path]); False: the full route only
 
     def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
                  profile: Profile = None, strict: bool = False):
@@ -125,7 +121,7 @@ class GuardMode(EntryJudge, MatmulMode):
             entered = super().__enter__()
         finally:
             self._entering = False
-        self._hot = not ACTIVE.stacks["emulator"]
+        self._hot = self.hot_path and not ACTIVE.stacks["emulator"]
         self._held += 1
         return entered
 
@@ -136,19 +132,22 @@ class GuardMode(EntryJudge, MatmulMode):
     # Note [Strict, gated]
     # ~~~~~~~~~~~~~~~~~~~~
     # Every rule of every release needs some tensor of VIEW_LIMIT (2**31) elements or more, and such a tensor
-    # holds VIEW_LIMIT bytes or more. A dispatch mode that looks at every op costs 1.5x on a small GPU batch
-    # before it judges anything (benchmarks/README.md), so strict, on devices that count the bytes their
-    # tensors hold (MPS, CUDA), pushes it only from the first sighting of a tensor that could pass a limit
-    # until the block ends: on entering, when the guarded devices already hold VIEW_LIMIT bytes; at a matrix
-    # product, SDPA or cat (the fast path's own arithmetic) that could meet a rule; at a factory (empty, zeros,
-    # ones, full, rand, randn, randint, arange, their _like and new_ forms) asked for VIEW_LIMIT elements or
-    # more. From there every op is judged as before. Not seen at its birth: a tensor past the limit made,
-    # from smaller ones, by any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name
-    # bound before the guard): the ops on it are judged from the next sighting on (a product or cat it feeds,
-    # or entering the guard again). On devices without a count (the CPU, meta) and under an emulator, strict
-    # watches every op from the start, as it always did. Where another dispatch mode was entered inside the
-    # guard, the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path
-    # does, with every op family.
+    # holds VIEW_LIMIT bytes or more. A dispatch mode costs a Python call on every op of a model before it
+    # judges anything, so strict, on devices that count the bytes their tensors hold (MPS, CUDA), pushes it only
+    # from the first sighting of a tensor that could pass a limit until the block ends: on entering, when the
+    # guarded devices already hold VIEW_LIMIT bytes; at a matrix product, SDPA or cat (the fast path's own
+    # arithmetic) that could meet a rule; at a factory (empty, zeros, ones, full, rand, randn, randint, arange,
+    # their _like and new_ forms) asked for VIEW_LIMIT elements or more. Bytes held do not say how many elements
+    # any one tensor has: a model of about a billion parameters holds 2 GiB of weights, none of them near a limit.
+    # So what the sighting starts is not the route on every op: each op is looked up in the table and judged only
+    # where a tensor it reads or makes could reach a limit (Note [Strict's hot path]); such a model pays the
+    # mode's call and a lookup per op. Not seen at its birth: a tensor past the limit made, from smaller ones, by
+    # any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name bound before the guard)
+    # while the device holds less: the ops on it are judged from the next sighting on (a product or cat it
+    # feeds, or entering the guard again). On devices without a count (the CPU, meta) and under an emulator,
+    # strict watches from the start, as it always did. Where another dispatch mode was entered inside the guard,
+    # the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path does, with
+    # every op family.
 
     def begin(self) -> None:
         """On entering (or installing): strict watches from here when it is not gated, or when the guarded
@@ -216,74 +215,6 @@ class GuardMode(EntryJudge, MatmulMode):
     # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
     # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
 
-    # Note [Strict's hot path]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Watching, the dispatch mode sees every op of the model, and almost none can reach a limit. So each op is
-    # first looked up in the table (modes/op_table.py: one dictionary lookup by the overload's id) and decided
-    # there, before any of the route's work: a view runs (NO_KERNEL); an op whose every tensor has at most
-    # DIM_MAX elements runs where its output cannot outgrow them (INPUTS; BROADCAST where its inputs share a
-    # shape or their sizes' product is at most DIM_MAX, the most a broadcast makes); an op nobody sized (AFTER)
-    # runs and is judged only if what it made passes DIM_MAX; a Linear or matmul runs within its entry's bound
-    # (QUICK: read from the shape table). Everything else (a product past its bound, a GROWN op such as a
-    # factory or a lookup, a tensor past DIM_MAX, a tensor subclass, an emulator below, a compiled region
-    # running) takes the full route, which decides exactly as it did before this path existed: the hot path
-    # only answers calls that route would have run as they are. An op is run through its C++ callable
-    # (OpEntry.run), and Dynamo is kept out as MatmulMode does (Note [Dynamo kept out at no cost]).
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = OP_ENTRIES.get(id(func)) or op_entry(func)
-        hot = entry.hot
-        if hot is FULL or types or not self._hot or eval_frame_callback() is not None:
-            return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
-        if kwargs is None:
-            kwargs = {}
-        fixed = None
-        try:
-            if hot is NO_KERNEL or self._passing:
-                return entry.run(*args, **kwargs)
-            if hot is QUICK:
-                if self._quick_pass(entry.bound_by, args, kwargs):
-                    return entry.run(*args, **kwargs)
-            elif hot is BROADCAST:
-                if _broadcast_within(args, kwargs, self._most):
-                    return entry.run(*args, **kwargs)
-            else:
-                most = self._most
-                for arg in args:  # every tensor within DIM_MAX (the most common case inline: no list, no kwargs)
-                    if isinstance(arg, _Tensor):
-                        if arg.numel() > most:
-                            break
-                    elif type(arg) in _SEQUENCES and not _within(arg, most):
-                        break
-                else:
-                    if not kwargs or _within(kwargs.values(), most):
-                        if hot is INPUTS:
-                            return entry.run(*args, **kwargs)
-                        if hot is AFTER:
-                            return self._made(func, args, kwargs, entry.run(*args, **kwargs))
-                        if size_call(func, args, kwargs, *judged_at(self.index_bits)) is None:
-                            return entry.run(*args, **kwargs)  # GROWN, to no more than DIM_MAX
-        except RuntimeError:  # as MatmulMode's route does with an op that refused its arguments
-            if has_nested(args, kwargs):
-                return self.on_nested(func, args, kwargs)
-            fixed = numbers_as_tensors(func, args)  # See Note [TorchScript's numbers under a dispatch mode]
-            if fixed is None:
-                raise
-        if fixed is not None:
-            return self.dispatch(func, fixed, kwargs)
-        return self._torch_dispatch(func, types, args, kwargs)  # the full route
-
-    def _made(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
-        """An AFTER op's output on the hot path: as it is below DIM_MAX, else judged as on_other would."""
-        most = self._most
-        if type(out) is torch.Tensor and out.numel() <= most and not out.is_nested:
-            return out
-        if max((t.numel() for t in outputs_of(out)), default=0) <= most or self._passing or self._is_outer():
-            return out
-        sized = size_call(func, args, kwargs, *judged_at(self.index_bits))
-        if sized is None or not self.everywhere or not self._applies_call(sized, kwargs):
-            return out
-        return self._judge_after(func, args, kwargs, sized, self.index_bits, None, out)
-
     def dispatch(self, func, args: tuple, kwargs: dict):
         """The full route (MatmulMode.dispatch), but for a call inside one decided at its entry, and one whose sizes
         are symbols (Note [Symbolic sizes])."""
@@ -310,77 +241,6 @@ class GuardMode(EntryJudge, MatmulMode):
         return self._act(record, fault, split and split.batches,
                          lambda: run_in_pieces(func, family, args, kwargs, split, self._copies(active)),
                          lambda: func(*args, **kwargs), active)
-
-    def on_other(self, func, args, kwargs):
-        """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
-        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
-        a replayed plan, the plan's full-scale decision)."""
-        if self._passing or self._is_outer():
-            return func(*args, **kwargs)
-        active = active_emulator()
-        if active is not None and active.plan is not None:
-            return self._replayed_other(func, args, kwargs, active)
-        bits = self._bits(active)
-        sized = size_call(func, args, kwargs, *judged_at(bits))
-        if sized is None or not (self.everywhere or sized.family == "cat"):
-            return func(*args, **kwargs)
-        if not self._applies_call(sized, kwargs):
-            return func(*args, **kwargs)
-        if sized.after:
-            return self._judge_after(func, args, kwargs, sized, bits, active)
-        profile = active.profile if active else self.profile
-        fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
-        if fault.is_ok:
-            return func(*args, **kwargs)
-        made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
-        index = len(self.stopped) + len(self.chunked)
-        record = CallRecord.of_op(index, op_name(func), sized.inputs, made, fault, current_phase())
-        return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
-
-    def _replayed_other(self, func, args, kwargs, active) -> Any:
-        """A call of the other families under a replayed plan: the full-scale decision, and pieces scaled
-        from the full-scale call's (as `_split_here` does for mm rows)."""
-        planned = active.peek_op(func)
-        if planned is None or planned.fault.is_ok:
-            return func(*args, **kwargs)
-        here = max((t.numel() for t in tensors_of(args, kwargs)), default=1)
-        full = max(planned.a.numel, planned.b.numel, 1)
-        most = max(1, dim_max(active.plan.index_bits) * here // full)
-        record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
-        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
-
-    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
-                     most: int, active) -> Any:
-        if family == "cat":
-            return self._act(record, record.fault, 1, lambda: cat_in_place(func, args, kwargs, most),
-                             lambda: func(*args, **kwargs), active, op_name(func))
-        pieces = split_call(func, args, kwargs, out, most)
-        return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
-                         lambda: func(*args, **kwargs), active, op_name(func))
-
-    def _applies_call(self, sized: SizedCall, kwargs: dict) -> bool:
-        if sized.inputs:
-            return self._applies(sized.inputs[0])
-        device = torch.device(kwargs.get("device") or "cpu")  # a creation op: where it makes its tensor
-        return device.type in self.devices if self.devices is not None else (
-            device.type == "mps" or active_emulator() is not None)
-
-    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active, out: Any = None) -> Any:
-        """An op whose output size only running it tells ('other' ops, lookups by mask): judged on what it
-        made (`out`, where it ran already). Nobody measured these families past a limit, so they fault silently
-        or not at all: the wrong values are dropped before anyone reads them."""
-        if out is None:
-            out = func(*args, **kwargs)
-        outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
-        if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
-            return out
-        profile = active.profile if active else self.profile
-        fault = classify_op(func, sized.inputs, outputs, index_bits=bits, profile=profile)
-        if fault.is_ok:
-            return out
-        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, outputs,
-                                  fault, current_phase())
-        return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
 
     def _act(self, record: CallRecord, fault: Fault, chunk: int | Pieces | None, split: Callable[[], Any],
              unguarded: Callable[[], Any], active, op: str | None = None, why_not: str | None = None) -> Any:
@@ -418,33 +278,6 @@ class GuardMode(EntryJudge, MatmulMode):
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
 
-
-
-_Tensor = torch.Tensor
-_SEQUENCES = (list, tuple)
-
-
-def _within(items: Any, most: int) -> bool:
-    """Whether every tensor among `items` has at most `most` elements (Note [Strict's hot path])."""
-    return all(t.numel() <= most for t in items if isinstance(t, _Tensor))
-
-
-def _broadcast_within(args: tuple, kwargs: dict, most: int) -> bool:
-    """Whether an elementwise call's tensors (lists opened one level) have at most `most` elements each, none is
-    empty, and they share a shape or their sizes' product is at most `most`, the most their broadcast can have."""
-    product, shape, same = 1, None, True
-    for arg in (*args, *kwargs.values()) if kwargs else args:
-        for t in arg if type(arg) in _SEQUENCES else (arg,):
-            if isinstance(t, _Tensor):
-                n = t.numel()
-                if n > most or not n:
-                    return False
-                product *= n
-                if shape is None:
-                    shape = t.shape
-                elif same and t.shape != shape:
-                    same = False
-    return same or product <= most
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 
 from mpsimpact.engine.release import allocates, family_of
 
-aten = torch.ops.aten
-
 # What a dispatch mode does with an op (MatmulMode.dispatch): decompose a product to see its bmm/mm (PRODUCT),
 # decompose another CompositeImplicitAutograd op (COMPOSITE), judge a bmm/mm (MATMUL), or hand it to on_other.
 PRODUCT, COMPOSITE, MATMUL, OTHER = "product", "composite", "matmul", "other"
@@ -41,10 +39,11 @@ POINTWISE, IN_PLACE_FILL, SOFTMAX_ROWS, FILL, LOOKUP, ROWS, REDUCE, REDUCE_WHOLE
 # keeping the largest or smallest, or'ing or and'ing, or keeping the index of the largest or smallest value.
 ADDED, WEIGHTED, MULTIPLIED, LARGEST, SMALLEST, EITHER, BOTH, LARGEST_AT, SMALLEST_AT = (
     "added", "weighted", "multiplied", "largest", "smallest", "either", "both", "largest at", "smallest at")
-# How an entry point's bound is taken (chunking.entry_bound): PAIR, the last two tensors' product; WEIGHTED, a
-# Linear's input by its weight's rows; JOINED, cat's tensors laid end to end; CONTRACTED, an einsum's subscripts;
-# SCORES, SDPA's (query rows times keys); BIRTH, a factory's elements (`elements`).
-PAIR, WEIGHTED_ROWS, JOINED, CONTRACTED, SCORES, BIRTH = "pair", "weighted rows", "joined", "contracted", "scores", "birth"
+# How an entry point's bound is taken (chunking.entry_bound): PAIR, the last two tensors' product; WEIGHTED_ROWS,
+# a Linear's input by its weight's rows; JOINED, cat's tensors laid end to end; CONTRACTED, an einsum's
+# subscripts; SCORES, SDPA's (query rows times keys); BIRTH, a factory's elements (`elements`).
+PAIR, WEIGHTED_ROWS, JOINED, CONTRACTED, SCORES, BIRTH = (
+    "pair", "weighted rows", "joined", "contracted", "scores", "birth")
 # A GROWN op whose output size only running it tells (a mask's True values, unique's count).
 KNOWN_AFTER = "known after"
 _SIZES = (tuple, list, torch.Size)
@@ -245,27 +244,40 @@ def _each(names: str, **fields: Any) -> dict[str, dict[str, Any]]:
 
 
 _KNOWN: dict[str, dict[str, Any]] = {
+    # The bmm/mm kernels, and their operands' places in their arguments.
     "bmm.default": dict(operands=("bmm", 0, 1)), "baddbmm.default": dict(operands=("bmm", 1, 2)),
     "mm.default": dict(operands=("mm", 0, 1)), "addmm.default": dict(operands=("mm", 1, 2)),
-    "matmul.default": dict(decomposed="matmul"), "linear.default": dict(decomposed="linear", nested_as="linear"),
-    "einsum.default": dict(decomposed="einsum"), "_scaled_dot_product_attention_math.default": dict(decomposed="sdpa"),
-    "tensordot.default": dict(decomposed=""), "bilinear.default": dict(decomposed=""),
-    "cat.default": dict(nested_as="cat"), "_grouped_mm.default": dict(shape_only=_grouped_mm_meta),
+    # CompositeImplicitAutograd products that reach a dispatch mode whole under torch.inference_mode():
+    # decomposed to expose their bmm/mm, unless their entry point's bound (`decomposed`) is below every limit.
+    # Every other composite op (softmax.int, layer_norm, dropout) is decomposed too where a tensor passes
+    # DIM_MAX, so that a mode sees the kernels MPS runs, named as a trace under no_grad names them.
+    "matmul.default": dict(decomposed="matmul"), "einsum.default": dict(decomposed="einsum"),
+    "linear.default": dict(decomposed="linear", nested_as="linear"),
+    "_scaled_dot_product_attention_math.default": dict(decomposed="sdpa"),
+    "tensordot.default": dict(decomposed=""), "bilinear.default": dict(decomposed=""),  # always decomposed
+    "cat.default": dict(nested_as="cat"),
+    # SDPA's own kernels, as a call that bypassed its entry point reaches the dispatch mode.
     **{f"{name}.default": dict(fused_sdpa=True) for name in """_scaled_dot_product_flash_attention_for_cpu
         _scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention
         _scaled_dot_product_cudnn_attention _scaled_dot_product_fused_attention_overrideable
         _scaled_dot_product_attention_math_for_mps""".split()},
+    # Its meta kernel accepts bf16 alone; an MoE model in fp32 runs it on MPS and the CPU.
+    "_grouped_mm.default": dict(shape_only=_grouped_mm_meta),
+    # Lookups and the ops whose output size their values decide.
     "arange": dict(output=_arange_shape), "index_select": dict(output=_picked_rows), "index": dict(output=_indexed),
     "embedding": dict(output=lambda b, i: (*b["indices"].shape, b["weight"].shape[-1]), split=LOOKUP),
     **_each("gather take", output=lambda b, i: tuple(b["index"].shape)),
     **_each("nonzero masked_select unique repeat_interleave", output=KNOWN_AFTER),
-    "cat": dict(meta=_joined_meta), "stack": dict(output=lambda b, i: _laid_end_to_end(b, i, True), stacks=True),
     "embedding_dense_backward": dict(weight_gradient=True),
+    "cat": dict(meta=_joined_meta), "stack": dict(output=lambda b, i: _laid_end_to_end(b, i, True), stacks=True),
+    # Rows, softmaxes and triangles: their first tensor's shape on meta.
     "native_layer_norm": dict(split=ROWS, meta=_normalized_meta),
     **_each("softmax _softmax _safe_softmax log_softmax _log_softmax tril triu", meta=_first_meta),
+    # Fills: of a tensor in place, or of a new one with a value (full's: its fill_value, as given).
     **_each("fill zero", split=IN_PLACE_FILL),
     **_each("ones ones_like new_ones", split=FILL, fill=1), **_each("zeros zeros_like new_zeros", split=FILL, fill=0),
-    **_each("full full_like new_full", split=FILL),  # its fill_value, as given
+    **_each("full full_like new_full", split=FILL),
+    # Reductions whose pieces combine exactly.
     **_each("nansum count_nonzero", split=REDUCE, combine=ADDED, **_WRAPS),
     "sum": dict(split=REDUCE, combine=ADDED, **_WRAPS, **_DIMS),
     "mean": dict(split=REDUCE, combine=WEIGHTED, **_WRAPS, **_DIMS),
