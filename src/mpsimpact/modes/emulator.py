@@ -218,7 +218,7 @@ class EmulateMode(MatmulMode):
         """A strided nested tensor's op: C++ kernels over one buffer, which no mode sees into (Note [Nested
         tensors]). Below every limit MPS computes what runs here; past one, nobody can say what it returns."""
         tensors = tensors_of(args, kwargs)
-        kind = op_entry(func).nested_as or ENTRY_KINDS["cat"]  # any other op: all its elements, laid end to end
+        kind = op_entry(func).nested_as or ENTRY_KINDS["cat"]  # any other op: all its elements, end to end
         shapes = stacked_shapes(kind, tensors)
         if shapes is not None and max(math.prod(shape) for shape in shapes) <= judged_at(self.index_bits)[0]:
             return func(*args, **kwargs)
@@ -469,7 +469,8 @@ def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.
         raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not "
                                "characterised")
     rest = [[0] if isinstance(a, (list, tuple)) and a else a for a in args[1:]]
-    return func(first, *rest, **({argument: ([0] if argument == "dim" and v else v) for argument, v in kwargs.items()}))
+    named = {argument: ([0] if argument == "dim" and v else v) for argument, v in kwargs.items()}
+    return func(first, *rest, **named)
 
 
 def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:

@@ -43,13 +43,13 @@ from mpsimpact.modes.stand_in import EntryPoint, make_stand_in
 # guests] in modes/stand_in.py for what the rest of the process sees of them.
 
 # name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is (the table's kinds,
-# modes/op_table.py's ENTRY_KINDS); the factories apart: the births a gated strict guard sees (Note [Strict, gated]
-# in modes/guard_mode.py), wrapped only while a handler that asks for them (`sees_births`) is active.
+# modes/op_table.py's ENTRY_KINDS); the factories apart: the births a gated strict guard sees (Note [Strict,
+# gated] in modes/guard_mode.py), wrapped only while a handler that asks for them (`sees_births`) is active.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is None}
 FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
     name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is not None}
-# Each group as one flat tuple of (kind, owner, attribute, (owner, attribute)): installed and taken away as a whole.
+# Each group as one flat tuple of (kind, owner, attribute, (owner, attribute)): put in place and taken away whole.
 _ENTRY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in ENTRY_POINTS.items()
                       for owner, attribute in places)
 _FACTORY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in FACTORY_POINTS.items()

@@ -70,7 +70,7 @@ class EntryJudge:
                 return self._passes_transformed(kind, args, kwargs)
             if not self.everywhere:
                 return self._quick_pass(kind, args, kwargs)
-            if kind.elements is not None:  # the fast path has no factory to judge; a gated strict guard sees a birth
+            if kind.elements is not None:  # a factory: none for the fast path; a gated strict guard sees a birth
                 return kind.elements(args, kwargs) < self._view_limit or self._watch()
             return self._quick_pass(kind, args, kwargs) or self._watch()
         except (RuntimeError, AttributeError, TypeError, ValueError):  # sizes that are not numbers
@@ -159,7 +159,8 @@ class EntryJudge:
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
         if kind.elements is not None:
             return True  # wrapped for another thread's gated strict guard: births are that guard's business
-        if kind.bound is JOINED and args and type(args[0]) in _SEQUENCES and args[0] and _fake_mode(_FAKE) is None:
+        joined = kind.bound is JOINED and args and type(args[0]) in _SEQUENCES and args[0]
+        if joined and _fake_mode(_FAKE) is None:
             tensors = args[0]
             if isinstance(tensors[0], _Tensor) and not self._applies(tensors[0]):
                 return True

@@ -64,7 +64,7 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
     dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
     `everywhere`: under an emulator, or strict; then every other op too, by its family)."""
 
-    hot_path = True  # strict's hot path answers what it can (Note [Strict's hot path]); False: the full route only
+    hot_path = True  # strict's hot path answers what it can (Note [Strict's hot path]); False: the full route
 
     def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
                  profile: Profile = None, strict: bool = False):
@@ -216,8 +216,8 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
     # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
 
     def dispatch(self, func, args: tuple, kwargs: dict):
-        """The full route (MatmulMode.dispatch), but for a call inside one decided at its entry, and one whose sizes
-        are symbols (Note [Symbolic sizes])."""
+        """The full route (MatmulMode.dispatch), but for a call inside one decided at its entry, and one whose
+        sizes are symbols (Note [Symbolic sizes])."""
         if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
             return func(*args, **kwargs)
         if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs)):

@@ -1,8 +1,9 @@
 """The size of any aten call before it runs: its tensors, and the output it will make where that can
 outgrow every input (creation ops, arange, cat, broadcasts, lookups), by arithmetic on its arguments (no
-meta kernel: most are Python and cost more than the op itself). Also the prefilter the tracer, the
-emulator and the guard share: a call whose every tensor has at most DIM_MAX elements meets no family rule
-(Note [Op families past INT_MAX] in engine/families.py).
+meta kernel: most are Python and cost more than the op itself), as the table says for each op
+(modes/op_table.py: `OpEntry.sizing`, `output`). Also the prefilter the tracer, the emulator and the guard
+share: a call whose every tensor has at most DIM_MAX elements meets no family rule (Note [Op families past
+INT_MAX] in engine/families.py).
 
 At a reduced index width the limits scale so that a small batch meets the faults a big one meets on MPS:
 the activations scale, the weights do not. So a parameter (nn.Parameter: an embedding table, a LayerNorm

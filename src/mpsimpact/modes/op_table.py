@@ -74,7 +74,8 @@ class EntryKind:
 
 
 def _sized(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")  # (*size), (size,), size=
+    # (*size), (size,), size=
+    return args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
 
 
 def _elements(size: Any) -> int:
@@ -128,20 +129,21 @@ ENTRY_KINDS: dict[str, EntryKind] = _kinds(
               sizes=True),
     EntryKind("randint", _on_torch("randint"), BIRTH, elements=_randint_elements, sizes=True),
     EntryKind("arange", _on_torch("arange"), BIRTH, elements=_arange_elements, sizes=True),
-    EntryKind("like", _on_torch(*(f"{f}_like" for f in ("empty", "zeros", "ones", "full", "rand", "randn", "randint"))),
-              BIRTH, elements=_like_elements),
+    EntryKind("like", _on_torch(*(f"{f}_like" for f in "empty zeros ones full rand randn randint".split())), BIRTH,
+              elements=_like_elements),
     EntryKind("new", tuple((torch.Tensor, f"new_{f}") for f in ("empty", "zeros", "ones", "full")), BIRTH,
               elements=lambda args, kwargs: _elements(_sized(args[1:], kwargs))),  # the sizes after the tensor
 )
 
 
-def stacked_shapes(kind: EntryKind, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def stacked_shapes(kind: EntryKind, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...] | None:
     """The dense call a nested tensor's call is judged as (See Note [Nested tensors] in modes/shape_table.py): for
     cat, its first tensor and all the elements stacked alike; for a product (linear, matmul, SDPA's scores), an mm
     of the first operand's stacked rows by the second's columns (a Linear's weight's rows, or every key); None
     where a last dim is ragged."""
     try:
-        stacked = [(t.numel() // (t.size(-1) or 1), t.size(-1)) if t.is_nested else tuple(t.shape) for t in tensors]
+        stacked = [(t.numel() // (t.size(-1) or 1), t.size(-1)) if t.is_nested else tuple(t.shape)
+                   for t in tensors]
     except RuntimeError:
         return None
     first, second = stacked[0], stacked[1] if len(stacked) > 1 else (1,)
@@ -264,7 +266,8 @@ _KNOWN: dict[str, dict[str, Any]] = {
     # Its meta kernel accepts bf16 alone; an MoE model in fp32 runs it on MPS and the CPU.
     "_grouped_mm.default": dict(shape_only=_grouped_mm_meta),
     # Lookups and the ops whose output size their values decide.
-    "arange": dict(output=_arange_shape), "index_select": dict(output=_picked_rows), "index": dict(output=_indexed),
+    "arange": dict(output=_arange_shape), "index_select": dict(output=_picked_rows),
+    "index": dict(output=_indexed),
     "embedding": dict(output=lambda b, i: (*b["indices"].shape, b["weight"].shape[-1]), split=LOOKUP),
     **_each("gather take", output=lambda b, i: tuple(b["index"].shape)),
     **_each("nonzero masked_select unique repeat_interleave", output=KNOWN_AFTER),
@@ -275,7 +278,8 @@ _KNOWN: dict[str, dict[str, Any]] = {
     **_each("softmax _softmax _safe_softmax log_softmax _log_softmax tril triu", meta=_first_meta),
     # Fills: of a tensor in place, or of a new one with a value (full's: its fill_value, as given).
     **_each("fill zero", split=IN_PLACE_FILL),
-    **_each("ones ones_like new_ones", split=FILL, fill=1), **_each("zeros zeros_like new_zeros", split=FILL, fill=0),
+    **_each("ones ones_like new_ones", split=FILL, fill=1),
+    **_each("zeros zeros_like new_zeros", split=FILL, fill=0),
     **_each("full full_like new_full", split=FILL),
     # Reductions whose pieces combine exactly.
     **_each("nansum count_nonzero", split=REDUCE, combine=ADDED, **_WRAPS),
@@ -354,8 +358,8 @@ def _entry_for(func: Any) -> OpEntry:
     route = (PRODUCT if decomposed is not None else COMPOSITE if _is_composite(func)
              else MATMUL if "operands" in known else OTHER)
     bound_by = ENTRY_KINDS.get(decomposed) if decomposed else None
-    sizing = (SKIP if family in _SKIPPED else BROADCAST if family == "elementwise" else GROWN if family in _GROWING
-              else AFTER if family == "other" else INPUTS)
+    sizing = (SKIP if family in _SKIPPED else BROADCAST if family == "elementwise"
+              else GROWN if family in _GROWING else AFTER if family == "other" else INPUTS)
     if route is PRODUCT:
         hot = QUICK if bound_by is not None and bound_by.quick else FULL
     elif route is MATMUL:

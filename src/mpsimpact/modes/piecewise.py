@@ -4,8 +4,9 @@ masked_fill, copies and fills block by block over their output; softmax over blo
 dimension whole; reductions over some dimensions over blocks that keep those whole; full reductions by
 combining the pieces' results (sum: add; amax/amin: max/min; mean: weighted; argmax/argmin: with
 offsets); an embedding lookup over blocks of its indices; layer norm over blocks of rows (its normalized
-dimensions whole). Any other call has no split: the guard stops it. The result equals the unsplit
-correct one."""
+dimensions whole). Which of these a call takes, and how a reduction's pieces combine, is the table's
+(modes/op_table.py: `OpEntry.split`, `combine`, `fill`). Any other call has no split: the guard stops it. The
+result equals the unsplit correct one."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch
 from mpsimpact.engine.faults import TensorSpec, dim_max
 from mpsimpact.modes.op_size import bound_arguments
 from mpsimpact.modes.op_table import (
-    ADDED, EITHER, FILL, IN_PLACE_FILL, LARGEST, LARGEST_AT, LOOKUP, MULTIPLIED, POINTWISE, REDUCE, REDUCE_WHOLE, ROWS,
-    SMALLEST, SMALLEST_AT, SOFTMAX_ROWS, WEIGHTED, op_entry, split_named,
+    ADDED, EITHER, FILL, IN_PLACE_FILL, LARGEST, LARGEST_AT, LOOKUP, MULTIPLIED, POINTWISE, REDUCE, REDUCE_WHOLE,
+    ROWS, SMALLEST, SMALLEST_AT, SOFTMAX_ROWS, WEIGHTED, op_entry, split_named,
 )
 
 
@@ -79,8 +80,8 @@ def split_call(func: Any, args: tuple, kwargs: dict, out: TensorSpec | None, mos
     if how is POINTWISE or how is FILL or how is IN_PLACE_FILL and first is not None:
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
         largest = tuple(max(tensors, key=lambda t: t.numel()).shape) if tensors else None
-        return _pieces("fill" if how is FILL else "pointwise", tuple(out.shape) if out is not None else largest, (),
-                       most)
+        shape = tuple(out.shape) if out is not None else largest
+        return _pieces("fill" if how is FILL else "pointwise", shape, (), most)
     if how is LOOKUP:  # (*indices, D): blocks of indices, each row whole
         return None if out is None else _pieces("lookup", tuple(out.shape), (len(out.shape) - 1,), most)
     if first is None:

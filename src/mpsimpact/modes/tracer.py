@@ -22,8 +22,8 @@ from mpsimpact.modes.op_table import ENTRY_KINDS, OP_ENTRIES, SKIP, op_entry
 
 
 def _shape_only(entry: Any, args: tuple) -> Any:
-    """An op whose meta kernel refuses what a real device runs (grouped_mm's accepts bf16 alone; an MoE model in fp32
-    runs it on MPS and the CPU): on meta, a new tensor of the output's shape (the table's `shape_only`), as
+    """An op whose meta kernel refuses what a real device runs (grouped_mm's accepts bf16 alone; an MoE model in
+    fp32 runs it on MPS and the CPU): on meta, a new tensor of the output's shape (the table's `shape_only`), as
     on_matmul makes for bmm."""
     a, b = args[0], args[1]
     if not (a.is_meta and b.is_meta and a.dim() == 2 and b.dim() == 3 and a.shape[-1] == b.shape[-2]):
