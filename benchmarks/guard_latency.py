@@ -1,13 +1,17 @@
 """Guard cost on latency-bound inference, as ratios measured in one run: the embedded classifier
 (all-MiniLM-L6-v2 + head) on B texts x L tokens, plain vs guard "raise" (entry points, the default)
 vs guard "raise" strict (the dispatch mode on every op: the route before issue 17) vs strict's floor (a
-dispatch mode that only runs each op); with
+dispatch mode that only runs each op, with torch's Dynamo wrapper around it, and without it: Note [Dynamo
+kept out at no cost] in src/mpsimpact/modes/base.py); with --resident GIB, a tensor of that many GiB (fp16,
+below 2**31 elements: a model's weights) is held on the device throughout, so a gated strict guard (MPS,
+CUDA: Note [Strict, gated]) watches every op from its entry (issue 61); with
 --function-mode also the design the entry points were weighed against (issue 31): a TorchFunctionMode
 that hands the same calls to the same guard, seeing them without replacing torch's callables, but
 running Python on every torch call (about 220 a forward here, against 50 entry-point calls).
 
 Run: python benchmarks/guard_latency.py [--device cpu --threads 1 --shapes 1x16 --reps 30]
      python benchmarks/guard_latency.py --device cuda --shapes 8x128,64x128,512x128 --reps 30
+     python benchmarks/guard_latency.py --device cuda --shapes 8x128 --reps 60 --resident 3
 Each condition's figure is the median of `reps` interleaved repetitions (order rotating), after
 warm-up. On CUDA every repetition synchronises before and after.
 """
@@ -52,12 +56,25 @@ class NoopDispatchMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class BareDispatchMode(TorchDispatchMode):
+    """The floor without the torch._dynamo.disable wrapper torch puts around every mode's handler (the guard's
+    and the emulator's mode keep Dynamo out themselves, at no cost where nothing compiled runs)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def conditions(device: str, function_mode: bool) -> dict[str, object]:
     conds = {
         "off": contextlib.nullcontext,
         "raise": lambda: guard("raise", devices=(device,)),
         "raise_strict": lambda: guard("raise", devices=(device,), strict=True),
         "dispatch_floor": NoopDispatchMode,
+        "bare_floor": BareDispatchMode,
     }
     if function_mode:
         conds["function_mode"] = lambda: EntryFunctionMode(device)
@@ -114,11 +131,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--function-mode", action="store_true", help="also time the TorchFunctionMode design")
     parser.add_argument("--micro", action="store_true", help="also time entering a guard and one guarded call")
+    parser.add_argument("--resident", type=float, default=0.0,
+                        help="GiB of fp16 held on the device throughout (a model's weights), default none")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_embedded_classifier()
     module = model.module.to(args.device)
-    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
+    resident = torch.empty(int(args.resident * 2**30) // 2, dtype=torch.float16, device=args.device)  # noqa: F841
+    held = f", {resident.numel() * 2 / 2**30:g} GiB resident (fp16)" if args.resident else ""
+    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads{held}")
     if args.micro:
         print(micro(args.device))
     for shape in args.shapes.split(","):
@@ -131,7 +152,8 @@ def main() -> None:
         print(f"{batch} x {length}: off {med['off'] * 1e3:.2f} ms; guard raise {med['raise'] * 1e3:.2f} ms "
               f"({med['raise'] / med['off']:.3f}x); strict (dispatch on every op) {med['raise_strict'] * 1e3:.2f} ms "
               f"({med['raise_strict'] / med['off']:.3f}x); a dispatch mode that only runs each op "
-              f"{med['dispatch_floor'] * 1e3:.2f} ms ({med['dispatch_floor'] / med['off']:.3f}x){extra}")
+              f"{med['dispatch_floor'] * 1e3:.2f} ms ({med['dispatch_floor'] / med['off']:.3f}x), without Dynamo's "
+              f"wrapper {med['bare_floor'] * 1e3:.2f} ms ({med['bare_floor'] / med['off']:.3f}x){extra}")
 
 
 if __name__ == "__main__":

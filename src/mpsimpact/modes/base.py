@@ -1,5 +1,6 @@
-"""What the modes share: the aten ops that reach MPS's bmm/mm and their operands, the registry of
-active modes by role, and `MatmulMode`, the dispatch mode under the emulator, the guard and the tracer."""
+"""What the modes share: the registry of active modes by role, SDPA's arguments and math path, and `MatmulMode`,
+the dispatch mode under the emulator, the guard and the tracer, which routes each op as the table
+(modes/op_table.py) says."""
 
 from __future__ import annotations
 
@@ -15,42 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.engine.faults import MODE_INDEX_BITS_RANGE, MPS_INDEX_BITS, Fault
 from mpsimpact.errors import UsageError
+from mpsimpact.modes.op_table import MATMUL, OP_ENTRIES, OTHER, PRODUCT, op_entry
 
 aten = torch.ops.aten
-
-# op -> (family, index of a, index of b) in the op's positional args.
-MATMUL_OPS: dict[Any, tuple[str, int, int]] = {
-    aten.bmm.default: ("bmm", 0, 1), aten.baddbmm.default: ("bmm", 1, 2),
-    aten.mm.default: ("mm", 0, 1), aten.addmm.default: ("mm", 1, 2),
-}
-
-# CompositeImplicitAutograd ops that reach a dispatch mode undecomposed under
-# torch.inference_mode(); decomposing them exposes the real bmm/mm operands. Every other such op
-# (softmax.int, layer_norm, dropout, ...) is decomposed too (`is_composite`), so that a mode sees the
-# kernels MPS runs, named as a trace under no_grad names them (a replayed plan counts them by name).
-DECOMPOSED_OPS = frozenset({
-    aten.matmul.default, aten.linear.default, aten.einsum.default, aten.tensordot.default,
-    aten.bilinear.default, aten._scaled_dot_product_attention_math.default,
-})
-_COMPOSITE: dict[Any, bool] = {}
-_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
-
-
-def is_composite(func: Any) -> bool:
-    """Whether `func` has a CompositeImplicitAutograd kernel (cached: asked for every op)."""
-    found = _COMPOSITE.get(func)
-    if found is None:
-        try:
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _IMPLICIT)
-        except RuntimeError:  # an op the dispatcher does not hold (prim::device, seen under torch.export)
-            found = False
-        _COMPOSITE[func] = found
-    return found
-
-
-# What a dispatch mode does with an op: decompose a product of DECOMPOSED_OPS to see its bmm/mm (PRODUCT),
-# decompose another composite op (COMPOSITE), judge a bmm/mm (MATMUL), or hand it to on_other (OTHER).
-PRODUCT, COMPOSITE, MATMUL, OTHER = "product", "composite", "matmul", "other"
 
 # Note [TorchScript's numbers under a dispatch mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -78,19 +46,6 @@ def numbers_as_tensors(func: Any, args: tuple) -> tuple | None:
     for i in at:
         fixed[i] = torch.tensor(args[i], dtype=_NUMBER_DTYPES[type(args[i])])
     return tuple(fixed)
-# Keyed by id(func): an OpOverload's __hash__ is Python, and a mode asks for every op. The entry keeps
-# the op alive beside its kind (_OPS), so an id is never another op's.
-_ROUTES: dict[int, str] = {}
-_OPS: list[Any] = []
-
-
-def route(func: Any) -> str:
-    """The kind of `func` for a dispatch mode (cached by id)."""
-    kind = (PRODUCT if func in DECOMPOSED_OPS else COMPOSITE if is_composite(func)
-            else MATMUL if func in MATMUL_OPS else OTHER)
-    _OPS.append(func)
-    _ROUTES[id(func)] = kind
-    return kind
 
 
 def op_name(func: Any) -> str:
@@ -98,8 +53,8 @@ def op_name(func: Any) -> str:
 
 
 def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(family, a, b) of a call to one of MATMUL_OPS."""
-    family, ia, ib = MATMUL_OPS[func]
+    """(family, a, b) of a call of a bmm/mm op (the table's MATMUL route)."""
+    family, ia, ib = op_entry(func).operands
     return family, args[ia], args[ib]
 
 
@@ -236,7 +191,7 @@ def has_nested(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_nested for t in flat_arguments(args, kwargs))
 
 
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 def _dispatched(mode: Any, func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
@@ -274,7 +229,7 @@ class MatmulMode(TorchDispatchMode):
         return False  # torch's wrapper is not put around __torch_dispatch__: See Note [Dynamo kept out at no cost]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _eval_frame_callback() is not None:  # See Note [Dynamo kept out at no cost]
+        if eval_frame_callback() is not None:  # See Note [Dynamo kept out at no cost]
             return _kept_from_dynamo(self, func, types, args, kwargs)
         return self._torch_dispatch(func, types, args, kwargs)
 
@@ -297,7 +252,8 @@ class MatmulMode(TorchDispatchMode):
 
     def dispatch(self, func, args: tuple, kwargs: dict):
         """The body of __torch_dispatch__ (which torch wraps to keep Dynamo out: a subclass calls this)."""
-        kind = _ROUTES.get(id(func)) or route(func)
+        entry = OP_ENTRIES.get(id(func)) or op_entry(func)  # the table, asked once a call
+        kind = entry.route
         if kind is OTHER:
             return self.on_other(func, args, kwargs)
         if kind is not MATMUL:
@@ -308,15 +264,15 @@ class MatmulMode(TorchDispatchMode):
                     return out
             elif kind is PRODUCT:  # a product the mode judged whole: below every limit
                 return func(*args, **kwargs)
-            if func not in MATMUL_OPS:
+            if entry.operands is None:
                 return self.on_other(func, args, kwargs)
-        family, a, b = operands(func, args)
-        return self.on_matmul(func, family, a, b, args, kwargs)
+        family, ia, ib = entry.operands
+        return self.on_matmul(func, family, args[ia], args[ib], args, kwargs)
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """Whether to decompose this CompositeImplicitAutograd op (one that reached the mode whole, under
         inference_mode) into the kernels it runs: always, unless a mode says it can judge it whole (a
-        product of DECOMPOSED_OPS judged whole runs as it is)."""
+        product, the table's PRODUCT route, judged whole runs as it is)."""
         return True
 
     def on_matmul(self, func, family: str, a: torch.Tensor, b: torch.Tensor, args: tuple, kwargs: dict):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from mpsimpact.modes.base import MATMUL_OPS, active_emulator, flat_arguments, sdpa_arguments
+from mpsimpact.modes.base import active_emulator, flat_arguments, sdpa_arguments, sdpa_operands
+from mpsimpact.modes.op_table import CONTRACTED, JOINED, SCORES, WEIGHTED_ROWS, EntryKind, op_entry
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, rows_per_safe_chunk, limits
 
 
@@ -39,14 +40,14 @@ class Split:
         return self.batches if self.rows is None else self.rows
 
 
-def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, op: str = "bmm") -> Split | None:
+def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, family: str = "bmm") -> Split | None:
     """The pieces of a bmm (or mm) that every release computes correctly: whole batches where one batch
     is safe as a slice (every operand a view below VIEW_LIMIT, the output at most LIMIT); otherwise
     contiguous copies of blocks of rows of `a` and columns of `b`, each below VIEW_LIMIT, whose output
     block is too. None when even one row of `a` times one column block crosses a limit."""
     limit, view_limit = limits(index_bits)
     cap = view_limit - 1
-    if op == "mm":
+    if family == "mm":
         return Split(rows_per_safe_chunk(a, b, index_bits=index_bits, op="mm"))
     m, k, n = a.shape[1], a.shape[2], b.shape[2]
     if max(m * k, k * n) <= cap and m * n <= limit:
@@ -58,7 +59,7 @@ def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, op: str = "bmm") ->
 
 def run_in_pieces(func, family: str, args: tuple, kwargs: dict, split: Split, copy: bool = False) -> torch.Tensor:
     """Computes one bmm/baddbmm/mm/addmm piece by piece (see `split_bmm`) into one output."""
-    _, ia, ib = MATMUL_OPS[func]
+    _, ia, ib = op_entry(func).operands
     if not args[ia].numel() or not args[ib].numel():  # nothing to read: the plain call makes its empty result
         return func(*args, **kwargs)
     if split.rows is not None:
@@ -69,7 +70,7 @@ def run_in_pieces(func, family: str, args: tuple, kwargs: dict, split: Split, co
 def _run_in_blocks(func, args: tuple, kwargs: dict, split: Split) -> torch.Tensor:
     # One batch at a time, in (rows x cols) output blocks; every operand a contiguous copy, so no
     # piece is a view and no layout the study did not measure reaches MPS.
-    _, ia, ib = MATMUL_OPS[func]
+    _, ia, ib = op_entry(func).operands
     a, b = args[ia], args[ib]
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
     base = args[0].expand(out.shape) if ia == 1 else None  # baddbmm: its input, broadcast (a view)
@@ -89,7 +90,7 @@ def _run_in_blocks(func, args: tuple, kwargs: dict, split: Split) -> torch.Tenso
 
 def _run_chunked(func, family: str, args: tuple, kwargs: dict, chunk: int, copy: bool = False) -> torch.Tensor:
     """Computes one bmm/baddbmm/mm/addmm in leading-dim chunks of at most `chunk`."""
-    _, ia, ib = MATMUL_OPS[func]
+    _, ia, ib = op_entry(func).operands
     a, b = args[ia], args[ib]
     rows = a.shape[0]
     out = None
@@ -256,7 +257,7 @@ def cat_in_place(func: Any, args: tuple, kwargs: dict, most: int | None = None) 
     1-D input past the per-dimension limit is copied in pieces too)."""
     bound = dict(zip(("tensors", "dim"), args)) | kwargs
     tensors, dim, out = list(bound["tensors"]), bound.get("dim", 0), bound.get("out")
-    if func.__name__.split(".")[0] == "stack":
+    if op_entry(func).stacks:
         tensors = [t.unsqueeze(dim) for t in tensors]  # stack = cat of the inputs, each one index along dim
     else:
         tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]  # cat's legacy empty rule
@@ -279,28 +280,33 @@ def cat_in_place(func: Any, args: tuple, kwargs: dict, most: int | None = None) 
     return target
 
 
-def entry_bound(name: str, args: tuple, kwargs: dict) -> float:
-    """The largest element count that decides whether an entry-point call could meet any rule: every
-    tensor's storage extent, and the logical operands and output of the matrix product (broadcast
-    batch). On the guard's hot path: plain arithmetic, no pytree, no broadcast_shapes."""
-    if kwargs or name in ("cat", "einsum"):
+def entry_bound(kind: EntryKind, args: tuple, kwargs: dict) -> float:
+    """The largest element count that decides whether an entry-point call of this kind could meet any rule:
+    every tensor's storage extent, and the logical operands and output of the matrix product (broadcast
+    batch; SDPA's scores too). On the guard's hot path: plain arithmetic, no pytree, no broadcast_shapes."""
+    rule = kind.bound
+    if kwargs or rule is JOINED or rule is CONTRACTED:
         tensors = [x for x in flat_arguments(args, kwargs) if isinstance(x, torch.Tensor)]
     else:
         tensors = [x for x in args if isinstance(x, torch.Tensor)]
     # The rules read a slice's storage extent (offset + numel: exact for dense views) or a view's numel;
     # neither exceeds this.
     bound = max((t.storage_offset() + t.numel() for t in tensors), default=0)
-    if name == "cat":
+    if rule is JOINED:
         return max(bound, sum(t.numel() for t in tensors))
-    if name == "einsum":
+    if rule is CONTRACTED:
         return max(bound, einsum_elements(args))
     if len(tensors) < 2:
         return math.inf  # not a product this reads: look closer
-    if name == "linear":
+    if rule is WEIGHTED_ROWS:
         x, w = tensors[0], tensors[1]
         return max(bound, x.numel() // max(x.shape[-1], 1) * w.shape[0])
     a, b = tensors[-2], tensors[-1]  # the two matrix operands (baddbmm/addmm: after the input)
-    return max(bound, product_elements(a.shape, b.shape))
+    bound = max(bound, product_elements(a.shape, b.shape))
+    if rule is SCORES:  # SDPA's scores, (*batch, Lq, Lk): as many as its query's rows times its keys
+        query, key, _ = sdpa_operands(args, kwargs)
+        bound = max(bound, query.numel() // max(query.shape[-1], 1) * key.shape[-2])
+    return bound
 
 
 def einsum_elements(args: tuple) -> float:

@@ -16,16 +16,14 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    DECOMPOSED_OPS, check_index_bits,
+    check_index_bits,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
     sdpa_operands,
 )
 from mpsimpact.modes.chunking import entry_bound
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.modes.shape_table import nested_call_name, stacked_shapes
-from mpsimpact.modes.op_size import (
-    SKIPPED, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
-)
+from mpsimpact.modes.op_size import judged_at, judged_outputs, outputs_of, size_call, tensors_of
+from mpsimpact.modes.op_table import ENTRY_KINDS, PRODUCT, SKIP, op_entry, stacked_shapes
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
     MPS_INDEX_BITS, contiguous_strides, dim_max, Fault, Profile, limits, sdpa_path, TensorSpec,
@@ -38,17 +36,9 @@ from mpsimpact.engine.release import allocates, takes_release
 if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
 
-# scaled_dot_product_attention's own kernels, as a call that bypassed its entry point reaches the dispatch mode.
-FUSED_SDPA = frozenset(getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
-) if hasattr(torch.ops.aten, name))
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 # What the emulator does with a call it altered (EmulateMode._keep).
 RETURNED, INFERRED, RAISED, ABORTED, REFUSED = "returned", "inferred", "raised", "aborted", "refused"
-# The products' entry points: looked at from the entry where they could meet a rule (EmulateMode.passes).
-_PRODUCT_ENTRIES = frozenset({"matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum"})
 
 def read_stride_ignored(x: torch.Tensor) -> torch.Tensor:
     """`x`'s storage read as if packed row-major in x's shape, offset kept (a view, no copy)."""
@@ -141,7 +131,7 @@ class EmulateMode(MatmulMode):
         it reads or makes could pass a limit (op_size.size_call: broadcasts, growing and unknown families
         included). Below every limit it runs whole, as without the emulator: the same values, at a fraction of
         the cost."""
-        if self.plan is not None or func in DECOMPOSED_OPS:
+        if self.plan is not None or op_entry(func).route is PRODUCT:
             return True
         return size_call(func, args, kwargs, *judged_at(self.index_bits)) is not None
 
@@ -170,7 +160,7 @@ class EmulateMode(MatmulMode):
         a, b = (x.contiguous() if TensorSpec.of(x).layout == "strided" else x for x in (a, b))
         product = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device) if fault.kind == "truncated" \
             else wrong_bmm(a, b, fault, wraps)
-        if func is torch.ops.aten.baddbmm.default:
+        if family == "bmm" and op_entry(func).operands[1]:  # baddbmm: its input added (beta, alpha)
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
             product = product.mul_(alpha) if alpha != 1 else product
             return product if beta == 0 else product.add_(args[0], alpha=beta)
@@ -240,7 +230,8 @@ class EmulateMode(MatmulMode):
         """A strided nested tensor's op: C++ kernels over one buffer, which no mode sees into (Note [Nested
         tensors]). Below every limit MPS computes what runs here; past one, nobody can say what it returns."""
         tensors = tensors_of(args, kwargs)
-        shapes = stacked_shapes(nested_call_name(func) or "cat", tensors)  # any other op: all its elements
+        kind = op_entry(func).nested_as or ENTRY_KINDS["cat"]  # any other op: all its elements, end to end
+        shapes = stacked_shapes(kind, tensors)
         if shapes is not None and max(math.prod(shape) for shape in shapes) <= judged_at(self.index_bits)[0]:
             return func(*args, **kwargs)
         raise NotEmulatedError(
@@ -255,7 +246,7 @@ class EmulateMode(MatmulMode):
         every op's tensors are held against its largest buffer (see `_within_buffer`)."""
         if self._passing:
             return func(*args, **kwargs)
-        if func in FUSED_SDPA:
+        if op_entry(func).fused_sdpa:
             self._check_sdpa_past_entry(func, args)
         if self.plan is not None:
             return self._replay_other(func, args, kwargs)
@@ -290,7 +281,8 @@ class EmulateMode(MatmulMode):
         """An op on a Mac: refused, as MPS refuses it, where a tensor it reads, or the output it will make (where
         its arguments tell), reaches the largest buffer; the output it made is held against it too (what it
         computed is dropped: on the Mac the allocation fails first). See Note [The Mac's largest buffer]."""
-        if op_family(func) in SKIPPED and not allocates(func):
+        entry = op_entry(func)
+        if entry.sizing is SKIP and not entry.allocates:
             return func(*args, **kwargs)
         name, inputs = op_name(func), tensors_of(args, kwargs)
         sized = size_call(func, args, kwargs, -1)
@@ -348,7 +340,7 @@ class EmulateMode(MatmulMode):
             return fault
         record = CallRecord.of_op(self.calls, op_name(func), inputs, outputs, fault, current_phase())
         # a characterised reduction wrap: a reduction over every element of its one input
-        wraps = fault.rule == "reduction-wrap" and len(inputs) == 1 and func.__name__.split(".")[0] in _WRAPPING
+        wraps = fault.rule == "reduction-wrap" and len(inputs) == 1 and op_entry(func).wraps
         self._keep(record, RETURNED if wraps else self._product_outcome(fault) if fault.is_stop else REFUSED)
         if not wraps:
             self._refuse(record)
@@ -360,7 +352,8 @@ class EmulateMode(MatmulMode):
 
     def _replay_other(self, func, args, kwargs):
         """A planned call of the other families: the full-scale decision of its occurrence."""
-        skipped = op_family(func) in SKIPPED and not (self._allocations and allocates(func))
+        entry = op_entry(func)
+        skipped = entry.sizing is SKIP and not (self._allocations and entry.allocates)
         planned = None if self._grouped or skipped else self._take(op_name(func))
         if planned is None or planned.fault.is_ok:
             return func(*args, **kwargs)
@@ -390,19 +383,20 @@ class EmulateMode(MatmulMode):
         """Every entry point but SDPA runs as it is (the dispatch mode sees its bmm/mm calls); a product that
         could meet a rule goes by on_entry, so that its records tell the caller's samples (Note [A call's
         samples] in modes/entrypoint.py)."""
-        if name == "sdpa":
+        kind = ENTRY_KINDS[name]
+        if kind.at_entry:
             return self._grouped and self.plan is not None
-        if name not in _PRODUCT_ENTRIES:
+        if not kind.product:
             return True
         try:
-            return self.plan is None and entry_bound(name, args, kwargs) < self._near
+            return self.plan is None and entry_bound(kind, args, kwargs) < self._near
         except (RuntimeError, AttributeError, TypeError, ValueError):  # nested or symbolic sizes: not looked at
             return True
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA at the Python entry point: see Note [Entry points and the dispatch mode]; any other call runs as
         it is (its operand's shape kept while it runs, by the wrapper)."""
-        if name != "sdpa" or self.passes(name, args, kwargs):
+        if not ENTRY_KINDS[name].at_entry or self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
         query, key, value = sdpa_operands(args, kwargs)
         if _fake_mode(_FAKE) is not None:  # traced (torch.export, make_fx): torch's own op is recorded
@@ -478,11 +472,6 @@ class EmulateMode(MatmulMode):
             )
 
 
-_WRAPPING = frozenset({
-    "sum", "nansum", "mean", "amax", "amin", "max", "min", "prod", "any", "all", "count_nonzero",
-})
-
-
 def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.Tensor:
     """What 2.13.0 returns for a full reduction past INT_MAX: the reduction of its first numel mod `wrap`
     elements (ones(N).sum() returns N mod 2**32). See Note [Op families past INT_MAX]."""
@@ -493,7 +482,8 @@ def wrapped_reduction(func: Any, args: tuple, kwargs: dict, wrap: int) -> torch.
         raise NotEmulatedError(f"{func.__name__} over some dimensions of a tensor past INT_MAX: not "
                                "characterised")
     rest = [[0] if isinstance(a, (list, tuple)) and a else a for a in args[1:]]
-    return func(first, *rest, **({k: ([0] if k == "dim" and v else v) for k, v in kwargs.items()}))
+    named = {argument: ([0] if argument == "dim" and v else v) for argument, v in kwargs.items()}
+    return func(first, *rest, **named)
 
 
 def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> tuple[Fault, dict[str, int]]:

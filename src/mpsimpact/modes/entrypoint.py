@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch.jit import _builtins as jit_builtins
 
+from mpsimpact.modes.op_table import ENTRY_KINDS
 from mpsimpact.modes.stand_in import EntryPoint, make_stand_in
 
 # Note [Entry points and the dispatch mode]
@@ -42,35 +42,18 @@ from mpsimpact.modes.stand_in import EntryPoint, make_stand_in
 # this project's CPU against 1.03x for the wrappers (benchmarks/README.md). See Note [Wrappers as good
 # guests] in modes/stand_in.py for what the rest of the process sees of them.
 
-# name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is.
+# name -> (owner, attribute) of every wrapped callable, grouped by the kind of call it is (the table's kinds,
+# modes/op_table.py's ENTRY_KINDS); the factories apart: the births a gated strict guard sees (Note [Strict,
+# gated] in modes/guard_mode.py), wrapped only while a handler that asks for them (`sees_births`) is active.
 ENTRY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
-    # Tensor.__rmatmul__ calls torch.matmul, so it needs no wrapper of its own.
-    "matmul": ((torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__")),
-    "bmm": ((torch, "bmm"), (torch.Tensor, "bmm")),
-    "baddbmm": ((torch, "baddbmm"), (torch.Tensor, "baddbmm")),
-    "mm": ((torch, "mm"), (torch.Tensor, "mm")),
-    "addmm": ((torch, "addmm"), (torch.Tensor, "addmm")),
-    "linear": ((F, "linear"),),
-    "einsum": ((torch, "einsum"),),
-    "sdpa": ((F, "scaled_dot_product_attention"),),
-    "cat": ((torch, "cat"), (torch, "concat"), (torch, "concatenate")),
-}
-# Factories, by how their size is given: the births a gated strict guard sees (Note [Strict, gated] in
-# modes/guard_mode.py), wrapped only while a handler that asks for them (`sees_births`) is active.
+    name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is None}
 FACTORY_POINTS: dict[str, tuple[tuple[Any, str], ...]] = {
-    "sized": tuple((torch, f) for f in ("empty", "zeros", "ones", "rand", "randn")),
-    "full": ((torch, "full"),),
-    "randint": ((torch, "randint"),),
-    "arange": ((torch, "arange"),),
-    "like": tuple((torch, f"{f}_like") for f in ("empty", "zeros", "ones", "full", "rand", "randn", "randint")),
-    "new": tuple((torch.Tensor, f"new_{f}") for f in ("empty", "zeros", "ones", "full")),
-}
-# Each group as one flat tuple of (kind, owner, attribute): installed and taken away as a whole.
-_ENTRY_PLACES = tuple((name, owner, attribute) for name, places in ENTRY_POINTS.items() for owner, attribute in places)
-_FACTORY_PLACES = tuple((name, owner, attribute) for name, places in FACTORY_POINTS.items()
+    name: kind.places for name, kind in ENTRY_KINDS.items() if kind.elements is not None}
+# Each group as one flat tuple of (kind, owner, attribute, (owner, attribute)): put in place and taken away whole.
+_ENTRY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in ENTRY_POINTS.items()
+                      for owner, attribute in places)
+_FACTORY_PLACES = tuple((name, owner, attribute, (owner, attribute)) for name, places in FACTORY_POINTS.items()
                         for owner, attribute in places)
-# Entry points whose operands are sizes, not tensors (the wrapper hands them on without looking for a tensor).
-FACTORIES = frozenset({"sized", "full", "randint", "arange"})
 
 
 class EntryHandler(Protocol):
@@ -127,7 +110,7 @@ def _chain(name: str, original: Callable[..., Any], handlers: list[EntryHandler]
 
 def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str) -> EntryPoint:
     """The EntryPoint standing at `owner.attribute` for `original`, whose calls go to the handlers."""
-    sizes = name in FACTORIES
+    sizes = ENTRY_KINDS[name].sizes  # a factory's operands are sizes, not tensors
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         handlers = _LOCAL.__dict__.get("handlers")
@@ -288,23 +271,24 @@ def install() -> None:
     _install(_ENTRY_PLACES)
 
 
-def _install(places: tuple[tuple[str, Any, str], ...]) -> None:
-    if (places[0][1], places[0][2]) in _INSTALLED:
+def _install(places: tuple[tuple[str, Any, str, tuple[Any, str]], ...]) -> None:
+    if places[0][3] in _INSTALLED:
         return  # a group is in place as a whole or not at all
-    table = _torch_tables()
-    for name, owner, attribute in places:
+    table = _torch_tables() if not _TABLES_BUILT else None  # the first time, before any wrapper is in place
+    for name, owner, attribute, place in places:
         original = getattr(owner, attribute)
         own = attribute in owner.__dict__
-        made = _MADE.get((owner, attribute))
+        made = _MADE.get(place)
         if made is None or made.original is not original or made.own is not own:
             # made once per original: entering a guard is cheap
             if made is not None:
                 _RETIRED.append(made.wrapper)  # alive, so that its id in the builtin table stays its own
-            made = _MADE[(owner, attribute)] = _Installed(original, own, _wrapper(name, original, owner, attribute))
-        _INSTALLED[(owner, attribute)] = made
+            made = _MADE[place] = _Installed(original, own, _wrapper(name, original, owner, attribute))
+            table = _torch_tables() if table is None else table
+            if id(original) in table:
+                table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
+        _INSTALLED[place] = made
         setattr(owner, attribute, made.wrapper)
-        if id(original) in table:
-            table[id(made.wrapper)] = table[id(original)]  # kept after uninstall: the wrapper lives on
 
 
 def _torch_tables() -> dict[int, str]:
@@ -372,7 +356,7 @@ def remove_handler(handler: EntryHandler) -> None:
         if not _ACTIVE:
             uninstall()
         elif births and not _BIRTHS:
-            places = [(owner, attribute) for _, owner, attribute in _FACTORY_PLACES]
+            places = [place for _, _, _, place in _FACTORY_PLACES]
             _uninstall(places)
             for place in places:
                 del _INSTALLED[place]

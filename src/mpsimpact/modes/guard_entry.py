@@ -24,21 +24,15 @@ from mpsimpact.modes.base import (
     sdpa_dropout, sdpa_math, sdpa_operands,
 )
 from mpsimpact.modes.chunking import entry_bound, run_sdpa_chunked, split_sdpa
-from mpsimpact.modes.entrypoint import ENTRY_POINTS, FACTORIES
-from mpsimpact.modes.op_size import factory_elements, has_symbolic_sizes
-from mpsimpact.modes.shape_table import LARGEST, largest_count, nested_call_name, stacked_shapes
+from mpsimpact.modes.op_size import has_symbolic_sizes
+from mpsimpact.modes.op_table import ENTRY_KINDS, JOINED, WEIGHTED_ROWS, EntryKind, op_entry, stacked_shapes
+from mpsimpact.modes.shape_table import LARGEST, largest_count
 
 _tracing_state = torch._C._get_tracing_state
-_PRODUCTS = frozenset({"matmul", "bmm", "mm"})
-# The entry points whose calls vmap batches into one bigger call of the same kind (SDPA's fused kernels are
-# not judged at the dispatch level: it is judged at its entry).
-_PRODUCTS_AND_CAT = frozenset(ENTRY_POINTS) - {"sdpa"}
 _transforming = torch._C._are_functorch_transforms_active
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)  # cat's tensors
-# The factory entry points, and the _like and new_ forms (whose size is a tensor's or given after it).
-_FACTORY_SIZES = FACTORIES | {"like", "new"}
 
 
 class EntryJudge:
@@ -53,9 +47,10 @@ class EntryJudge:
             return self._on_traced_entry(name, proceed, args, kwargs)
         if self.passes(name, args, kwargs):
             return proceed(*args, **kwargs)
+        kind = ENTRY_KINDS[name]
         if has_nested(args, kwargs):
-            return self._on_nested(name, proceed, args, kwargs)
-        if name == "sdpa":
+            return self._on_nested(kind, proceed, args, kwargs)
+        if kind.at_entry:
             return self._on_sdpa(proceed, args, kwargs)
         return self._through_dispatch(proceed, args, kwargs)
 
@@ -65,18 +60,19 @@ class EntryJudge:
         guards = ACTIVE.stacks["guard"]  # _is_outer, inlined
         if not guards or guards[-1] is not self or self._passing:  # inside a fused SDPA decided at its entry
             return True
+        kind = ENTRY_KINDS[name]
         try:
-            if name in _PRODUCTS_AND_CAT and not self.watching and _transforming():
-                return self._passes_transformed(name, args, kwargs)
-            if name == "sdpa":
-                return self._sdpa_is_plain(args, kwargs)
-            if not self.everywhere:
-                return self._quick_pass(name, args, kwargs)
+            if kind.at_entry:
+                return self._sdpa_is_plain(kind, args, kwargs)
             if self.watching:
                 return True  # the dispatch mode decides every op
-            if name in _FACTORY_SIZES:  # the fast path has no factory to judge; a gated strict guard sees a birth
-                return factory_elements(name, args, kwargs) < self._view_limit or self._watch()
-            return self._quick_pass(name, args, kwargs) or self._watch()
+            if kind.batched and _transforming():
+                return self._passes_transformed(kind, args, kwargs)
+            if not self.everywhere:
+                return self._quick_pass(kind, args, kwargs)
+            if kind.elements is not None:  # a factory: none for the fast path; a gated strict guard sees a birth
+                return kind.elements(args, kwargs) < self._view_limit or self._watch()
+            return self._quick_pass(kind, args, kwargs) or self._watch()
         except (RuntimeError, AttributeError, TypeError, ValueError):  # sizes that are not numbers
             if has_nested(args, kwargs):
                 return False  # on_entry decides it: See Note [Nested tensors]
@@ -115,7 +111,7 @@ class EntryJudge:
         finally:
             torch._C._set_tracing_state(previous)
 
-    def _passes_transformed(self, name: str, args: tuple, kwargs: dict) -> bool:
+    def _passes_transformed(self, kind: EntryKind, args: tuple, kwargs: dict) -> bool:
         """`passes` under torch.func's transforms, whose tensors show their logical sizes: under vmap the
         calls that run are batched, so a product's bound is taken that many times over (See Note [A call's
         derivatives under a mode] for the route of one that may cross a limit). SDPA is judged on the sizes
@@ -125,10 +121,10 @@ class EntryJudge:
             return True
         scale = math.prod(level.batch_size() for level in retrieve_all_functorch_interpreters()
                           if level.key() == TransformType.Vmap)
-        passing = entry_bound(name, args, kwargs) * scale < self._view_limit
+        passing = entry_bound(kind, args, kwargs) * scale < self._view_limit
         return passing or self.everywhere and self._watch()
 
-    def _sdpa_is_plain(self, args: tuple, kwargs: dict) -> bool:
+    def _sdpa_is_plain(self, kind: EntryKind, args: tuple, kwargs: dict) -> bool:
         """An SDPA call that needs nothing of the guard: not on a guarded device; on MPS's math path (with
         gradients), too small to meet a rule; fused, decided safe (outside a dispatch mode, which would
         otherwise judge the kernel that runs it here)."""
@@ -140,19 +136,19 @@ class EntryJudge:
         if active_emulator() is not None:
             return False  # the emulator decides every SDPA call: see _on_sdpa
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
-            return max(entry_bound("sdpa", args, kwargs), query.numel() // query.shape[-1] * key.shape[-2]) \
-                < self._view_limit
+            return entry_bound(kind, args, kwargs) < self._view_limit  # its scores included
         return not self.everywhere and classify_call("sdpa", query, key, self.index_bits, self.profile).is_ok
 
-    def _quick_pass(self, name: str, args: tuple, kwargs: dict) -> bool:
+    def _quick_pass(self, kind: EntryKind, args: tuple, kwargs: dict) -> bool:
         """True when the call cannot meet any rule (or is not on a guarded device). The hot path: a matrix product
         or linear of a transformer is decided by its shapes, read from a table (LARGEST), and storage offsets."""
-        if not kwargs and (name == "linear" and len(args) >= 2 or name in _PRODUCTS and len(args) == 2):
+        weighted = kind.bound is WEIGHTED_ROWS
+        if kind.quick and not kwargs and (len(args) == 2 or weighted and len(args) > 2):
             a, b = args[0], args[1]
             if isinstance(b, _Tensor):
                 if not self._applies(a):
                     return True
-                key = (name == "linear", a.shape, b.shape)
+                key = (weighted, a.shape, b.shape)
                 try:
                     top = LARGEST.get(key) or largest_count(key)
                 except TypeError:  # symbolic sizes: See Note [Symbolic sizes] in modes/guard_mode.py
@@ -161,9 +157,10 @@ class EntryJudge:
                     return True
                 limit = self._view_limit
                 return top + a.storage_offset() < limit and top + b.storage_offset() < limit
-        if name in _FACTORY_SIZES:
+        if kind.elements is not None:
             return True  # wrapped for another thread's gated strict guard: births are that guard's business
-        if name == "cat" and args and type(args[0]) in _SEQUENCES and args[0] and _fake_mode(_FAKE) is None:
+        joined = kind.bound is JOINED and args and type(args[0]) in _SEQUENCES and args[0]
+        if joined and _fake_mode(_FAKE) is None:
             tensors = args[0]
             if isinstance(tensors[0], _Tensor) and not self._applies(tensors[0]):
                 return True
@@ -177,7 +174,7 @@ class EntryJudge:
             return True
         if _fake_mode(_FAKE) is not None and has_symbolic_sizes(flat_arguments(args, kwargs)):
             return True  # See Note [Symbolic sizes] in modes/guard_mode.py
-        return entry_bound(name, args, kwargs) < self._view_limit
+        return entry_bound(kind, args, kwargs) < self._view_limit
 
     def _through_dispatch(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A call that may cross a limit: its bmm/mm calls, and its derivatives', decided one by one."""
@@ -224,24 +221,25 @@ class EntryJudge:
 
     def on_nested(self, func, args: tuple, kwargs: dict) -> Any:
         """A strided nested tensor's op under the dispatch mode: its product or cat judged as at an entry point."""
-        name = nested_call_name(func)
-        return func(*args, **kwargs) if name is None else self._on_nested(name, func, args, kwargs)
+        kind = op_entry(func).nested_as
+        return func(*args, **kwargs) if kind is None else self._on_nested(kind, func, args, kwargs)
 
-    def _on_nested(self, name: str, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _on_nested(self, kind: EntryKind, proceed: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A call with a nested tensor: See Note [Nested tensors]."""
         tensors = [t for t in flat_arguments(args, kwargs) if isinstance(t, _Tensor)]
         if any(type(t) is JAGGED for t in tensors):
             return self._through_dispatch(proceed, args, kwargs)
         active = active_emulator()
-        shapes = stacked_shapes(name, tensors) if self._applies(tensors[0]) else None
+        shapes = stacked_shapes(kind, tensors) if self._applies(tensors[0]) else None
+        joined = kind.bound is JOINED
         fault = OK
         if shapes is not None:
             a, b = (TensorSpec.contiguous(shape, str(tensors[0].dtype).removeprefix("torch.")) for shape in shapes)
-            fault = (classify_call("mm", a, b, self._bits(active), self.profile) if name != "cat"
-                     else classify_op("cat", [a], b, index_bits=self._bits(active), profile=self.profile))
+            fault = (classify_op("cat", [a], b, index_bits=self._bits(active), profile=self.profile) if joined
+                     else classify_call("mm", a, b, self._bits(active), self.profile))
         if fault.is_ok:
             return self._as_one_op(proceed, *args, **kwargs)
-        record = CallRecord(len(self.stopped) + len(self.chunked), "mm" if name != "cat" else "cat", a, b, fault,
+        record = CallRecord(len(self.stopped) + len(self.chunked), "cat" if joined else "mm", a, b, fault,
                             current_phase())
         return self._act(record, fault, None, lambda: None, lambda: self._as_one_op(proceed, *args, **kwargs),
                          active, why_not="the guard does not split a nested tensor's call")

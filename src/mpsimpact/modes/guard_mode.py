@@ -10,7 +10,6 @@ mode] in modes/entrypoint.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import operator
 import warnings
@@ -24,19 +23,15 @@ from mpsimpact.modes.base import (
     ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
-from mpsimpact.modes.chunking import Split, cat_in_place, run_in_pieces, split_bmm
+from mpsimpact.modes.chunking import Split, run_in_pieces, split_bmm
+from mpsimpact.modes.guard_dispatch import DispatchJudge
 from mpsimpact.modes.guard_entry import EntryJudge
-from mpsimpact.modes.op_size import (
-    SizedCall, has_symbolic_sizes, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
-)
-from mpsimpact.modes.piecewise import Pieces, run_pieces, split_call
-from mpsimpact.modes.shape_table import (
-    COMPOSITE_SIZED, FULL, NO_KERNEL, PLAIN, SIZED, near_a_limit, plain_check,
-)
+from mpsimpact.modes.op_size import has_symbolic_sizes, tensors_of
+from mpsimpact.modes.piecewise import Pieces
+from mpsimpact.modes.shape_table import near_a_limit
 from mpsimpact.modes.stop_text import describe_stop
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
-from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.engine.release import FaultProfile, installed_profile, resolve_profile
 from mpsimpact.variables import GUARD_MODES
@@ -64,10 +59,12 @@ class MpsImpactWarning(UserWarning):
     """Emitted by guard mode "warn", once per op site, with the text the error would have."""
 
 
-class GuardMode(EntryJudge, MatmulMode):
+class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
     """What `guard()` activates: an entry-point handler that answers small calls at once, and the
     dispatch mode that decides each bmm/mm of a call that may cross a limit (every call, when
     `everywhere`: under an emulator, or strict; then every other op too, by its family)."""
+
+    hot_path = True  # strict's hot path answers what it can (Note [Strict's hot path]); False: the full route
 
     def __init__(self, mode: str = "raise", *, index_bits: int = MPS_INDEX_BITS, devices: tuple[str, ...] | None = None,
                  profile: Profile = None, strict: bool = False):
@@ -83,12 +80,14 @@ class GuardMode(EntryJudge, MatmulMode):
             self._applies = _any_flag(*(_DEVICE_FLAGS[device] for device in devices))  # type: ignore[method-assign]
         if profile is not None:  # a release asked for: resolved (a bad name refused) on entering, unless a value
             self.profile = profile if isinstance(profile, FaultProfile) else resolve_profile(profile)
-        self.everywhere = strict or active_emulator() is not None
+        emulated = bool(ACTIVE.stacks["emulator"])
+        self.everywhere = strict or emulated
         # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
         # only from a sighting of a tensor that could pass a limit.
-        self._gated = strict and active_emulator() is None and all(
+        self._gated = strict and not emulated and all(
             device in HELD_BYTES for device in self._guarded_devices)
         self.watching = False  # the dispatch mode is pushed for the rest of the block
+        self._hot = True  # no emulator below: strict's hot path may answer (Note [Strict's hot path])
         self._held = 0  # how many times the dispatch mode is entered now (watching, or around one call)
         self._depth = 0  # the dispatch stack's length when the guard was entered
         # Every rule of every release needs some count at VIEW_LIMIT or more: below it, nothing to look at.
@@ -122,6 +121,7 @@ class GuardMode(EntryJudge, MatmulMode):
             entered = super().__enter__()
         finally:
             self._entering = False
+        self._hot = self.hot_path and not ACTIVE.stacks["emulator"]
         self._held += 1
         return entered
 
@@ -132,19 +132,22 @@ class GuardMode(EntryJudge, MatmulMode):
     # Note [Strict, gated]
     # ~~~~~~~~~~~~~~~~~~~~
     # Every rule of every release needs some tensor of VIEW_LIMIT (2**31) elements or more, and such a tensor
-    # holds VIEW_LIMIT bytes or more. A dispatch mode that looks at every op costs 1.5x on a small GPU batch
-    # before it judges anything (benchmarks/README.md), so strict, on devices that count the bytes their
-    # tensors hold (MPS, CUDA), pushes it only from the first sighting of a tensor that could pass a limit
-    # until the block ends: on entering, when the guarded devices already hold VIEW_LIMIT bytes; at a matrix
-    # product, SDPA or cat (the fast path's own arithmetic) that could meet a rule; at a factory (empty, zeros,
-    # ones, full, rand, randn, randint, arange, their _like and new_ forms) asked for VIEW_LIMIT elements or
-    # more. From there every op is judged as before. Not seen at its birth: a tensor past the limit made,
-    # from smaller ones, by any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name
-    # bound before the guard): the ops on it are judged from the next sighting on (a product or cat it feeds,
-    # or entering the guard again). On devices without a count (the CPU, meta) and under an emulator, strict
-    # watches every op from the start, as it always did. Where another dispatch mode was entered inside the
-    # guard, the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path
-    # does, with every op family.
+    # holds VIEW_LIMIT bytes or more. A dispatch mode costs a Python call on every op of a model before it
+    # judges anything, so strict, on devices that count the bytes their tensors hold (MPS, CUDA), pushes it only
+    # from the first sighting of a tensor that could pass a limit until the block ends: on entering, when the
+    # guarded devices already hold VIEW_LIMIT bytes; at a matrix product, SDPA or cat (the fast path's own
+    # arithmetic) that could meet a rule; at a factory (empty, zeros, ones, full, rand, randn, randint, arange,
+    # their _like and new_ forms) asked for VIEW_LIMIT elements or more. Bytes held do not say how many elements
+    # any one tensor has: a model of about a billion parameters holds 2 GiB of weights, none of them near a limit.
+    # So what the sighting starts is not the route on every op: each op is looked up in the table and judged only
+    # where a tensor it reads or makes could reach a limit (Note [Strict's hot path]); such a model pays the
+    # mode's call and a lookup per op. Not seen at its birth: a tensor past the limit made, from smaller ones, by
+    # any other op (a broadcast `a[:, None] * b`, `repeat`, a TorchScript body, a name bound before the guard)
+    # while the device holds less: the ops on it are judged from the next sighting on (a product or cat it
+    # feeds, or entering the guard again). On devices without a count (the CPU, meta) and under an emulator,
+    # strict watches from the start, as it always did. Where another dispatch mode was entered inside the guard,
+    # the guard cannot push beneath it: the calls it sees are judged one by one, as the fast path does, with
+    # every op family.
 
     def begin(self) -> None:
         """On entering (or installing): strict watches from here when it is not gated, or when the guarded
@@ -209,28 +212,13 @@ class GuardMode(EntryJudge, MatmulMode):
     # as without a guard, and is judged where it runs (under a guard, with numbers). Sizes are symbolic only
     # under a FakeTensorMode (export's, Dynamo's, make_fx's): the check looks closer only while one is active.
 
-    # Dispatch level (MatmulMode.__torch_dispatch__ calls this).
     def dispatch(self, func, args: tuple, kwargs: dict):
-        """Strict's hot path first: without an emulator, a call that on_other would run as it is (size_call finds
-        nothing to judge; a composite op also has no tensor to decompose for), a view, or a Linear/matmul within
-        its entry bound runs at once, without the full route (`plain_check`)."""
+        """The full route (MatmulMode.dispatch), but for a call inside one decided at its entry, and one whose
+        sizes are symbols (Note [Symbolic sizes])."""
         if self._passing:  # inside a call decided at its entry (a fused SDPA, a nested tensor's)
             return func(*args, **kwargs)
         if _fake_mode(_FAKE) is not None and has_symbolic_sizes(tensors_of(args, kwargs)):
             return func(*args, **kwargs)  # See Note [Symbolic sizes]
-        check = PLAIN.get(id(func))
-        if check is None:
-            check = plain_check(func)
-        if check is not FULL and not ACTIVE.stacks["emulator"]:
-            if check is NO_KERNEL:
-                return func(*args, **kwargs)
-            if check is SIZED or check is COMPOSITE_SIZED:
-                most, full_most = judged_at(self.index_bits)
-                if (check is SIZED or all(t.numel() <= most for t in tensors_of(args, kwargs))) \
-                        and size_call(func, args, kwargs, most, full_most) is None:
-                    return func(*args, **kwargs)
-            elif self._quick_pass(check, args, kwargs):  # linear, matmul: decomposes' bound, quicker
-                return func(*args, **kwargs)
         return super().dispatch(func, args, kwargs)
 
     # One bmm/mm with its real operands.
@@ -250,76 +238,6 @@ class GuardMode(EntryJudge, MatmulMode):
         return self._act(record, fault, split and split.batches,
                          lambda: run_in_pieces(func, family, args, kwargs, split, self._copies(active)),
                          lambda: func(*args, **kwargs), active)
-
-    def on_other(self, func, args, kwargs):
-        """Every other op: cat on every route; with `everywhere`, every family past the per-dimension
-        limit (prefiltered: a call whose tensors all have at most DIM_MAX elements passes at once; under
-        a replayed plan, the plan's full-scale decision)."""
-        if self._passing or self._is_outer():
-            return func(*args, **kwargs)
-        active = active_emulator()
-        if active is not None and active.plan is not None:
-            return self._replayed_other(func, args, kwargs, active)
-        bits = self._bits(active)
-        sized = size_call(func, args, kwargs, *judged_at(bits))
-        if sized is None or not (self.everywhere or sized.family == "cat"):
-            return func(*args, **kwargs)
-        if not self._applies_call(sized, kwargs):
-            return func(*args, **kwargs)
-        if sized.after:
-            return self._judge_after(func, args, kwargs, sized, bits, active)
-        profile = active.profile if active else self.profile
-        fault = classify_op(func, sized.inputs, sized.out, index_bits=bits, profile=profile)
-        if fault.is_ok:
-            return func(*args, **kwargs)
-        made = [sized.out] if sized.out is not None else sized.inputs  # the same size, or a reduction's
-        index = len(self.stopped) + len(self.chunked)
-        record = CallRecord.of_op(index, op_name(func), sized.inputs, made, fault, current_phase())
-        return self._split_other(func, args, kwargs, record, sized.family, sized.out, dim_max(bits), active)
-
-    def _replayed_other(self, func, args, kwargs, active) -> Any:
-        """A call of the other families under a replayed plan: the full-scale decision, and pieces scaled
-        from the full-scale call's (as `_split_here` does for mm rows)."""
-        planned = active.peek_op(func)
-        if planned is None or planned.fault.is_ok:
-            return func(*args, **kwargs)
-        here = max((t.numel() for t in tensors_of(args, kwargs)), default=1)
-        full = max(planned.a.numel, planned.b.numel, 1)
-        most = max(1, dim_max(active.plan.index_bits) * here // full)
-        record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
-        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
-
-    def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
-                     most: int, active) -> Any:
-        if family == "cat":
-            return self._act(record, record.fault, 1, lambda: cat_in_place(func, args, kwargs, most),
-                             lambda: func(*args, **kwargs), active, op_name(func))
-        pieces = split_call(func, args, kwargs, out, most)
-        return self._act(record, record.fault, pieces, lambda: run_pieces(func, args, kwargs, pieces),
-                         lambda: func(*args, **kwargs), active, op_name(func))
-
-    def _applies_call(self, sized: SizedCall, kwargs: dict) -> bool:
-        if sized.inputs:
-            return self._applies(sized.inputs[0])
-        device = torch.device(kwargs.get("device") or "cpu")  # a creation op: where it makes its tensor
-        return device.type in self.devices if self.devices is not None else (
-            device.type == "mps" or active_emulator() is not None)
-
-    def _judge_after(self, func, args, kwargs, sized: SizedCall, bits: int, active) -> Any:
-        """An op whose output size only running it tells ('other' ops, lookups by mask): judged on what it
-        made. Nobody measured these families past a limit, so they fault silently or not at all: the
-        wrong values are dropped before anyone reads them."""
-        out = func(*args, **kwargs)
-        outputs = judged_outputs(func, outputs_of(out), judged_at(bits)[1])
-        if max((t.numel() for t in (*sized.inputs, *outputs)), default=0) <= dim_max(bits):
-            return out
-        profile = active.profile if active else self.profile
-        fault = classify_op(func, sized.inputs, outputs, index_bits=bits, profile=profile)
-        if fault.is_ok:
-            return out
-        record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, outputs,
-                                  fault, current_phase())
-        return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
 
     def _act(self, record: CallRecord, fault: Fault, chunk: int | Pieces | None, split: Callable[[], Any],
              unguarded: Callable[[], Any], active, op: str | None = None, why_not: str | None = None) -> Any:
@@ -359,6 +277,7 @@ class GuardMode(EntryJudge, MatmulMode):
 
 
 
+@functools.lru_cache(maxsize=64)
 def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:
     """Whether a tensor has one of these flags (`is_cpu`, `is_cuda`): one attribute read, or one C call."""
     if len(flags) == 1:

@@ -1,8 +1,9 @@
 """The size of any aten call before it runs: its tensors, and the output it will make where that can
 outgrow every input (creation ops, arange, cat, broadcasts, lookups), by arithmetic on its arguments (no
-meta kernel: most are Python and cost more than the op itself). Also the prefilter the tracer, the
-emulator and the guard share: a call whose every tensor has at most DIM_MAX elements meets no family rule
-(Note [Op families past INT_MAX] in engine/families.py).
+meta kernel: most are Python and cost more than the op itself), as the table says for each op
+(modes/op_table.py: `OpEntry.sizing`, `output`). Also the prefilter the tracer, the emulator and the guard
+share: a call whose every tensor has at most DIM_MAX elements meets no family rule (Note [Op families past
+INT_MAX] in engine/families.py).
 
 At a reduced index width the limits scale so that a small batch meets the faults a big one meets on MPS:
 the activations scale, the weights do not. So a parameter (nn.Parameter: an embedding table, a LayerNorm
@@ -20,28 +21,14 @@ from typing import Any
 import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, dim_max
-from mpsimpact.engine.release import family_of
+from mpsimpact.modes.op_table import AFTER, BROADCAST, ENTRY_KINDS, GROWN, KNOWN_AFTER, OP_ENTRIES, SKIP, op_entry
 
-# Families decided elsewhere (the products: on_matmul and the SDPA entry) or with no kernel (views).
-SKIPPED = frozenset({"view", "bmm", "mm", "sdpa"})
-# Families whose output can have more elements than every input.
-GROWING = frozenset({"creation", "random", "indexing", "cat"})
-# Ops whose output size depends on values (or on arithmetic not written here): known only once run.
-_KNOWN_AFTER = frozenset({"nonzero", "masked_select", "unique", "repeat_interleave"})
-
-# Ops whose output is the gradient of a parameter (a weight's size, whatever the batch).
-_WEIGHT_GRADIENTS = frozenset({"embedding_dense_backward"})
-# By id(func), the op kept alive beside it (as modes/base.py's routes): an OpOverload's __hash__ is Python.
-_FAMILY: dict[int, tuple[Any, str]] = {}
 _ARGUMENT_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 def op_family(func: Any) -> str:
-    """`family_of` an op overload, cached (the modes ask for every op)."""
-    found = _FAMILY.get(id(func))
-    if found is None:
-        found = _FAMILY[id(func)] = (func, family_of(func))
-    return found[1]
+    """The family that judges an op overload (engine.release.family_of), from the table."""
+    return (OP_ENTRIES.get(id(func)) or op_entry(func)).family
 
 
 def bound_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -83,7 +70,7 @@ def judged(tensors: list[torch.Tensor], full_most: int) -> list[torch.Tensor]:
 
 def judged_outputs(func: Any, outputs: list[torch.Tensor], full_most: int) -> list[torch.Tensor]:
     """The outputs the rules judge: a parameter's gradient within MPS's own limit left out."""
-    if func.__name__.split(".")[0] not in _WEIGHT_GRADIENTS:
+    if not op_entry(func).weight_gradient:
         return outputs
     return [t for t in outputs if t.numel() > full_most]
 
@@ -113,10 +100,13 @@ class SizedCall:
 def size_call(func: Any, args: tuple, kwargs: dict, most: int,
               full_most: int | None = None) -> SizedCall | None:
     """The call to judge, or None when it has no kernel, is a product, or no tensor it reads or makes has
-    more than `most` (DIM_MAX) elements (a parameter: `full_most`, MPS's DIM_MAX)."""
-    family = op_family(func)
-    if family in SKIPPED:
+    more than `most` (DIM_MAX) elements (a parameter: `full_most`, MPS's DIM_MAX). How it is sized is the
+    table's (`OpEntry.sizing`)."""
+    entry = OP_ENTRIES.get(id(func)) or op_entry(func)
+    sizing = entry.sizing
+    if sizing is SKIP:
         return None
+    family = entry.family
     inputs = tensors_of(args, kwargs)
     if full_most is not None and full_most != most:
         inputs = judged(inputs, full_most)
@@ -125,19 +115,19 @@ def size_call(func: Any, args: tuple, kwargs: dict, most: int,
         if tensor.numel() > most:
             big = True
             break
-    if family == "elementwise" and len(inputs) > 1:
+    if sizing is BROADCAST and len(inputs) > 1:
         if not big and math.prod(t.numel() for t in inputs) <= most:
             return None  # a broadcast output has at most the product of its inputs' elements
         out = _broadcast(inputs)
         return SizedCall(family, inputs, out) if big or (out is not None and out.numel > most) else None
-    if family in GROWING:
-        out, known = _grown(func, family, args, kwargs, inputs)
+    if sizing is GROWN:
+        out, known = _grown(entry, args, kwargs, inputs)
         if not known:
             return SizedCall(family, inputs, None, after=True)
         return SizedCall(family, inputs, out) if big or (out is not None and out.numel > most) else None
     if big:
         return SizedCall(family, inputs)
-    if family == "other":  # nobody wrote its output size down: judged on what it makes
+    if sizing is AFTER:  # nobody wrote its output size down: judged on what it makes
         return SizedCall(family, inputs, None, after=True)
     return None
 
@@ -157,93 +147,25 @@ def _dtype(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _grown(func: Any, family: str, args: tuple, kwargs: dict, inputs: list[torch.Tensor]
-           ) -> tuple[TensorSpec | None, bool]:
-    """(the output spec, whether it is known before running) of a creation, random, lookup or cat op."""
-    name = func.__name__.split(".")[0].rstrip("_")
-    if name in _KNOWN_AFTER:
+def _grown(entry: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> tuple[TensorSpec | None, bool]:
+    """(the output spec, whether it is known before running) of a creation, random, lookup or cat op: its
+    shape as the table works it out from the arguments; None where the output is an input's size (fills,
+    *_like, scatter, index_put)."""
+    output = entry.output
+    if output is KNOWN_AFTER:
         return None, False
-    bound = bound_arguments(func, args, kwargs)
+    bound = bound_arguments(entry.op, args, kwargs)
     dtype = _dtype(bound.get("dtype") or (inputs[0].dtype if inputs else torch.get_default_dtype()))
-    masks = (torch.bool, torch.uint8)
-    if name == "index" and any(t is not None and t.dtype in masks for t in bound["indices"]):
-        return None, False  # a mask picks as many elements as it holds True values
-    shape = _shape_of(name, family, bound, inputs)
+    shape = output(bound, inputs) if output is not None else None
+    if shape is KNOWN_AFTER:
+        return None, False
     if shape is None:
-        return None, True  # fills, *_like, scatter, index_put: the output is an input's size
+        return None, True
     return TensorSpec.contiguous(tuple(int(n) for n in shape), dtype), True
 
 
-def _shape_of(name: str, family: str, bound: dict[str, Any], inputs: list[torch.Tensor]) -> Any:
-    """The output shape from the arguments alone; None where the output is an input's size."""
-    if family in ("creation", "random"):
-        size = bound.get("size")
-        return tuple(size) if isinstance(size, (list, tuple, torch.Size)) else None
-    if family == "cat":
-        tensors = [t for t in bound.get("tensors", inputs) if not (t.dim() == 1 and t.numel() == 0)]
-        if not tensors:
-            return None
-        first, dim = tensors[0], bound.get("dim", 0)
-        if name == "stack":
-            shape = list(first.shape)
-            shape.insert(dim % (first.dim() + 1), len(tensors))
-            return shape
-        shape = list(first.shape)
-        shape[dim % first.dim()] = sum(t.shape[dim % first.dim()] for t in tensors)
-        return shape
-    return _lookup_shape(name, bound)
-
-
-def _lookup_shape(name: str, bound: dict[str, Any]) -> Any:
-    """arange, and the lookups whose output is the index's size times the rows they pick."""
-    if name == "arange":
-        start, end, step = bound.get("start", 0), bound.get("end", 0), bound.get("step", 1)
-        return (max(0, math.ceil((end - start) / step)),)
-    if name == "embedding":
-        return (*bound["indices"].shape, bound["weight"].shape[-1])
-    if name == "index_select":
-        shape = list(bound["self"].shape)
-        if shape:
-            shape[bound["dim"] % len(shape)] = bound["index"].numel()
-        return shape
-    if name in ("gather", "take"):
-        return tuple(bound["index"].shape)
-    if name == "index":
-        picks = [t for t in bound["indices"] if t is not None]
-        rest = bound["self"].shape[len(bound["indices"]):]
-        picked = torch.broadcast_shapes(*(t.shape for t in picks)) if picks else ()
-        return (*picked, *rest)
-    return None  # scatter, index_put, index_add, ...: the output is `self`
-
-
-# Factories, by how their size is given (modes/entrypoint.py's FACTORY_POINTS).
-_SIZES = (tuple, list, torch.Size)
-
-
 def factory_elements(name: str, args: tuple, kwargs: dict) -> int:
-    """The elements a factory call asks for; 0 where its sizes are not plain numbers (an FX proxy, a symbolic
-    size under torch.export: no arithmetic on them), so the call passes unseen."""
-    if name == "like":
-        like = args[0] if args else kwargs.get("input")
-        return like.numel() if isinstance(like, torch.Tensor) else 0
-    if name == "arange":
-        return _arange_length(args, kwargs)
-    if name == "new":
-        args = args[1:]  # after the tensor
-    if name == "randint":  # (high, size) or (low, high, size)
-        size = next((a for a in args if isinstance(a, _SIZES)), kwargs.get("size"))
-    else:  # (*size), (size, ...), size=
-        size = args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
-    if not isinstance(size, _SIZES) or not all(type(d) is int for d in size):
-        return 0
-    return math.prod(size)
-
-
-def _arange_length(args: tuple, kwargs: dict) -> int:
-    numbers = [a for a in args if not isinstance(a, (torch.dtype, torch.device, str))]
-    start, end, step = ((0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], 1) if len(numbers) == 2
-                        else tuple(numbers[:3]) if numbers else (0, None, 1))
-    start, end, step = kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
-    if not all(type(x) in (int, float) for x in (start, end, step)) or not step:
-        return 0
-    return max(0, math.ceil((end - start) / step))
+    """The elements a factory call (an entry point `name` of the table's factories) asks for; 0 where its sizes
+    are not plain numbers (an FX proxy, a symbolic size under torch.export: no arithmetic on them), so the call
+    passes unseen."""
+    return ENTRY_KINDS[name].elements(args, kwargs)

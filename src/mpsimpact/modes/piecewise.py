@@ -4,8 +4,9 @@ masked_fill, copies and fills block by block over their output; softmax over blo
 dimension whole; reductions over some dimensions over blocks that keep those whole; full reductions by
 combining the pieces' results (sum: add; amax/amin: max/min; mean: weighted; argmax/argmin: with
 offsets); an embedding lookup over blocks of its indices; layer norm over blocks of rows (its normalized
-dimensions whole). Any other call has no split: the guard stops it. The result equals the unsplit
-correct one."""
+dimensions whole). Which of these a call takes, and how a reduction's pieces combine, is the table's
+(modes/op_table.py: `OpEntry.split`, `combine`, `fill`). Any other call has no split: the guard stops it. The
+result equals the unsplit correct one."""
 
 from __future__ import annotations
 
@@ -18,17 +19,11 @@ from typing import Any
 import torch
 
 from mpsimpact.engine.faults import TensorSpec, dim_max
-from mpsimpact.modes.op_size import bound_arguments, op_family
-
-# Full reductions whose pieces combine exactly, and how.
-_COMBINE = {
-    "sum": "add", "nansum": "add", "count_nonzero": "add", "mean": "mean", "prod": "mul", "amax": "max",
-    "max": "max", "amin": "min", "min": "min", "any": "or", "all": "and", "argmax": "argmax",
-    "argmin": "argmin",
-}
-_FILLS = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1, "new_zeros": 0}
-_POINTWISE = frozenset({"elementwise", "masked_fill", "copy"})
-_IN_PLACE_FILLS = frozenset({"fill", "zero"})
+from mpsimpact.modes.op_size import bound_arguments
+from mpsimpact.modes.op_table import (
+    ADDED, EITHER, FILL, IN_PLACE_FILL, LARGEST, LARGEST_AT, LOOKUP, MULTIPLIED, POINTWISE, REDUCE, REDUCE_WHOLE,
+    ROWS, SMALLEST, SMALLEST_AT, SOFTMAX_ROWS, WEIGHTED, op_entry, split_named,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,50 +71,47 @@ def _reduced_dims(bound: dict[str, Any], ndim: int) -> tuple[int, ...] | None:
 
 def split_call(func: Any, args: tuple, kwargs: dict, out: TensorSpec | None, most: int) -> Pieces | None:
     """The pieces of this call (every tensor of each at most `most` elements: DIM_MAX, or its share under
-    a replayed plan), or None where no split is known (lookups, random, 'other' ops, a softmax or kept
-    dimension past the limit)."""
-    family = op_family(func)
-    name = func.__name__.split(".")[0]
-    base = name.rstrip("_")
-    bound = bound_arguments(func, args, kwargs)
+    a replayed plan), or None where no split is known (the table's `split`: lookups by mask, random, 'other'
+    ops, a softmax or kept dimension past the limit)."""
+    how = op_entry(func).split
+    if how is None:
+        return None
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    largest = tuple(max(tensors, key=lambda t: t.numel()).shape) if tensors else None
-    shape = tuple(out.shape) if out is not None else largest
-    if family in _POINTWISE or (family == "creation" and base in _IN_PLACE_FILLS and first is not None):
-        return _pieces("pointwise", shape, (), most)
-    if family == "softmax" and first is not None:
-        dim = bound.get("dim", -1)
-        return _pieces("pointwise", tuple(first.shape), (dim % max(first.dim(), 1),), most)
-    if family == "creation" and (base in _FILLS or base in ("full", "full_like", "new_full")):
-        return _pieces("fill", shape, (), most)
-    if base == "embedding" and out is not None:  # (*indices, D): blocks of indices, each row whole
-        return _pieces("lookup", tuple(out.shape), (len(out.shape) - 1,), most)
-    if base == "native_layer_norm" and first is not None:  # rows, the normalized dims whole
+    if how is POINTWISE or how is FILL or how is IN_PLACE_FILL and first is not None:
+        tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        largest = tuple(max(tensors, key=lambda t: t.numel()).shape) if tensors else None
+        shape = tuple(out.shape) if out is not None else largest
+        return _pieces("fill" if how is FILL else "pointwise", shape, (), most)
+    if how is LOOKUP:  # (*indices, D): blocks of indices, each row whole
+        return None if out is None else _pieces("lookup", tuple(out.shape), (len(out.shape) - 1,), most)
+    if first is None:
+        return None
+    bound = bound_arguments(func, args, kwargs)
+    if how is SOFTMAX_ROWS:
+        return _pieces("pointwise", tuple(first.shape), (bound.get("dim", -1) % max(first.dim(), 1),), most)
+    if how is ROWS:  # rows, the normalized dims whole
         normalized = len(bound["normalized_shape"])
         return _pieces("rows", tuple(first.shape), tuple(range(first.dim() - normalized, first.dim())), most)
-    if family == "reduction" and first is not None and base in _COMBINE:
-        reduced = _reduced_dims(bound, first.dim())
-        if reduced is None:
-            return _pieces("reduce", tuple(first.shape), (), most)
-        if base not in ("max", "min"):  # max.dim/min.dim return two tensors: not written
-            return _pieces("pointwise-reduce", tuple(first.shape), reduced, most)
+    reduced = _reduced_dims(bound, first.dim())
+    if reduced is None:
+        return _pieces("reduce", tuple(first.shape), (), most)
+    if how is REDUCE:  # not REDUCE_WHOLE: max.dim/min.dim return two tensors, not written
+        return _pieces("pointwise-reduce", tuple(first.shape), reduced, most)
     return None
 
 
 def has_split(op: str, family: str, a: TensorSpec, b: TensorSpec, index_bits: int) -> bool:
-    """Whether the guard can split a recorded call of this family (a = its largest input, b = its largest
-    output): for plans and check's advice, which see shapes only (a softmax is taken over its last dim)."""
-    most, base = dim_max(index_bits), op.rstrip("_")
-    if family in _POINTWISE or (family == "creation" and base in _IN_PLACE_FILLS):
+    """Whether the guard can split a recorded call of this op and family (a = its largest input, b = its
+    largest output): for plans and check's advice, which see shapes only (a softmax is taken over its last
+    dim)."""
+    how, most = split_named(op, family), dim_max(index_bits)
+    if how is POINTWISE or how is IN_PLACE_FILL:
         return cut(b.shape, (), most) is not None
-    if family == "softmax":
+    if how is SOFTMAX_ROWS:
         return cut(a.shape, (len(a.shape) - 1,), most) is not None
-    if family == "creation":
-        return base in _FILLS or base in ("full", "full_like", "new_full")
-    if base in ("embedding", "native_layer_norm"):
+    if how is LOOKUP or how is ROWS:
         return cut(b.shape, (len(b.shape) - 1,), most) is not None
-    return family == "reduction" and base in _COMBINE
+    return how is FILL or how is REDUCE or how is REDUCE_WHOLE
 
 
 def _pieces(how: str, shape: tuple[int, ...] | None, kept: tuple[int, ...], most: int) -> Pieces | None:
@@ -200,8 +192,8 @@ def _reduced_index(index: tuple[slice, ...], kept: tuple[int, ...],
 def _fill(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch.Tensor:
     """ones/zeros/full (and their _like and new_ forms): an empty tensor (no kernel) filled block by block."""
     bound = bound_arguments(func, args, kwargs)
-    name = func.__name__.split(".")[0]
-    value = _FILLS.get(name, bound.get("fill_value"))
+    fill = op_entry(func).fill
+    value = fill if fill is not None else bound.get("fill_value")
     like = args[0] if args and isinstance(args[0], torch.Tensor) else None
     dtype = bound.get("dtype") or (like.dtype if like is not None else torch.get_default_dtype())
     device = bound.get("device") or (like.device if like is not None else None)
@@ -238,20 +230,20 @@ def _rows(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> tuple[torch.T
 def _reduce_whole(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch.Tensor:
     """A reduction over every element, piece by piece, the pieces' results combined."""
     x, rest = args[0], args[1:]
-    how = _COMBINE[func.__name__.split(".")[0].rstrip("_")]
+    how = op_entry(func).combine
     total: Any = None
     best_value: Any = None
     for index in blocks(pieces):
         part = x[index]
-        if how in ("argmax", "argmin"):
+        if how is LARGEST_AT or how is SMALLEST_AT:
             local = func(part, *rest, **kwargs)
             value = part.reshape(-1)[local.reshape(-1)[0]]  # a block is contiguous in x's flat order
-            better = best_value is None or bool(value > best_value if how == "argmax" else value < best_value)
+            better = best_value is None or bool(value > best_value if how is LARGEST_AT else value < best_value)
             if better:
                 best_value, total = value, local + _flat_offset(index, x.shape)
             continue
         result = func(part, *rest, **kwargs)
-        if how == "mean":
+        if how is WEIGHTED:
             result = result * (part.numel() / x.numel())
         total = result if total is None else _combine(how, total, result)
     return total
@@ -268,12 +260,12 @@ def _flat_offset(index: tuple[slice, ...], shape: torch.Size) -> int:
 
 
 def _combine(how: str, total: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    if how in ("add", "mean"):
+    if how is ADDED or how is WEIGHTED:
         return total + result
-    if how == "mul":
+    if how is MULTIPLIED:
         return total * result
-    if how == "max":
+    if how is LARGEST:
         return torch.maximum(total, result)
-    if how == "min":
+    if how is SMALLEST:
         return torch.minimum(total, result)
-    return torch.logical_or(total, result) if how == "or" else torch.logical_and(total, result)
+    return torch.logical_or(total, result) if how is EITHER else torch.logical_and(total, result)

@@ -14,34 +14,29 @@ import torch
 from mpsimpact.engine.call import CallRecord
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, TensorSpec
-from mpsimpact.engine.release import allocates, takes_release
+from mpsimpact.engine.release import takes_release
 from mpsimpact.modes.base import MatmulMode, current_phase, needs_grad, op_name, sdpa_math, sdpa_operands
 from mpsimpact.modes.entrypoint import handling
-from mpsimpact.modes.op_size import (
-    SKIPPED, judged, judged_at, judged_outputs, op_family, outputs_of, tensors_of,
-)
+from mpsimpact.modes.op_size import judged, judged_at, judged_outputs, outputs_of, tensors_of
+from mpsimpact.modes.op_table import ENTRY_KINDS, OP_ENTRIES, SKIP, op_entry
 
 
-# Ops whose meta kernel refuses what a real device runs (grouped_mm's accepts bf16 alone; an MoE model in fp32
-# runs it on MPS and the CPU): on meta, a new tensor of the output's shape, as on_matmul makes for bmm.
-SHAPE_ONLY = {torch.ops.aten._grouped_mm.default: lambda a, b: (*a.shape[:-1], b.shape[-1])}  # (S, K) x (E, K, N)
-
-
-def _shape_only(func: Any, args: tuple) -> Any:
+def _shape_only(entry: Any, args: tuple) -> Any:
+    """An op whose meta kernel refuses what a real device runs (grouped_mm's accepts bf16 alone; an MoE model in
+    fp32 runs it on MPS and the CPU): on meta, a new tensor of the output's shape (the table's `shape_only`), as
+    on_matmul makes for bmm."""
     a, b = args[0], args[1]
     if not (a.is_meta and b.is_meta and a.dim() == 2 and b.dim() == 3 and a.shape[-1] == b.shape[-2]):
-        return func(*args)  # another layout: the kernel's own answer (or its error)
-    return torch.empty(SHAPE_ONLY[func](a, b), dtype=a.dtype, device="meta")
+        return entry.op(*args)  # another layout: the kernel's own answer (or its error)
+    return torch.empty(entry.shape_only(args), dtype=a.dtype, device="meta")
 
 
-# Ops whose meta output has the broadcast shape of their tensors (elementwise), or their first tensor's shape
-# (a softmax, tril/triu): their meta kernels are Python decompositions that cost 100 to 1400 us a call, most of
-# a trace's time. With every tensor contiguous on meta, the output is a new contiguous tensor of that shape; its
-# dtype depends on the inputs' dtypes alone, so the kernel runs once per signature (op, dtypes, scalar types)
-# and the answer is kept (`_META_DTYPES`), or the signature is refused for good where it gave anything else.
-_SAME_SHAPE = frozenset({"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "tril", "triu"})
-# Ops whose output shapes _fast_shapes works out from their arguments.
-_SHAPED = frozenset({"native_layer_norm", "cat", "mean", "sum", "amax", "amin"})
+# Ops whose meta output shapes the table works out (`OpEntry.meta`): the broadcast shape of their tensors
+# (elementwise), their first tensor's shape (a softmax, tril/triu), a layer norm's, cat's, a reduction's over
+# dims; their meta kernels are Python decompositions that cost 100 to 1400 us a call, most of a trace's time.
+# With every tensor contiguous on meta, the output is a new contiguous tensor of that shape; its dtype depends
+# on the inputs' dtypes alone, so the kernel runs once per signature (op, dtypes, scalar types) and the answer
+# is kept (`_META_DTYPES`), or the signature is refused for good where it gave anything else.
 _META_DTYPES: dict[tuple[Any, ...], Any] = {}
 
 
@@ -57,20 +52,18 @@ def _signature(value: Any) -> Any:
 
 def _fast_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func(*args, **kwargs)` on meta tensors: for a pointwise or same-shape op (or a layer norm) whose tensors
-    are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _SAME_SHAPE); for any
+    are all meta and contiguous, new contiguous meta tensors of its shapes and dtypes (see _META_DTYPES); for any
     other call that makes new tensors, the kernel's answer to the same exact call (see _STRIDED); for a view or
     an in-place op, the kernel's own."""
-    name = op_name(func)
-    family = op_family(func)
-    if "out" in kwargs or func._schema.is_mutable or family == "view" or name.endswith("_"):
+    entry = OP_ENTRIES.get(id(func)) or op_entry(func)
+    if "out" in kwargs or func._schema.is_mutable or entry.family == "view" or entry.in_place:
         return func(*args, **kwargs)  # in place, or a view: what it returns is (part of) an input
     tensors = tensors_of(args, kwargs)
     if not tensors or not all(t.is_meta for t in tensors):
         return func(*args, **kwargs)
-    pointwise = family == "elementwise"
-    if not (pointwise or name in _SAME_SHAPE or name in _SHAPED) or not all(t.is_contiguous() for t in tensors):
+    if entry.meta is None or not all(t.is_contiguous() for t in tensors):
         return _strided_meta(func, args, kwargs)
-    shapes = _fast_shapes(name, pointwise, tensors, args, kwargs)
+    shapes = entry.meta(tensors, args, kwargs)
     if shapes is None:  # a reduction over one dim, a cat of mixed ranks: as any other call
         return _strided_meta(func, args, kwargs)
     key = (func, tuple(map(_signature, args)), tuple((k, _signature(v)) for k, v in kwargs.items()))
@@ -132,32 +125,6 @@ def _strided_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     single, specs = kept
     made = tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in specs)
     return made[0] if single else made
-
-
-def _fast_shapes(name: str, pointwise: bool, tensors: list[torch.Tensor], args: tuple,
-                 kwargs: dict) -> tuple[tuple[int, ...], ...] | None:
-    """The output shapes `_fast_meta` makes: the broadcast shape; the first tensor's; a layer norm's output and
-    its mean and rstd (the normalized dims kept as 1); cat's; a reduction over dims; None where not known."""
-    first = tuple(tensors[0].shape)
-    if pointwise:
-        if all(tuple(t.shape) == first for t in tensors):
-            return (first,)
-        return (tuple(torch.broadcast_shapes(*(t.shape for t in tensors))),)
-    if name in _SAME_SHAPE:
-        return (first,)
-    if name == "native_layer_norm":
-        kept = len(first) - len(args[1])
-        stats = (*first[:kept], *(1,) * (len(first) - kept))
-        return first, stats, stats
-    if name == "cat" and isinstance(args[0], (list, tuple)) and all(t.dim() == len(first) for t in args[0]):
-        dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(first)
-        return ((*first[:dim], sum(t.shape[dim] for t in args[0]), *first[dim + 1:]),)
-    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if name in ("mean", "sum", "amax", "amin") and isinstance(dims, (list, tuple)) and dims and first:
-        keep = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
-        reduced = {d % len(first) for d in dims}
-        return (tuple(1 if i in reduced else n for i, n in enumerate(first) if keep or i not in reduced),)
-    return None
 
 
 # A record's fault before FaultPlan.from_trace decides it: the tracer records operands only (deciding each op
@@ -227,8 +194,9 @@ class TraceMode(MatmulMode):
         return record.index
 
     def on_other(self, func, args, kwargs):
-        out = self._track(_shape_only(func, args) if func in SHAPE_ONLY else _fast_meta(func, args, kwargs))
-        if op_family(func) in SKIPPED and not (self._allocations and allocates(func)):
+        entry = OP_ENTRIES.get(id(func)) or op_entry(func)
+        out = self._track(_shape_only(entry, args) if entry.shape_only else _fast_meta(func, args, kwargs))
+        if entry.sizing is SKIP and not (self._allocations and entry.allocates):
             return out
         name = op_name(func)
         key = (self._within, name)
@@ -238,7 +206,7 @@ class TraceMode(MatmulMode):
         if max((t.numel() for t in (*inputs, *outputs)), default=0) <= self._most:
             return out  # the prefilter: past no limit
         phase = current_phase()
-        live = self._live_bytes(args, kwargs, out) if self._most < 0 and op_family(func) == "softmax" else None
+        live = self._live_bytes(args, kwargs, out) if self._most < 0 and entry.family == "softmax" else None
         record = CallRecord.of_op(len(self.calls), name, inputs, outputs, UNDECIDED, phase,
                                   module=self._where(phase), within=self._within, occurrence=occurrence,
                                   live_bytes=live)
@@ -247,7 +215,7 @@ class TraceMode(MatmulMode):
 
     def passes(self, name: str, args: tuple, kwargs: dict) -> bool:
         """Every entry point but SDPA runs as it is (the dispatch mode records its calls)."""
-        return name != "sdpa" or self._within is not None
+        return not ENTRY_KINDS[name].at_entry or self._within is not None
 
     def on_entry(self, name: str, proceed, args: tuple, kwargs: dict):
         """SDPA: one record for the fused op, then its math path's calls (see FaultPlan.from_trace)."""
