@@ -206,7 +206,8 @@ class RunReport(Record):
             asked, ran = self.config.get(name), self.geometry[name]
             if asked is not None and asked != ran:
                 return f"config.{name} is {asked}, geometry.{name} {ran}: two runs' files"
-        if self.columns and [k for k, _ in self.columns if k != "attention"] != [k for k, _ in self.run_kind.columns]:
+        known = {"attention", *(key for key, _ in self.run_kind.columns)}  # an older writer's may be fewer
+        if self.columns and not {key for key, _ in self.columns} <= known:
             return f"columns are not those of a run of kind {self.kind or 'inference'}"
         return self._conditions_problem() or self._prediction_problem()
 
