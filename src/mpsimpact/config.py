@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.bounds import DIGITS, read_decimal, read_size, read_whole
+from mpsimpact.bounds import DIGITS, read_decimal, read_release, read_size, read_whole
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 from mpsimpact.variables import MAX_BYTES
@@ -325,6 +325,39 @@ class CheckConfig(Validated):
     cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
     out: str | None = None
     memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): its largest buffer decides too
+
+
+# `matrix --transformers`: the releases probed when none is given.
+DEFAULT_TRANSFORMERS = ("4.44.2", "4.57.6", "5.24.0")
+
+
+def _parse_releases(releases: tuple[str, ...]) -> None:
+    if not releases:
+        raise ValueError("no release given")
+    for release in releases:
+        try:
+            read_release(release)  # the rule every release a person types is read by
+        except ValueError:
+            raise ValueError(f"'{release}' is not a release") from None
+    repeated = sorted({r for r in releases if releases.count(r) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} given twice")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixConfig(Validated):
+    """What `mpsimpact matrix` was asked; embedded in matrix.json."""
+
+    scenario: str
+    transformers: tuple[str, ...] = option(DEFAULT_TRANSFORMERS, Check(
+        "--transformers", parse=_parse_releases,
+        hint="; give a comma-separated list of transformers releases such as 4.44.2,4.57.6,5.24.0"))
+    model: str | None = None
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
+    out: str | None = None
+    offline: bool = False
+    torch_profile: str | None = option(None, TORCH_PROFILE)
 
 
 @dataclasses.dataclass(frozen=True)
