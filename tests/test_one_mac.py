@@ -3,8 +3,10 @@
 (engine.mac_memory.tensor_bytes)."""
 
 import ast
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mpsimpact.engine.call import CallRecord
@@ -91,3 +93,53 @@ def test_a_tensors_bytes_are_counted_one_way_for_a_spec_a_tensor_and_a_call():
     assert call_bytes(call) == 12 * 512**2 * 4
     mac = MacMemory.of_size(8)  # a 4 GiB buffer: at 23 bits 4 GiB >> 9 = 8 MiB, and 12 MiB reaches it
     assert mac.refuses(call_bytes(call), 23) and not mac.refuses(call_bytes(call))
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """Every text engine.mac_memory.parse_mac_size reads, through whatever name it is bound to."""
+    import mpsimpact.engine.mac_memory as mac_memory
+
+    original, texts = mac_memory.parse_mac_size, []
+
+    def counted(text):
+        texts.append(text)
+        return original(text)
+
+    for module in list(sys.modules.values()):  # a module that bound the name by `from ... import` counts too
+        if getattr(module, "parse_mac_size", None) is original:
+            monkeypatch.setattr(module, "parse_mac_size", counted)
+    return texts
+
+
+# Every command that takes --memory, cheaply: its --memory read once, whatever else it runs through.
+TAKE_MEMORY = {
+    "plan": ["plan", "sentiment", "--torch-profile", "2.14.0", "--json"],
+    "check": ["check", str(Path(__file__).parent / "data" / "bert-base" / "config.json"), "--json"],
+    "sweep": ["sweep", "--device", "cpu", "--emulate", "--torch-profile", "2.13.0", "--index-bits", "16",
+              "--dtypes", "fp32", "--layouts", "contiguous", "--out", "{out}"],
+    "run": ["run", "sentiment", "--quick", "--guard", "off", "--out", "{out}"],
+}
+
+
+def test_every_command_that_takes_memory_is_one_that_is_counted():
+    from typer.main import get_command
+
+    from mpsimpact.cli import app
+
+    takes = {name for name, command in get_command(app).commands.items()
+             if any("--memory" in param.opts for param in command.params)}
+    assert takes == set(TAKE_MEMORY)
+
+
+@pytest.mark.parametrize("command", sorted(TAKE_MEMORY))
+def test_a_mac_is_read_once_per_command(tmp_path, monkeypatch, parsed, command):
+    from typer.testing import CliRunner
+
+    from mpsimpact.cli import app
+
+    monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
+    args = [arg.format(out=tmp_path / "out") for arg in TAKE_MEMORY[command]]
+    result = CliRunner().invoke(app, [*args, "--memory", "64GB"])
+    assert result.exit_code == 0, result.output
+    assert parsed == ["64GB"]

@@ -277,6 +277,8 @@ def other_value(param, field, hint):
         return [param.secondary_opts[0] if off_given else flag], not off_given
     if flag == "--guard":  # one that runs the guard-off condition, which --expect (given too) judges
         return [flag, "off"], "off"
+    if flag == "--memory":  # a Mac's size, read into the config's `mac` (TakesMemory)
+        return [flag, "16GB"], "16GB"
     if check is not None and check.choices and isinstance(default, tuple):  # a subset: comma-separated
         return [flag, check.choices[0]], (check.choices[0],)
     if check is not None and check.choices:

@@ -13,8 +13,7 @@ from mpsimpact.prediction.outcome import PredictionSection, Subject, predict
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import PerTextTraces, largest_safe_batch, plan_at
-from mpsimpact.engine.mac_memory import resolve_mac
-from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, cache_root, judge_release, profile_for
+from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release, profile_for
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -45,7 +44,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> dict[str, Any]:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    profile, mac = judged.profile, resolve_mac(config.memory, cache_root())
+    profile, mac = judged.profile, config.mac
     traces = PerTextTraces(meta, backward=config.backward, allocations=mac is not None, profile=profile)
     traced = {L: traces(L) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
