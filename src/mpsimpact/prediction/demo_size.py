@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
+from mpsimpact.attention.blocked import NAME as BLOCKED, REASON
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import MEASURED, MacMemory, call_bytes, smallest_showing
 from mpsimpact.prediction.outcome import Prediction, predict, spoken

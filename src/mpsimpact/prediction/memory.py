@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, samples_per_block
+from mpsimpact.attention.blocked import NAME as BLOCKED, samples_per_block
 from mpsimpact.config import GIB
 
 # What the training-step estimate counts, for the preflight's message.

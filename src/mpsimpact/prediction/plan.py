@@ -91,7 +91,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
     at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
     smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
-    from mpsimpact.blocked_attention import NAME as BLOCKED
+    from mpsimpact.attention.blocked import NAME as BLOCKED
     from mpsimpact.prediction.demo_size import (RunAsked, blocked_options, demo_options, mac_table,
                                                 product_safe_batch, recommend, working_set_words)
 

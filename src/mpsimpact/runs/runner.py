@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
+from mpsimpact.attention.blocked import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig, batch_ceiling
 from mpsimpact.prediction.demo_size import power_lengths, quick_geometry, quick_words, silent_sizes
