@@ -5,7 +5,7 @@ from typing import Any
 import typer
 
 from mpsimpact.commands import options
-from mpsimpact.config import RunConfig
+from mpsimpact.config import QUICK_SIZES, RunConfig
 from mpsimpact.commands.options import option, shared
 
 
@@ -56,9 +56,7 @@ def main(
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     quick_sizes = None
     if quick:
-        from mpsimpact.config import QUICK_SIZES  # QUICK's fields, in its order
-
-        asked = (batch_size, max_length, index_bits)
+        asked = (batch_size, max_length, index_bits)  # QUICK_SIZES: QUICK's fields, in its order
         quick_sizes = tuple(name for name, value in zip(QUICK_SIZES, asked) if value is None)
         batch_size, max_length, index_bits = (value if value is not None else default
                                               for value, default in zip(asked, QUICK))

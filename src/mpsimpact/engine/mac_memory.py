@@ -167,10 +167,6 @@ def buffer_refuses(n_bytes: float, buffer: int) -> bool:
     return n_bytes >= buffer
 
 
-def itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 4)
-
-
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
@@ -180,7 +176,7 @@ def tensor_bytes(tensor: Any, float_bytes: int | None = None) -> int:
     float32 is judged for half precision)."""
     if not isinstance(tensor, TensorSpec):
         return tensor.untyped_storage().nbytes()
-    size = float_bytes if float_bytes is not None and tensor.dtype in FLOATING else itemsize(tensor.dtype)
+    size = float_bytes if float_bytes is not None and tensor.dtype in FLOATING else ITEMSIZE.get(tensor.dtype, 4)
     return tensor.extent * size
 
 

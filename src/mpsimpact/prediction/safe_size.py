@@ -132,15 +132,11 @@ def candidate_lengths(calls: list[LengthFittedCall], high: int,
     found = {1}
     for fitted in {(f.call.family, f.a, f.b): f for f in calls}.values():  # one per distinct call
         for i in range(len(_quantities(fitted.at(high)))):
-            def count(length: int, i: int = i) -> int:
-                return _quantities(fitted.at(length))[i]
-            for bound in (view_limit, view_limit + 1, limit, limit + 1):
-                if (length := _first_where(lambda n, b=bound: count(n) >= b, high)) is not None:
-                    found.add(length)
-        if mac is not None and (length := _first_where(
-                lambda n, f=fitted: mac.refuses(call_bytes(f.at(n)), index_bits), high)) is not None:
-            found.add(length)
-    return sorted(found)
+            found |= {_first_where(lambda n, i=i, b=bound: _quantities(fitted.at(n))[i] >= b, high)
+                      for bound in (view_limit, view_limit + 1, limit, limit + 1)}
+        if mac is not None:
+            found.add(_first_where(lambda n, f=fitted: mac.refuses(call_bytes(f.at(n)), index_bits), high))
+    return sorted(found - {None})
 
 
 @dataclasses.dataclass(frozen=True)
