@@ -19,7 +19,7 @@ ORDERS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
 def _is_number(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
 
 
 def buffer_comparisons(source: str) -> list[str]:
@@ -28,15 +28,18 @@ def buffer_comparisons(source: str) -> list[str]:
     is a number is a read value checked for sense (`buffer <= 0`), not the rule."""
     tree = ast.parse(source)
     found = set()
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in [tree, *functions]:
         said = set()  # names bound to a buffer's expression in this scope
         for node in ast.walk(scope):
             targets = (node.targets if isinstance(node, ast.Assign) else
                        [node.target] if isinstance(node, (ast.AnnAssign, ast.NamedExpr)) else [])
             for target, value in ((t, node.value) for t in targets if node.value is not None):
-                pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
-                         and len(target.elts) == len(value.elts) else [(target, value)])  # a, b = x, y: pairwise
-                said |= {t.id for t, v in pairs if isinstance(t, ast.Name) and "buffer" in ast.unparse(v).lower()}
+                pairwise = isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(
+                    target.elts) == len(value.elts)  # a, b = x, y
+                pairs = zip(target.elts, value.elts) if pairwise else [(target, value)]
+                said |= {t.id for t, v in pairs
+                         if isinstance(t, ast.Name) and "buffer" in ast.unparse(v).lower()}
 
         def names_buffer(side: ast.AST) -> bool:
             return "buffer" in ast.unparse(side).lower() or any(

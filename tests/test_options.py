@@ -230,7 +230,8 @@ def test_every_command_imports_its_config_class_so_a_reader_follows_an_option_to
     assert len(sources) >= 11 and {name: config_lookups(text) for name, text in sources.items()
                                    if config_lookups(text)} == {}
     # The lookups it would find (the form every command had), and each command's config is the class itself.
-    planted = 'import importlib\nCONFIG = "mpsimpact.config:RunConfig"\nX = "mpsimpact.upgrade.matrix.MatrixConfig"\n'
+    planted = ('import importlib\nCONFIG = "mpsimpact.config:RunConfig"\n'
+               'X = "mpsimpact.upgrade.matrix.MatrixConfig"\n')
     assert config_lookups(planted) == ["importlib", "'mpsimpact.config:RunConfig'",
                                        "'mpsimpact.upgrade.matrix.MatrixConfig'"]
     configs = {module.__name__.rpartition(".")[2]: module.CONFIG for module in cli.COMMANDS

@@ -136,8 +136,8 @@ class TakesMemory(Validated):
 
     @functools.cached_property
     def mac(self) -> Any:
-        """The Mac --memory names (an engine.mac_memory.MacMemory; None: no --memory), read once per config: a
-        size where the config is validated, auto (this Mac's own, measured on it) where it is first asked for."""
+        """The Mac --memory names (an engine.mac_memory.MacMemory; None: no --memory), read once per config:
+        a size where the config is validated, auto (this Mac's own, measured on it) where first asked for."""
         from mpsimpact.engine.mac_memory import resolve_mac
         from mpsimpact.engine.release import cache_root
 

@@ -113,7 +113,7 @@ def config_from(config: type, **given: Any) -> Any:
 
     checks = {field.name: field.metadata.get("check") for field in dataclasses.fields(config)}
     made = config(**{name: value if checks.get(name) is None else checks[name].read(value)
-                         for name, value in given.items() if value is not None})
+                     for name, value in given.items() if value is not None})
     if getattr(made, "scenario", None) is not None:
         check_scenario_name(made.scenario)
     made.validate()

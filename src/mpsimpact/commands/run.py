@@ -64,7 +64,7 @@ def main(
                  guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
                  reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps,
                  lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory)
-    run_config = options.config_from(RunConfig, **given, quick_sizes=quick_sizes)  # checked before heavy imports
+    run_config = options.config_from(RunConfig, **given, quick_sizes=quick_sizes)  # before heavy imports
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder

@@ -132,7 +132,7 @@ class MacMemory:
         a full-size one does (Note [The Mac's largest buffer])."""
         return max(1, self.largest_buffer >> max(0, MPS_INDEX_BITS - index_bits))
 
-    def refuses(self, n_bytes: int, index_bits: int = MPS_INDEX_BITS) -> bool:
+    def refuses(self, n_bytes: float, index_bits: int = MPS_INDEX_BITS) -> bool:
         """Whether MPS refuses one allocation of `n_bytes` on this Mac (`buffer_refuses`)."""
         return buffer_refuses(n_bytes, self.buffer_at(index_bits))
 
@@ -176,8 +176,8 @@ def tensor_bytes(tensor: Any, float_bytes: int | None = None) -> int:
     float32 is judged for half precision)."""
     if not isinstance(tensor, TensorSpec):
         return tensor.untyped_storage().nbytes()
-    size = float_bytes if float_bytes is not None and tensor.dtype in FLOATING else ITEMSIZE.get(tensor.dtype, 4)
-    return tensor.extent * size
+    floating = float_bytes is not None and tensor.dtype in FLOATING
+    return tensor.extent * (float_bytes if floating else ITEMSIZE.get(tensor.dtype, 4))
 
 
 def call_bytes(call: Any, float_bytes: int | None = None) -> int:

@@ -314,7 +314,7 @@ class EmulateMode(MatmulMode):
 
     def _refused(self, tensors: list) -> tuple[Any, int] | None:
         """The largest of `tensors` (with its bytes) the Mac refuses at this index width, None where it refuses
-        none. A parameter is as big at every index width: held against the Mac's own buffer (see modes/op_size)."""
+        none. A parameter is as big at every width: held against the Mac's own buffer (see modes/op_size)."""
         sizes = [(t, tensor_bytes(t)) for t in tensors]
         refused = [(t, n) for t, n in sizes
                    if self.mac.refuses(n, MPS_INDEX_BITS if _is_parameter(t) else self.index_bits)]
