@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mpsimpact.blocked_attention import NAME, samples_per_block
+from mpsimpact.attention.blocked import NAME, samples_per_block
 from mpsimpact.config import GIB
 from mpsimpact.modes.emulator import emulate
 

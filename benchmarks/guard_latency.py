@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpsimpact.models.classifier import load_embedded_classifier
 from mpsimpact.modes.entrypoint import ENTRY_POINTS
-from mpsimpact.modes.guard import GuardMode, guard
+from mpsimpact.modes.guard import guard
+from mpsimpact.modes.guard_mode import GuardMode
 
 
 class EntryFunctionMode(TorchFunctionMode):

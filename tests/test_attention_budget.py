@@ -8,18 +8,19 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsimpact
-from mpsimpact import budget, lazy_mask
-from mpsimpact.attention import _blocks_of, mps_safe_eager_attention
+from mpsimpact.attention import _blocks_of, lazy_mask, mps_safe_eager_attention
+from mpsimpact.modes import budget
 from mpsimpact.modes.chunking import Blocks, attention_blocks
 from mpsimpact.modes import guard_entry as guard_module  # where a split SDPA is run
 from mpsimpact.modes.chunking import SdpaSplit, split_sdpa
+from mpsimpact.variables import ATTENTION_BUDGET
 
 BITS = 20
 
 
 @pytest.fixture(autouse=True)
 def _default_budget(monkeypatch):
-    monkeypatch.delenv(budget.ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_BUDGET, raising=False)
     yield
     budget.set_memory_budget(None)
 
@@ -55,11 +56,11 @@ def _mask(kind: str, batch: int, length: int, dtype: torch.dtype) -> torch.Tenso
 def test_the_budget_comes_from_the_setting_then_the_environment_then_the_device(monkeypatch):
     assert budget.memory_budget("cpu") == 256 * 2**20
     assert budget.memory_budget("meta") is None  # shapes only: unbounded
-    monkeypatch.setenv(budget.ENV, "64M")
+    monkeypatch.setenv(ATTENTION_BUDGET, "64M")
     assert budget.memory_budget("cpu") == 64 * 2**20
     budget.set_memory_budget(4096)
     assert budget.memory_budget("cpu") == 4096
-    monkeypatch.setenv(budget.ENV, "lots")
+    monkeypatch.setenv(ATTENTION_BUDGET, "lots")
     budget.set_memory_budget(None)
     with pytest.raises(ValueError, match="not a byte count"):
         budget.memory_budget("cpu")

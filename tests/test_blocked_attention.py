@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mpsimpact import blocked_attention as blocked
+from mpsimpact.attention import blocked
 from mpsimpact.cli import app
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.prediction.memory import blocked_peak_bytes, estimate_peak_bytes, parameter_count
@@ -131,7 +131,7 @@ def test_a_layer_whose_attention_is_not_blocked_eager_is_refused_in_blocks():
 # (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once.
 MEASURE = """
 import json, sys, torch, transformers
-from mpsimpact import blocked_attention as blocked
+from mpsimpact.attention import blocked
 def status(field):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
 torch.set_num_threads(1)

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from mpsimpact.cli import app
 from mpsimpact.errors import OverlayError, UsageError
-from mpsimpact.upgrade.matrix import MatrixConfig, build_matrix
+from mpsimpact.config import MatrixConfig
+from mpsimpact.upgrade.matrix import build_matrix
 from mpsimpact.upgrade.overlay import MARKER, OverlayCache
 from said import messages, one_message
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from mpsimpact.engine.faults import (
-    INT_MAX_MESSAGE,
     TensorSpec,
     classify_bmm,
     classify_bmm_backward,
     classify_mm,
     rows_per_safe_chunk,
 )
+from mpsimpact.engine.release import INT_MAX_MESSAGE
 
 
 def operands(batch, m, k, n, layout, dtype=torch.float32, device="meta"):

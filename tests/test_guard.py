@@ -8,7 +8,8 @@ import torch
 
 from mpsimpact.modes.emulator import emulate
 from mpsimpact.errors import MpsImpactError, OversizedOpError
-from mpsimpact.modes.guard import MpsImpactWarning, guard, install_thread_guard, uninstall_thread_guard
+from mpsimpact.modes.guard import guard, install_thread_guard, uninstall_thread_guard
+from mpsimpact.modes.guard_mode import MpsImpactWarning
 from mpsimpact.modes.tracer import trace_module
 from tiny import tiny_bert, token_batch
 

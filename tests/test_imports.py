@@ -93,9 +93,9 @@ def test_the_cycle_finder_finds_a_planted_circle():
 # Layers from the bottom; a module imports only modules of lower rank, or of its own subpackage.
 # errors, bounds and variables are leaves for everyone; config and output for everyone above the modes.
 RANKS = {
-    "errors": 0, "bounds": 0.5, "variables": 0.75, "engine": 1, "budget": 1.5, "lazy_mask": 1.5, "modes": 2,
-    "attention": 2.5, "blocked_attention": 2.5, "config": 3, "output": 4, "pytest_plugin": 4.5, "prediction": 5,
-    "models": 6, "runs": 7, "scenarios": 7.5, "upgrade": 8, "reports": 9, "commands": 10, "cli": 11, "__main__": 12,
+    "errors": 0, "bounds": 0.5, "variables": 0.75, "engine": 1, "modes": 2, "attention": 2.5, "config": 3,
+    "output": 4, "pytest_plugin": 4.5, "prediction": 5, "models": 6, "runs": 7, "scenarios": 7.5, "upgrade": 8,
+    "reports": 9, "commands": 10, "cli": 11, "__main__": 12,
 }
 SCENARIO_MAY_IMPORT = {"runs", "models", "errors", "scenarios"}
 
@@ -115,7 +115,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
             continue  # the package face imports nothing at top (lazy exports)
         for target in imported:
             there = room(target)
-            if there == here and here not in ("config", "errors", "cli", "attention"):
+            if there == here and here not in ("config", "errors", "cli"):
                 continue  # inside one subpackage
             allowed = there in SCENARIO_MAY_IMPORT if here == "scenarios" else RANKS[there] < RANKS[here]
             if not allowed:
@@ -143,6 +143,33 @@ def test_imports_go_down_the_layers_only():
     assert set(map(room, graph)) - {"__init__"} <= set(RANKS)  # every module has a room
     assert "mpsimpact.engine.faults" in graph["mpsimpact.modes.guard"]  # the walker sees imports at all
     assert layer_violations(graph) == []
+
+
+def test_the_package_top_holds_the_face_and_the_leaves_and_every_other_module_lives_in_a_room():
+    # shared/ARCHITECTURE.md's top: the face (__init__, cli and python -m's __main__; attention is a room whose
+    # face is the package), errors and config; beside them the leaves the engine and the modes read (bounds,
+    # variables). Nothing else lies loose, and no module keeps names for others to import from it.
+    folder = SOURCES["mpsimpact"]
+    top = {path.stem for path in folder.glob("*.py")}
+    rooms = {path.name for path in folder.iterdir() if (path / "__init__.py").is_file()}
+    assert top == {"__init__", "__main__", "cli", "config", "errors", "bounds", "variables"}
+    assert rooms == {"attention", "engine", "modes", "prediction", "models", "runs", "upgrade", "reports",
+                     "commands", "output", "pytest_plugin"}
+    assert set(RANKS) == top - {"__init__"} | rooms | {"scenarios"}
+    kept = {name: found for name, path in module_files().items() if (found := reexported(path.read_text()))}
+    assert kept == {}
+    old_guard = "from mpsimpact.modes.guard_mode import HELD_BYTES, GuardMode  # noqa: F401\nmode = GuardMode\n"
+    assert reexported(old_guard) == ["HELD_BYTES"]  # what modes/guard.py kept for old import paths is found
+
+
+def reexported(source: str) -> list[str]:
+    """The names a module imports from the project at its top and never uses itself: kept there only for
+    others to import (a compatibility re-export)."""
+    tree = ast.parse(source)
+    imported = [alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("mpsimpact") for alias in node.names]
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return [name for name in imported if name not in used]
 
 
 def test_the_layer_check_catches_a_planted_violation():
@@ -296,9 +323,11 @@ def test_the_reports_import_no_module_that_runs_work():
 
 def test_the_leaves_are_leaves():
     # output and errors import nothing of the rooms; prediction (below models) neither models nor the
-    # attention face; the cli no engine module (see above).
+    # attention face (mps_safe_eager: the room's blocked_eager it sizes); the cli no engine module (see above).
     graph = project_graph()
     for leaf, allowed in (("output", {"output", "errors", "bounds"}), ("errors", {"errors"})):
         assert {(m, t) for m in graph if room(m) == leaf for t in graph[m] if room(t) not in allowed} == set()
     prediction = [m for m in graph if room(m) == "prediction"]
-    assert {(m, t) for m in prediction for t in graph[m] if room(t) in ("models", "attention")} == set()
+    assert "mpsimpact.attention.blocked" in graph["mpsimpact.prediction.memory"]  # the walker sees the room
+    assert {(m, t) for m in prediction for t in graph[m]
+            if room(t) == "models" or t == "mpsimpact.attention"} == set()

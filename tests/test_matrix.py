@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from mpsimpact.upgrade import overlay
 from mpsimpact.upgrade import probe as matrix_probe
 from mpsimpact.cli import app
-from mpsimpact.upgrade.matrix import MatrixConfig, build_matrix, probe_job
+from mpsimpact.config import MatrixConfig
+from mpsimpact.upgrade.matrix import build_matrix, probe_job
 from mpsimpact.upgrade.overlay import (
     MARKER,
     OverlayCache,

@@ -15,7 +15,7 @@ import mpsimpact.prediction.demo_size  # noqa: F401  patches: one imported under
 import mpsimpact.prediction.version_table  # noqa: F401
 import mpsimpact.runs.environment  # noqa: F401
 import mpsimpact.runs.train_kind  # noqa: F401
-from mpsimpact.config import CheckConfig, PlanConfig, RunConfig, SweepConfig
+from mpsimpact.config import CheckConfig, MatrixConfig, PlanConfig, RunConfig, SweepConfig
 from mpsimpact.engine import release
 from mpsimpact.errors import UsageError
 from mpsimpact.prediction import check, outcome, plan
@@ -148,8 +148,8 @@ def test_a_matrix_resolves_its_releases_once_and_its_probe_each_column_once(coun
         before_probe.update(job=job, resolved=list(counted["resolve_profile"]))
         return probe.probe(job)
 
-    config = matrix.MatrixConfig("sentiment", (transformers.__version__,), model=str(tiny), batch_size=2,
-                                 max_length=16, torch_profile="2.14.0")
+    config = MatrixConfig("sentiment", (transformers.__version__,), model=str(tiny), batch_size=2,
+                          max_length=16, torch_profile="2.14.0")
     report = matrix.build_matrix(config, cache=cache, prober=in_process)
     assert report["rows"][0]["status"] == "probed" and report["release"]["judged"] == "2.14.0"
     assert before_probe["resolved"] == ["2.14.0"]  # the command: its --torch-profile, once

@@ -118,9 +118,9 @@ def test_gated_the_strict_guard_stops_the_same_cells(test, column, release, monk
     # meta made to count its bytes as MPS does (0 here): strict watches only from a sighting of a tensor that
     # could pass a limit (Note [Strict, gated]); every test of the table makes its tensors by a factory or a
     # product, so the stops are the same.
-    from mpsimpact.modes import guard as guard_module
+    from mpsimpact.modes import guard_mode
 
-    monkeypatch.setitem(guard_module.HELD_BYTES, "meta", lambda: 0)
+    monkeypatch.setitem(guard_mode.HELD_BYTES, "meta", lambda: 0)
     expected = FIRST_PASS[test][1][column]
     stopped = guard_stops(RUNS[test], release)
     assert expected == "either" or stopped == (expected != O), (test, release, expected)

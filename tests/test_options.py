@@ -2,21 +2,23 @@
 shared option is one line on stderr, exit code 2, no traceback, and nothing written. A shared option is
 declared once (one help text); an option not given keeps its config's default, and --help shows it."""
 
+import ast
 import dataclasses
 import importlib
 import re
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from mpsimpact.cli import app
-from mpsimpact.config import INDEX_BITS_RANGE, CheckConfig, PlanConfig, RunConfig, SweepConfig
+from mpsimpact.config import (INDEX_BITS_RANGE, CheckConfig, MatrixConfig, PlanConfig, RunConfig, SweepConfig,
+                              TrainHeadConfig)
 from mpsimpact.errors import UsageError
-from mpsimpact.upgrade.matrix import MatrixConfig
 from said import flat, one_message
 
 runner = CliRunner()
@@ -204,6 +206,40 @@ def test_a_shared_option_has_one_help_text_everywhere():
     assert len(outs) == 7 and all(" to this folder" in text for text in outs)
 
 
+def config_lookups(source: str) -> list[str]:
+    """What in a command module's source names a class by a string looked up at run time: a "module:Name" or
+    a dotted "...Config" string, importlib, __import__."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                r"[\w.]+:\w+|[\w.]*\.\w*Config", node.value):
+            found.append(repr(node.value))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found += [name for name in names if name.split(".")[0] == "importlib"]
+        elif isinstance(node, ast.Name) and node.id == "__import__":
+            found.append("__import__")
+    return found
+
+
+def test_every_command_imports_its_config_class_so_a_reader_follows_an_option_to_its_check():
+    import mpsimpact.cli as cli
+
+    folder = Path(cli.__file__).parent / "commands"
+    sources = {path.name: path.read_text() for path in [*folder.glob("*.py"), Path(cli.__file__)]}
+    assert len(sources) >= 11 and {name: config_lookups(text) for name, text in sources.items()
+                                   if config_lookups(text)} == {}
+    # The lookups it would find (the form every command had), and each command's config is the class itself.
+    planted = ('import importlib\nCONFIG = "mpsimpact.config:RunConfig"\n'
+               'X = "mpsimpact.upgrade.matrix.MatrixConfig"\n')
+    assert config_lookups(planted) == ["importlib", "'mpsimpact.config:RunConfig'",
+                                       "'mpsimpact.upgrade.matrix.MatrixConfig'"]
+    configs = {module.__name__.rpartition(".")[2]: module.CONFIG for module in cli.COMMANDS
+               if hasattr(module, "CONFIG")}
+    assert configs == {"run": RunConfig, "plan": PlanConfig, "check": CheckConfig, "sweep": SweepConfig,
+                       "matrix": MatrixConfig, "train_head": TrainHeadConfig}
+
+
 # Each command hands its config to one library call; it is captured there (and the command stopped).
 HANDED_TO = {
     "run": (["run", "sentiment"], "mpsimpact.runs.runner.run_scenario", {"scenario": "sentiment"}),
@@ -242,6 +278,8 @@ def other_value(param, field, hint):
         return [param.secondary_opts[0] if off_given else flag], not off_given
     if flag == "--guard":  # one that runs the guard-off condition, which --expect (given too) judges
         return [flag, "off"], "off"
+    if flag == "--memory":  # a Mac's size, read into the config's `mac` (TakesMemory)
+        return [flag, "16GB"], "16GB"
     if check is not None and check.choices and isinstance(default, tuple):  # a subset: comma-separated
         return [flag, check.choices[0]], (check.choices[0],)
     if check is not None and check.choices:

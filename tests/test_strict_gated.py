@@ -7,7 +7,7 @@ import torch
 
 import mpsimpact
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.modes import guard as guard_module
+from mpsimpact.modes import guard_mode
 from mpsimpact.modes.guard import guard
 from tiny import tiny_bert, token_batch
 
@@ -18,7 +18,7 @@ BITS = 16  # LIMIT 65,536, VIEW_LIMIT 32,768 elements; tiny BERT's P is 4 * L * 
 def held(monkeypatch):
     """The bytes the CPU "holds", as MPS or CUDA would say (0 unless a test sets it)."""
     count = {"bytes": 0}
-    monkeypatch.setitem(guard_module.HELD_BYTES, "cpu", lambda: count["bytes"])
+    monkeypatch.setitem(guard_mode.HELD_BYTES, "cpu", lambda: count["bytes"])
     return count
 
 
@@ -43,7 +43,7 @@ def test_a_small_forward_runs_with_no_dispatch_mode_and_plain_values(held):
 
 
 def test_without_a_count_strict_watches_from_the_start(monkeypatch):
-    monkeypatch.delitem(guard_module.HELD_BYTES, "cpu", raising=False)
+    monkeypatch.delitem(guard_mode.HELD_BYTES, "cpu", raising=False)
     model, ids = tiny_bert(), token_batch(2, 8)
     seen, hooks = stack_depths(model)
     with torch.no_grad(), guard("raise", index_bits=BITS, devices=("cpu",), strict=True) as g:
@@ -70,7 +70,7 @@ def test_a_big_product_starts_watching_and_the_ops_after_it_are_judged_as_ungate
         with guard("chunk", index_bits=BITS, devices=("cpu",), strict=True) as gated:
             got = model(ids).last_hidden_state
             assert gated.watching
-        monkeypatch.delitem(guard_module.HELD_BYTES, "cpu")
+        monkeypatch.delitem(guard_mode.HELD_BYTES, "cpu")
         with guard("chunk", index_bits=BITS, devices=("cpu",), strict=True) as always:
             model(ids)
     assert [(r.op, r.fault.rule) for r in gated.chunked] == [(r.op, r.fault.rule) for r in always.chunked]
@@ -156,13 +156,13 @@ def test_a_fast_guard_on_another_thread_lets_the_wrapped_factories_run(held, mon
     import threading
 
     made, errors, handled = {}, [], []
-    on_entry = guard_module.GuardMode.on_entry
+    on_entry = guard_mode.GuardMode.on_entry
 
     def recorded(self, name, proceed, args, kwargs):
         handled.append((threading.current_thread().name, name))
         return on_entry(self, name, proceed, args, kwargs)
 
-    monkeypatch.setattr(guard_module.GuardMode, "on_entry", recorded)
+    monkeypatch.setattr(guard_mode.GuardMode, "on_entry", recorded)
 
     def other():
         try:

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpsimpact.modes.guard import MpsImpactWarning, install_thread_guard, uninstall_thread_guard
+from mpsimpact.modes.guard import install_thread_guard, uninstall_thread_guard
+from mpsimpact.modes.guard_mode import MpsImpactWarning
 
 GUARDS = {  # name -> install_thread_guard's arguments
     "raise": dict(mode="raise"), "chunk": dict(mode="chunk"),

@@ -18,7 +18,7 @@ import torch
 
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.models.classifier import load_embedded_classifier
-from mpsimpact.modes import guard as guard_module
+from mpsimpact.modes import guard_mode
 from mpsimpact.modes.guard import guard
 
 failures = []
@@ -43,18 +43,18 @@ def main() -> None:
             small_watched = g.watching
     hook.remove()
     check("small forward: no dispatch mode, plain logits", depths == [0, 0] and not small_watched
-          and torch.equal(got, plain), f"depths {depths}, held {guard_module.HELD_BYTES['cuda']() / 2**20:.0f} MiB")
+          and torch.equal(got, plain), f"depths {depths}, held {guard_mode.HELD_BYTES['cuda']() / 2**20:.0f} MiB")
 
     with torch.inference_mode():
         with guard("chunk", index_bits=20, devices=("cuda",), strict=True) as gated:
             got = module(ids, mask)
             watched = gated.watching
-        counter = guard_module.HELD_BYTES.pop("cuda")
+        counter = guard_mode.HELD_BYTES.pop("cuda")
         try:
             with guard("chunk", index_bits=20, devices=("cuda",), strict=True) as always:
                 module(ids, mask)
         finally:
-            guard_module.HELD_BYTES["cuda"] = counter
+            guard_mode.HELD_BYTES["cuda"] = counter
     same = [(r.op, r.fault.rule) for r in gated.chunked] == [(r.op, r.fault.rule) for r in always.chunked]
     check("20 bits: watched from the first big product, records as strict's", watched and same
           and len(gated.chunked) > 0, f"{len(gated.chunked)} chunked; max |diff| "

@@ -4,12 +4,13 @@ the same way, before anything is loaded. Options several commands share are defi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.bounds import DIGITS, read_decimal, read_size, read_whole
+from mpsimpact.bounds import DIGITS, read_decimal, read_release, read_size, read_whole
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.errors import UsageError
 from mpsimpact.variables import MAX_BYTES
@@ -129,6 +130,28 @@ class Validated:
         validate(self)
 
 
+class TakesMemory(Validated):
+    """A command's config with --memory: its `memory` field is the text given ("16GB", "auto"), as its reports
+    show it; the Mac that text names is read once, into `mac`, and every room takes that value."""
+
+    @functools.cached_property
+    def mac(self) -> Any:
+        """The Mac --memory names (an engine.mac_memory.MacMemory; None: no --memory), read once per config:
+        a size where the config is validated, auto (this Mac's own, measured on it) where first asked for."""
+        from mpsimpact.engine.mac_memory import resolve_mac
+        from mpsimpact.engine.release import cache_root
+
+        return resolve_mac(self.memory, cache_root())
+
+    def validate(self) -> None:
+        """Raises UsageError on any bad value, before anything is loaded: each field's Check, then --memory."""
+        from mpsimpact.engine.mac_memory import is_auto
+
+        validate(self)
+        if self.memory is not None and not is_auto(self.memory):
+            _ = self.mac  # read here, once: a size that is no Mac's is refused before any work
+
+
 # Counts (texts, tokens) stop at INT_MAX: past it no run, trace or disk could hold one text's activations, and the
 # numbers stay within what torch's shapes and int64 products take. A seed is what torch.manual_seed takes.
 MAX_COUNT = 2**31 - 1
@@ -155,16 +178,6 @@ def _parse_profile(value: str) -> None:
         parse_release(value)  # its form alone: a profile file is read where the command judges the release
 
 
-def _parse_memory(value: str) -> None:
-    from mpsimpact.engine.mac_memory import is_auto, parse_mac_size
-
-    if not is_auto(value):
-        parse_mac_size(value)
-
-
-# A Mac's unified memory ("16GB"), or auto (this Mac): its largest buffer and working set decide too.
-MEMORY = Check("--memory", parse=_parse_memory, hint=", or auto on a Mac")
-
 TORCH_PROFILE = Check(
     "--torch-profile", parse=_parse_profile,
     hint="; give a release such as 2.12.1 (measured: 2.4.1 .. 2.14.0; others are judged conservatively), "
@@ -187,7 +200,7 @@ HALF_THRESHOLD = 2e-2
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(Validated):
+class RunConfig(TakesMemory):
     """Everything `mpsimpact run` was asked; embedded in every report."""
 
     scenario: str = "sentiment"
@@ -210,7 +223,7 @@ class RunConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     attention: str = option("eager", Check("--attention", choices=RUN_ATTENTIONS))
     dtype: str = option("float32", Check("--dtype", choices=("float32", "float16", "bfloat16")))
-    memory: str | None = option(None, MEMORY)  # a Mac to emulate ("16GB"): its largest buffer stops calls too
+    memory: str | None = None  # a Mac to emulate ("16GB"): its largest buffer stops calls too (`mac`)
     # --quick: the sizes it set because they were not given (QUICK_SIZES); where they show no silent effect for
     # the model, the run chooses them (runs.runner.quick_config) and says so
     quick_sizes: tuple[str, ...] = option((), Check("--quick", choices=QUICK_SIZES))
@@ -218,7 +231,7 @@ class RunConfig(Validated):
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded: each field, --run-length against
         --max-length, and --expect, which judges the guard-off condition, against --guard."""
-        validate(self)
+        super().validate()
         check_run_length(self.run_length, self.max_length)
         if self.expect is not None and "off" not in self.guards:
             raise UsageError(f"--expect judges the guard-off condition, which --guard {self.guard} does not run; "
@@ -271,7 +284,7 @@ REPORT_BYTES, TEXT_BYTES, DEFAULT_BATCH_CEILING = 4 << 20, 1 << 10, 4096
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanConfig(Validated):
+class PlanConfig(TakesMemory):
     """What `mpsimpact plan` was asked; embedded in its JSON."""
 
     scenario: str
@@ -285,7 +298,7 @@ class PlanConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     versions: bool = False
     out: str | None = None
-    memory: str | None = option(None, MEMORY)  # "32GB" (a Mac's unified memory) or "auto": the demo that fits
+    memory: str | None = None  # "32GB" (a Mac's unified memory) or "auto": the demo that fits (`mac`)
 
 
 # `check --task`: the keys of prediction.meta_model.TASKS (the transformers auto class of each).
@@ -310,7 +323,7 @@ def batch_ceiling(batch: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckConfig(Validated):
+class CheckConfig(TakesMemory):
     """What `mpsimpact check` was asked; embedded in its JSON."""
 
     model: str
@@ -324,7 +337,40 @@ class CheckConfig(Validated):
     index_bits: int = option(MPS_INDEX_BITS, INDEX_BITS)
     cache: bool = True  # use_cache=True, as model(ids) and generate() run; False: as scoring and training
     out: str | None = None
-    memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): its largest buffer decides too
+    memory: str | None = None  # a Mac ("16GB", auto): its largest buffer decides too (`mac`)
+
+
+# `matrix --transformers`: the releases probed when none is given.
+DEFAULT_TRANSFORMERS = ("4.44.2", "4.57.6", "5.24.0")
+
+
+def _parse_releases(releases: tuple[str, ...]) -> None:
+    if not releases:
+        raise ValueError("no release given")
+    for release in releases:
+        try:
+            read_release(release)  # the rule every release a person types is read by
+        except ValueError:
+            raise ValueError(f"'{release}' is not a release") from None
+    repeated = sorted({r for r in releases if releases.count(r) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} given twice")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixConfig(Validated):
+    """What `mpsimpact matrix` was asked; embedded in matrix.json."""
+
+    scenario: str
+    transformers: tuple[str, ...] = option(DEFAULT_TRANSFORMERS, Check(
+        "--transformers", parse=_parse_releases,
+        hint="; give a comma-separated list of transformers releases such as 4.44.2,4.57.6,5.24.0"))
+    model: str | None = None
+    batch_size: int | None = option(None, BATCH_SIZE)
+    max_length: int | None = option(None, MAX_LENGTH)
+    out: str | None = None
+    offline: bool = False
+    torch_profile: str | None = option(None, TORCH_PROFILE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +416,7 @@ def memory_bytes(text: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepConfig(Validated):
+class SweepConfig(TakesMemory):
     """What `mpsimpact sweep` was asked; embedded in summary.json."""
 
     device: str = option("auto", DEVICE)
@@ -385,4 +431,4 @@ class SweepConfig(Validated):
     torch_profile: str | None = option(None, TORCH_PROFILE)
     max_memory: str | None = option(None, Check("--max-memory", parse=memory_bytes,
                                                 hint="; give a size such as 20 (GiB), 20GiB or 512MiB"))
-    memory: str | None = option(None, MEMORY)  # a Mac ("16GB", auto): no cell reaches its largest buffer
+    memory: str | None = None  # a Mac ("16GB", auto): no cell reaches its largest buffer (`mac`)

@@ -3,10 +3,11 @@
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import CheckConfig
 from mpsimpact.commands.options import option, shared
 
 
-CONFIG = "mpsimpact.config:CheckConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = CheckConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -38,7 +39,7 @@ def main(
 
     options.check_output(as_json, verbose)
     check_config = options.config_from(  # validated before anything heavy is imported
-        CONFIG, model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
+        CheckConfig, model=model, batch_size=batch_size, seq_len=seq_len, target_len=target_len, task=task,
         attention=attention, workload=workload or phase, torch_profile=torch_profile, index_bits=index_bits,
         cache=cache, out=out, memory=memory,
     )

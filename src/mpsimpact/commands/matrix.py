@@ -3,10 +3,11 @@
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import MatrixConfig
 from mpsimpact.commands.options import option, shared
 
 
-CONFIG = "mpsimpact.upgrade.matrix:MatrixConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = MatrixConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -27,7 +28,7 @@ def main(
     # "4.44.2, 5.24.0" -> ("4.44.2", "5.24.0"); empty items stay, for the check to name
     releases = None if transformers is None else tuple(part.strip() for part in transformers.split(","))
     matrix_config = options.config_from(  # validated before anything heavy is imported
-        CONFIG, scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
+        MatrixConfig, scenario=scenario, transformers=releases, model=model, batch_size=batch_size,
         max_length=max_length, out=out, offline=offline, torch_profile=torch_profile,
     )
     from mpsimpact.reports.matrix import print_matrix, progress_bars, write_matrix_folder

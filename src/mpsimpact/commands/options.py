@@ -6,7 +6,6 @@ types (Note [Numbers typed by a user] in bounds); every command refuses an optio
 that say one thing, and an empty value, before anything else (`CheckedCommand`)."""
 
 import dataclasses
-import importlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -105,23 +104,16 @@ def check_environment() -> None:
     cache_root()
 
 
-def config_class(path: str) -> type:
-    """A command's config dataclass, named "module:Name" (imported here, not when the app is built)."""
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def config_from(config: str, **given: Any) -> Any:
+def config_from(config: type, **given: Any) -> Any:
     """The command's config from its options, by keyword; an option not given (None) keeps the config's
     default, a number's text is read by its field's Check (`Check.read`). Validated here, and its scenario's
     name checked, before the command imports torch or anything heavy (a typo answers at once); the library
     call validates it again."""
     from mpsimpact.runs.scenario import check_scenario_name
 
-    made_class = config_class(config)
-    checks = {field.name: field.metadata.get("check") for field in dataclasses.fields(made_class)}
-    made = made_class(**{name: value if checks.get(name) is None else checks[name].read(value)
-                         for name, value in given.items() if value is not None})
+    checks = {field.name: field.metadata.get("check") for field in dataclasses.fields(config)}
+    made = config(**{name: value if checks.get(name) is None else checks[name].read(value)
+                     for name, value in given.items() if value is not None})
     if getattr(made, "scenario", None) is not None:
         check_scenario_name(made.scenario)
     made.validate()
@@ -189,18 +181,13 @@ def refuse_empty(opts: dict[str, Any], params: list[Any], command: str) -> None:
                          option=flag)
 
 
-def shows_config_defaults(config: str) -> type[TyperCommand]:
-    """The command class for a command whose options default to the fields of its config (`config_class`):
-    its --help shows each field's default."""
+def shows_config_defaults(config: type) -> type[TyperCommand]:
+    """The command class for a command whose options default to the fields of its config dataclass: its
+    --help shows each field's default."""
 
     class ShowsConfigDefaults(CheckedCommand):
-        # The config modules import torch: their defaults are read when a command's --help is shown, not
-        # when the app is built, so that `mpsimpact --help` stays instant.
         def format_help(self, ctx: Any, formatter: Any) -> None:
-            try:
-                fields = {field.name: field.default for field in dataclasses.fields(config_class(config))}
-            except ModuleNotFoundError:  # a light install (no demo extra): help without the config's defaults
-                fields = {}
+            fields = {field.name: field.default for field in dataclasses.fields(config)}
             for param in self.params:
                 default = fields.get(param.name)
                 if param.param_type_name != "option" or default is None or default is dataclasses.MISSING:

@@ -3,10 +3,11 @@
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import PlanConfig
 from mpsimpact.commands.options import option, shared
 
 
-CONFIG = "mpsimpact.config:PlanConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = PlanConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -36,7 +37,7 @@ def main(
 
     options.check_output(as_json, verbose)
     plan_config = options.config_from(  # validated before anything heavy is imported
-        CONFIG, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
+        PlanConfig, scenario=scenario, batch_size=batch_size, max_length=max_length, model=model,
         backward=backward, index_bits=index_bits, sweep=sweep, figure=figure, torch_profile=torch_profile,
         versions=versions, out=out, memory=memory,
     )

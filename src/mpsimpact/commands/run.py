@@ -5,6 +5,7 @@ from typing import Any
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import QUICK_SIZES, RunConfig
 from mpsimpact.commands.options import option, shared
 
 
@@ -16,7 +17,7 @@ QUICK = (16, 256, 23)
 QUICK_TEXT = "--batch-size 16 --max-length 256 --index-bits 23"
 
 
-CONFIG = "mpsimpact.config:RunConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = RunConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -55,9 +56,7 @@ def main(
     """Run a scenario under each guard condition against a CPU reference, and write the reports."""
     quick_sizes = None
     if quick:
-        from mpsimpact.config import QUICK_SIZES  # QUICK's fields, in its order
-
-        asked = (batch_size, max_length, index_bits)
+        asked = (batch_size, max_length, index_bits)  # QUICK_SIZES: QUICK's fields, in its order
         quick_sizes = tuple(name for name, value in zip(QUICK_SIZES, asked) if value is None)
         batch_size, max_length, index_bits = (value if value is not None else default
                                               for value, default in zip(asked, QUICK))
@@ -65,7 +64,7 @@ def main(
                  guard=guard, out=out, seed=seed, expect=expect, model=model, dataset=dataset, threshold=threshold,
                  reference_device=reference_device, run_length=run_length, index_bits=index_bits, steps=steps,
                  lr=lr, torch_profile=torch_profile, attention=attention, dtype=dtype, memory=memory)
-    run_config = options.config_from(CONFIG, **given, quick_sizes=quick_sizes)  # checked before heavy imports
+    run_config = options.config_from(RunConfig, **given, quick_sizes=quick_sizes)  # before heavy imports
     from mpsimpact.output.files import claimed_out_dir
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.reports.run import write_run_folder

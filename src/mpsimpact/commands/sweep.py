@@ -4,10 +4,11 @@ the fault model."""
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import SweepConfig
 from mpsimpact.commands.options import option, shared
 
 
-CONFIG = "mpsimpact.config:SweepConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = SweepConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -40,7 +41,7 @@ def main(
     from mpsimpact.runs.sweep_run import run_sweep
 
     sweep_config = options.config_from(
-        CONFIG, device=device, emulate=emulate, index_bits=index_bits, quick=quick,
+        SweepConfig, device=device, emulate=emulate, index_bits=index_bits, quick=quick,
         dtypes=_items(dtypes, "--dtypes"), layouts=_items(layouts, "--layouts"), out=out, expect_fixed=expect_fixed,
         in_process=in_process, torch_profile=torch_profile, max_memory=max_memory, memory=memory,
     )

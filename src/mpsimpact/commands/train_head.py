@@ -4,9 +4,10 @@ replacing the installed head takes --install."""
 import typer
 
 from mpsimpact.commands import options
+from mpsimpact.config import TrainHeadConfig
 
 
-CONFIG = "mpsimpact.config:TrainHeadConfig"  # the options' dataclass, imported when first needed (options.config_class)
+CONFIG = TrainHeadConfig  # the options' dataclass: --help shows its defaults
 
 
 def main(
@@ -17,7 +18,7 @@ def main(
                                  "(its data folder) instead of writing a folder. Off unless given."),
 ) -> None:
     """Retrain the embedded classifier's head reproducibly (logistic regression on MiniLM embeddings)."""
-    head_config = options.config_from(CONFIG, out=out, limit=limit, install=install)
+    head_config = options.config_from(TrainHeadConfig, out=out, limit=limit, install=install)
     from mpsimpact.output.files import claimed_out_dir, folder_written_atomically
     from mpsimpact.output.progress import progress_steps
     from mpsimpact.errors import paragraph

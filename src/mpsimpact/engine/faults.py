@@ -12,13 +12,11 @@ import math
 from typing import Any, Literal
 
 from mpsimpact.engine.release import (
-    ENCODE_FAILED_MESSAGE, INT_MAX_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, takes_release,
+    ENCODE_FAILED_MESSAGE, NDARRAY_ABORT_MESSAGE, FaultProfile, measured_profiles, takes_release,
     view_equal_limit_message,
 )
 
-__all__ = [
-    "INT_MAX_MESSAGE", "Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_sdpa",
-]
+__all__ = ["Fault", "TensorSpec", "classify_bmm", "classify_bmm_backward", "classify_mm", "classify_sdpa"]
 
 # Note [MPS 32-bit index faults]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

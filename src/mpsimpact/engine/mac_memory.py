@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.bounds import read_size
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, TensorSpec
 from mpsimpact.errors import UsageError
 
 # Note [The Mac's largest buffer]
@@ -132,9 +132,9 @@ class MacMemory:
         a full-size one does (Note [The Mac's largest buffer])."""
         return max(1, self.largest_buffer >> max(0, MPS_INDEX_BITS - index_bits))
 
-    def refuses(self, n_bytes: int, index_bits: int = MPS_INDEX_BITS) -> bool:
-        """Whether MPS refuses one allocation of `n_bytes` on this Mac."""
-        return n_bytes >= self.buffer_at(index_bits)
+    def refuses(self, n_bytes: float, index_bits: int = MPS_INDEX_BITS) -> bool:
+        """Whether MPS refuses one allocation of `n_bytes` on this Mac (`buffer_refuses`)."""
+        return buffer_refuses(n_bytes, self.buffer_at(index_bits))
 
     def fault(self, n_bytes: int, release: str = "", operand: str | None = None) -> Fault:
         """What MPS does with a call that allocates `n_bytes` at once here: raises, before any kernel."""
@@ -161,25 +161,32 @@ class MacMemory:
             "working_set_gib": round(self.working_set / GIB, 2), "sentence": self.describe()}
 
 
-def itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 4)
+def buffer_refuses(n_bytes: float, buffer: int) -> bool:
+    """The rule of Note [The Mac's largest buffer], written once: MPS refuses an allocation of `buffer` bytes or
+    more (MPSAllocator's size < m_max_buffer_size passes)."""
+    return n_bytes >= buffer
 
 
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
+def tensor_bytes(tensor: Any, float_bytes: int | None = None) -> int:
+    """The bytes MPS allocates for one tensor: a real (or meta) tensor's storage (a view: its base's), a
+    TensorSpec's extent in its dtype (`float_bytes`: a floating one counted at that size, as a plan traced in
+    float32 is judged for half precision)."""
+    if not isinstance(tensor, TensorSpec):
+        return tensor.untyped_storage().nbytes()
+    floating = float_bytes is not None and tensor.dtype in FLOATING
+    return tensor.extent * (float_bytes if floating else ITEMSIZE.get(tensor.dtype, 4))
+
+
 def call_bytes(call: Any, float_bytes: int | None = None) -> int:
     """The largest single allocation a recorded call makes or reads, in bytes (Note [The Mac's largest buffer]):
-    its operands' storage extent and, for bmm and mm, its output; fused SDPA's scores are not counted.
-    `float_bytes`: count floating tensors at that size (a plan traced in float32, judged for half precision)."""
-    def size(dtype: str) -> int:
-        return float_bytes if float_bytes is not None and dtype in FLOATING else itemsize(dtype)
-
-    a, b = call.a, call.b
-    sizes = [a.extent * size(a.dtype), b.extent * size(b.dtype)]
+    its operands' storage extent and, for bmm and mm, its output; fused SDPA's scores are not counted."""
+    tensors = [call.a, call.b]
     if call.family in ("bmm", "mm"):
-        sizes.append(call.out_numel * size(a.dtype))
-    return max(sizes)
+        tensors.append(TensorSpec.contiguous((call.out_numel,), call.a.dtype))
+    return max(tensor_bytes(t, float_bytes) for t in tensors)
 
 
 def buffer_fault(call: Any, mac: MacMemory | None, index_bits: int, release: str = "") -> Fault | None:

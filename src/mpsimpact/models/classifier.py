@@ -16,8 +16,8 @@ from torch import nn
 
 from mpsimpact.prediction.meta_model import build_meta_model, pad_for_the_head, usable_positions
 from mpsimpact.config import EMBEDDED_MODEL
-from mpsimpact.blocked_attention import NAME as BLOCKED, remove_blocks, use_blocks
-from mpsimpact.blocked_attention import register as register_blocked
+from mpsimpact.attention.blocked import NAME as BLOCKED, remove_blocks, use_blocks
+from mpsimpact.attention.blocked import register as register_blocked
 from mpsimpact.models.dataset import LABELS
 from mpsimpact.bounds import MAX_CONFIG_BYTES, NAME_MAX, FileProblemError, kind_of, name_problem, parse_json
 from mpsimpact.bounds import path_problem, read_file_bytes, shown_path

@@ -30,7 +30,7 @@ from mpsimpact.engine.faults import (
     wrap_start_batch,
 )
 from mpsimpact.engine.families import classify_op
-from mpsimpact.engine.mac_memory import MacMemory, itemsize, parse_mac_size
+from mpsimpact.engine.mac_memory import MacMemory, parse_mac_size, tensor_bytes
 from mpsimpact.engine.release import allocates, takes_release
 
 if TYPE_CHECKING:
@@ -107,8 +107,7 @@ class EmulateMode(MatmulMode):
         self.plan = plan
         self.profile = plan.profile if plan is not None else profile
         # The Mac whose largest buffer refuses an allocation (a plan carries its own: decided at full scale).
-        self.memory = memory if plan is None else None
-        self._buffer = memory.buffer_at(index_bits) if self.memory is not None else None
+        self.mac = memory if plan is None else None
         self.calls = 0
         self._near = limits(index_bits)[1]  # every rule needs a count at VIEW_LIMIT or more
         self._most = dim_max(index_bits)  # a call whose every tensor has at most DIM_MAX elements is past none
@@ -148,7 +147,7 @@ class EmulateMode(MatmulMode):
         index = self.calls
         self.calls += 1
         fault, wraps = self._decide(index, family, func, a, b)
-        if self._buffer is not None:
+        if self.mac is not None:
             self._check_buffer(index, op_name(func), a, b, (*a.shape[:-1], b.shape[-1]), a.dtype)
         if fault.is_ok:
             return func(*args, **kwargs)
@@ -242,7 +241,7 @@ class EmulateMode(MatmulMode):
 
     def on_other(self, func, args, kwargs):
         """Every other op past the per-dimension limit, by its family (prefiltered: a call whose tensors all
-        have at most DIM_MAX elements runs at once). Under a plan, its full-scale decision. On a Mac (`memory`),
+        have at most DIM_MAX elements runs at once). Under a plan, its full-scale decision. On a Mac (`mac`),
         every op's tensors are held against its largest buffer (see `_within_buffer`)."""
         if self._passing:
             return func(*args, **kwargs)
@@ -250,7 +249,7 @@ class EmulateMode(MatmulMode):
             self._check_sdpa_past_entry(func, args)
         if self.plan is not None:
             return self._replay_other(func, args, kwargs)
-        if self._buffer is not None:
+        if self.mac is not None:
             return self._within_buffer(func, args, kwargs)
         return self._on_other(func, args, kwargs)
 
@@ -293,29 +292,35 @@ class EmulateMode(MatmulMode):
         return out
 
     def _check_tensors(self, op: str, inputs: list, outputs: list) -> None:
-        # A parameter is as big at every index width: held against the Mac's own buffer (see modes/op_size).
-        full = self.memory.largest_buffer
-        sizes = [(t, _nbytes(t)) for t in (*inputs, *outputs) if not _is_parameter(t) or _nbytes(t) >= full]
-        if sizes and max(n for _, n in sizes) >= self._buffer:
-            tensor, n = max(sizes, key=lambda item: item[1])
-            self._refuse_buffer(CallRecord.of_op(self.calls, op, inputs or [tensor], [tensor], self.memory.fault(
-                n << (MPS_INDEX_BITS - self.index_bits), self.profile.release), current_phase()))
+        if (refused := self._refused([*inputs, *outputs])) is not None:
+            tensor, n = refused
+            self._refuse_buffer(CallRecord.of_op(self.calls, op, inputs or [tensor], [tensor], Fault(),
+                                                 current_phase()), n)
 
     def _check_buffer(self, index: int, op: str, a, b, out_shape: tuple, dtype) -> None:
         """A product on a Mac: refused where an operand or its output reaches the largest buffer."""
         out = TensorSpec.contiguous(tuple(out_shape), str(dtype).removeprefix("torch."))
-        record = CallRecord(index, op, TensorSpec.of(a), TensorSpec.of(b), Fault(), current_phase())
-        operands = [_nbytes(x) for x in (a, b) if not _is_parameter(x) or _nbytes(x) >= self.memory.largest_buffer]
-        size = max([*operands, out.numel * itemsize(out.dtype)])
-        if size >= self._buffer:
-            self._refuse_buffer(record.evolve(fault=self.memory.fault(size << (MPS_INDEX_BITS - self.index_bits),
-                                                                      self.profile.release)))
+        if (refused := self._refused([a, b, out])) is not None:
+            record = CallRecord(index, op, TensorSpec.of(a), TensorSpec.of(b), Fault(), current_phase())
+            self._refuse_buffer(record, refused[1])
 
-    def _refuse_buffer(self, record: CallRecord) -> None:
+    def _refused(self, tensors: list) -> tuple[Any, int] | None:
+        """The largest of `tensors` (with its bytes) the Mac refuses at this index width, None where it refuses
+        none. A parameter is as big at every width: held against the Mac's own buffer (see modes/op_size)."""
+        sizes = [(t, tensor_bytes(t)) for t in tensors]
+        refused = [(t, n) for t, n in sizes
+                   if self.mac.refuses(n, MPS_INDEX_BITS if _is_parameter(t) else self.index_bits)]
+        return max(refused, key=lambda item: item[1], default=None)
+
+    def _refuse_buffer(self, record: CallRecord, n_bytes: int) -> None:
+        """Raises MPS's own error for `record`, whose tensor of `n_bytes` (at this width; MPS names its size at
+        full scale) the Mac refuses."""
+        record = record.evolve(fault=self.mac.fault(n_bytes << (MPS_INDEX_BITS - self.index_bits),
+                                                    self.profile.release))
         self._keep(record, RAISED)
         raise EmulatedMpsError(
             f"{record.describe()}: {record.fault.message} (emulated MPS {self.profile.release} on "
-            f"{self.memory.label}, {self.memory.buffer_words()}; MPS raises before running it)",
+            f"{self.mac.label}, {self.mac.buffer_words()}; MPS raises before running it)",
             op=record.op, a=record.a, b=record.b, fault=record.fault, phase=record.phase)
 
     def _on_other(self, func, args, kwargs):
@@ -401,7 +406,7 @@ class EmulateMode(MatmulMode):
         query, key, value = sdpa_operands(args, kwargs)
         if _fake_mode(_FAKE) is not None:  # traced (torch.export, make_fx): torch's own op is recorded
             return self._as_one_op(proceed, *args, **kwargs)
-        if self._buffer is not None:  # its scores are MPSGraph's own: only its tensors are held against the buffer
+        if self.mac is not None:  # its scores are MPSGraph's own: only its tensors are held against the buffer
             self._check_tensors("sdpa", [query, key, value], [])
         if sdpa_path(needs_grad((query, key, value)), self.profile) == "math":
             if sdpa_dropout(args, kwargs):
@@ -527,13 +532,6 @@ def replay_decision(plan: FaultPlan, index: int, family: str, op: str, a, b) -> 
 def _is_parameter(tensor: Any) -> bool:
     """A module's weight, or a view of one (Linear's weight.t())."""
     return isinstance(tensor, torch.nn.Parameter) or isinstance(getattr(tensor, "_base", None), torch.nn.Parameter)
-
-
-def _nbytes(tensor: Any) -> int:
-    """Bytes of a tensor's storage as MPS allocates it (a view: its base's), or of a spec of one to be made."""
-    if isinstance(tensor, TensorSpec):
-        return tensor.extent * itemsize(tensor.dtype)
-    return tensor.untyped_storage().nbytes()
 
 
 @contextlib.contextmanager

@@ -14,10 +14,7 @@ from mpsimpact.modes.entrypoint import push_handler, remove_handler
 from mpsimpact.errors import UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Profile
 from mpsimpact.variables import guard_mode
-# The guard's public names, where they have always been imported from.
-from mpsimpact.modes.guard_mode import HELD_BYTES, GuardMode, MpsImpactWarning  # noqa: F401
-from mpsimpact.modes.op_size import factory_elements  # noqa: F401
-from mpsimpact.modes.stop_text import describe_stop  # noqa: F401
+from mpsimpact.modes.guard_mode import GuardMode
 
 # Guards installed by install_thread_guard: each thread's own list (innermost last), and which threads
 # hold one, so a call from another thread can say where its guard is.

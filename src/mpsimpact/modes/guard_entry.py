@@ -13,7 +13,7 @@ import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from mpsimpact.budget import budget_scores
+from mpsimpact.modes.budget import budget_scores
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.engine.families import classify_op
 from mpsimpact.engine.faults import OK, TensorSpec, sdpa_path

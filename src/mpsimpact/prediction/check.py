@@ -20,8 +20,7 @@ from mpsimpact.prediction.safe_size import (
     TRACE_TEXTS, BoundarySearch, bisect_clean, fit_lengths, is_clean, largest_safe_batch, longest_safe_length,
     per_text, plan_at, plan_signature, scalable,
 )
-from mpsimpact.engine.mac_memory import resolve_mac
-from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, cache_root, judge_release
+from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
 
 
@@ -65,7 +64,7 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         raise explain_build_error(error, model_class, config, cfg.attention) from None
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
-    mac = resolve_mac(cfg.memory, cache_root())
+    mac = cfg.mac
     model = MetaModel(module, config, cfg.model, cfg.workload == "training", cfg.index_bits, judged.profile,
                       cfg.target_len, cfg.cache, mac=mac)
     info = {

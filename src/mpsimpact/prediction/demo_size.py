@@ -9,11 +9,11 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
+from mpsimpact.attention.blocked import NAME as BLOCKED, REASON
 from mpsimpact.engine.faults import INDEX_BITS_RANGE, MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import MEASURED, MacMemory, call_bytes, smallest_showing
 from mpsimpact.prediction.outcome import Prediction, predict, spoken
-from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib, largest_fitting_batch
+from mpsimpact.prediction.memory import estimate_peak_bytes, in_gib, largest_batch_where, largest_fitting_batch
 from mpsimpact.prediction.safe_size import PerTextCall, distinct_calls, largest_safe_batch, plan_at, silent_batches
 from mpsimpact.config import GIB, QUICK_BATCH_FACTOR
 
@@ -116,7 +116,7 @@ def fits(option: dict[str, Any], mac: MacMemory) -> bool:
     """Whether a demo option runs on `mac`: its peak (with headroom) within the working set, and its largest
     tensor under the largest buffer (at or past it, MPS raises "Invalid buffer size")."""
     return (option["estimated_peak_gib"] * GIB * HEADROOM <= mac.working_set
-            and option["largest_tensor_gib"] * GIB < mac.largest_buffer)
+            and not mac.refuses(option["largest_tensor_gib"] * GIB))
 
 
 def best_option(options: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -175,7 +175,7 @@ def _instead(options: list[dict[str, Any]], mac: MacMemory, asked: RunAsked) -> 
     """No option fits `mac`: why (its largest buffer, or its working set), the smallest Mac that can show the
     effect and its command, and the emulated run on any machine (--device cpu; --quick the same in seconds)."""
     buffer_gib = mac.largest_buffer / GIB
-    if all(o["largest_tensor_gib"] * GIB >= mac.largest_buffer for o in options):
+    if all(mac.refuses(o["largest_tensor_gib"] * GIB) for o in options):
         half, full = (2**MPS_INDEX_BITS * n / GIB for n in (2, 4))
         why = (f"No run can show the silent fault on {mac.label}: it needs one tensor of more than 2^32 numbers "
                f"({half:.0f} GiB in half precision, {full:.0f} GiB in float32), and Metal refuses any single "
@@ -198,17 +198,13 @@ def _instead(options: list[dict[str, Any]], mac: MacMemory, asked: RunAsked) -> 
     return answer
 
 
-def largest_batch_under(calls: list, buffer: int, dtype: str, ceiling: int = 1 << 40) -> int:
-    """The largest batch whose every tensor of the per-text `calls` (each grows by a whole amount per text)
-    stays under `buffer` bytes, were its floating tensors in `dtype` (0: not even one text)."""
-    largest = ceiling
-    for p in calls:
-        one, two = p.bytes_at(1, DTYPE_BYTES[dtype]), p.bytes_at(2, DTYPE_BYTES[dtype])
-        if one >= buffer:
-            return 0
-        if two > one:  # bytes(B) = one + (two - one) * (B - 1) < buffer
-            largest = min(largest, 1 + (buffer - 1 - one) // (two - one))
-    return largest
+def largest_batch_under(calls: list, mac: MacMemory, dtype: str) -> int:
+    """The largest batch none of whose tensors of the per-text `calls` `mac` refuses, were its floating tensors
+    in `dtype` (0: not even one text). Each call grows by a whole amount per text: one + step * (batch - 1)."""
+    ones = [p.bytes_at(1, DTYPE_BYTES[dtype]) for p in calls]
+    steps = [max(0, p.bytes_at(2, DTYPE_BYTES[dtype]) - one) for p, one in zip(calls, ones)]
+    return largest_batch_where(lambda batch: not any(
+        mac.refuses(one + step * (batch - 1)) for one, step in zip(ones, steps)))
 
 
 def mac_table(config: Any, first_corrupted: int, calls: list, length: int = 512, blocked_first: int | None = None,
@@ -219,7 +215,7 @@ def mac_table(config: Any, first_corrupted: int, calls: list, length: int = 512,
     is `blocked_first`; its P is eager's)."""
     def cells(attention: str, first: int, mac: MacMemory) -> dict[str, dict[str, int]]:
         batches = {dtype: min(largest_pass_batch(config, length, dtype, mac.working_set, attention),
-                              largest_batch_under(calls, mac.largest_buffer, dtype))
+                              largest_batch_under(calls, mac, dtype))
                    for dtype in dtypes}
         return {dtype: {"largest_batch": batch, "corrupted_texts": max(0, batch - first)}
                 for dtype, batch in batches.items()}

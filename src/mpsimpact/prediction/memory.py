@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, samples_per_block
+from mpsimpact.attention.blocked import NAME as BLOCKED, samples_per_block
 from mpsimpact.config import GIB
 
 # What the training-step estimate counts, for the preflight's message.
@@ -160,14 +160,20 @@ def estimate_training_bytes(config: Any, batch: int, length: int, dtype_bytes: i
 def largest_fitting_batch(estimate: Callable[[int], int], offered: int, ceiling: int = 1 << 40) -> int:
     """The largest batch B with estimate(B) <= offered, for an estimate that never falls as B grows (0 if
     none; `ceiling` if even that fits)."""
-    if estimate(1) > offered:
+    return largest_batch_where(lambda batch: estimate(batch) <= offered, ceiling)
+
+
+def largest_batch_where(fits: Callable[[int], bool], ceiling: int = 1 << 40) -> int:
+    """The largest batch B in 1..ceiling with fits(B), for a `fits` that, once false, stays false as B grows
+    (0 if none)."""
+    if not fits(1):
         return 0
     low, high = 1, 2
-    while high < ceiling and estimate(high) <= offered:
+    while high < ceiling and fits(high):
         low, high = high, 2 * high
-    if high >= ceiling and estimate(ceiling) <= offered:
+    if high >= ceiling and fits(ceiling):
         return ceiling
-    while high - low > 1:  # estimate(low) fits, estimate(high) does not
+    while high - low > 1:  # fits(low), not fits(high)
         mid = (low + high) // 2
-        low, high = (mid, high) if estimate(mid) <= offered else (low, mid)
+        low, high = (mid, high) if fits(mid) else (low, mid)
     return low

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpsimpact.modes.chunking import attention_blocks, split_bmm, split_sdpa
-from mpsimpact.budget import bytes_per_score_of, target_budget
+from mpsimpact.modes.budget import bytes_per_score_of, target_budget
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
@@ -352,7 +352,7 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
             "the guard") if others else ""
     return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
             f"dispatch mode; a piece's scores, mask and softmax take about {in_gib(piece):.1f} GiB on top of "
-            f"the model (memory budget {in_gib(budget):.1f} GiB: mpsimpact.budget.set_memory_budget or "
+            f"the model (memory budget {in_gib(budget):.1f} GiB: mpsimpact.modes.budget.set_memory_budget or "
             f"MPSIMPACT_ATTENTION_BUDGET){tail}.")
 
 

@@ -15,8 +15,7 @@ from mpsimpact.prediction.version_table import VersionRow, version_table
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
 from mpsimpact.prediction.safe_size import PerTextTraces, largest_safe_batch, plan_at
-from mpsimpact.engine.mac_memory import resolve_mac
-from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, cache_root, judge_release, profile_for
+from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release, profile_for
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
 ROUND_BATCHES = (256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 32768)
@@ -47,7 +46,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> PlanReport:
         raise UsageError(f"--max-length {length} exceeds the model's {positions} positions.")
     meta = scenario.meta_module(model_config)
     heads = model_config.num_attention_heads
-    profile, mac = judged.profile, resolve_mac(config.memory, cache_root())
+    profile, mac = judged.profile, config.mac
     traces = PerTextTraces(meta, backward=config.backward, allocations=mac is not None, profile=profile)
     traced = {L: traces(L) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
@@ -127,7 +126,7 @@ def memory_section(config: PlanConfig, scenario: Any, traced: dict, model_config
     """--memory: per dtype and length the smallest clearly-visible demo (eager attention, and blocked_eager
     at the longest length), its largest tensor, whether it fits `mac`, the command (or why none, the
     smallest Mac that can, and the emulated run); `safe`: the largest safe batches by the index rules alone."""
-    from mpsimpact.blocked_attention import NAME as BLOCKED
+    from mpsimpact.attention.blocked import NAME as BLOCKED
     from mpsimpact.prediction.demo_size import (RunAsked, blocked_options, demo_options, mac_table,
                                                 product_safe_batch, recommend, working_set_words)
 

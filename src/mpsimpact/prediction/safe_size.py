@@ -112,14 +112,14 @@ def _quantities(call: CallRecord) -> tuple[int, ...]:
     return (a.numel, b.numel, a.extent, b.extent, call.out_numel, *wraps, *dims)
 
 
-def _first_reaching(count: Callable[[int], int], bound: int, high: int) -> int | None:
-    """The smallest length in 1..high whose count reaches `bound` (counts grow with the length)."""
-    if count(high) < bound:
+def _first_where(holds: Callable[[int], bool], high: int) -> int | None:
+    """The smallest length in 1..high where `holds` (which, once true, stays true as the length grows)."""
+    if not holds(high):
         return None
     low, top = 1, high
     while low < top:
         mid = (low + top) // 2
-        low, top = (mid + 1, top) if count(mid) < bound else (low, mid)
+        low, top = (low, mid) if holds(mid) else (mid + 1, top)
     return low
 
 
@@ -132,15 +132,11 @@ def candidate_lengths(calls: list[LengthFittedCall], high: int,
     found = {1}
     for fitted in {(f.call.family, f.a, f.b): f for f in calls}.values():  # one per distinct call
         for i in range(len(_quantities(fitted.at(high)))):
-            def count(length: int, i: int = i) -> int:
-                return _quantities(fitted.at(length))[i]
-            for bound in (view_limit, view_limit + 1, limit, limit + 1):
-                if (length := _first_reaching(count, bound, high)) is not None:
-                    found.add(length)
-        if mac is not None and (length := _first_reaching(lambda n, f=fitted: call_bytes(f.at(n)),
-                                                           mac.buffer_at(index_bits), high)) is not None:
-            found.add(length)
-    return sorted(found)
+            found |= {_first_where(lambda n, i=i, b=bound: _quantities(fitted.at(n))[i] >= b, high)
+                      for bound in (view_limit, view_limit + 1, limit, limit + 1)}
+        if mac is not None:
+            found.add(_first_where(lambda n, f=fitted: mac.refuses(call_bytes(f.at(n)), index_bits), high))
+    return sorted(found - {None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from mpsimpact.engine.faults import Fault
-from mpsimpact.engine.mac_memory import GIB, invalid_buffer_message, is_allocation_failure
+from mpsimpact.engine.mac_memory import GIB, buffer_refuses, invalid_buffer_message, is_allocation_failure
 from mpsimpact.output.signals import end_with_parent
 
 # A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation
@@ -123,7 +123,7 @@ def cell_row(cell: SweepCell, seen: dict[str, Any], device: str, emulated: bool,
 def reaches_buffer(cell: SweepCell, buffer: int | None) -> bool:
     """Whether one of the cell's tensors holds `buffer` bytes or more (a Mac's largest buffer: MPS refuses
     it); never where `buffer` is None (no Mac)."""
-    return buffer is not None and cell.largest_tensor_bytes() >= buffer
+    return buffer is not None and buffer_refuses(cell.largest_tensor_bytes(), buffer)
 
 
 def not_run(cell: SweepCell, budget: int, buffer: int | None = None) -> dict[str, Any] | None:

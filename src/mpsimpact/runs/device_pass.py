@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
+from mpsimpact.attention.blocked import NAME as BLOCKED, REASON, samples_per_block, transformer_layers
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.mac_memory import BUFFER_RULE
 from mpsimpact.config import GIB, check_run_length

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from mpsimpact.engine.faults import OK, SILENT_KINDS, STOP_KINDS, Fault, limits
+from mpsimpact.engine.mac_memory import tensor_bytes
 from mpsimpact.runs.cell import (
     CHUNK_ELEMENTS, NOT_RUN, SPEEDS, finite_or_none, is_allocation_failure, is_error_value, random_tensor,
     worker_main,
@@ -259,7 +260,7 @@ class FamilyCell:
         must hold; the op's own intermediates, e.g. the scores of SDPA's math path, are not counted: a device
         that refuses them is caught as it runs, runs.cell.observe)."""
         made, out = self.on_meta()
-        return max(x.numel() * x.element_size() for x in (*made.values(), out))
+        return max(tensor_bytes(x) for x in (*made.values(), out))
 
     def bytes_needed(self) -> int:
         """Bytes the cell holds at once: inputs and output on the device; the same again on the CPU for

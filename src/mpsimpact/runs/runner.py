@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mpsimpact.blocked_attention import NAME as BLOCKED, REASON
+from mpsimpact.attention.blocked import NAME as BLOCKED, REASON
 from mpsimpact.runs.device import resolve_device
 from mpsimpact.config import RunConfig, batch_ceiling
 from mpsimpact.prediction.demo_size import power_lengths, quick_geometry, quick_words, silent_sizes
@@ -194,12 +194,12 @@ def quick_config(config: RunConfig, shapes: ModelShapes, judged: Any) -> tuple[R
 def run_mac(config: RunConfig, device: str) -> Any:
     """The Mac whose largest buffer the run meets (engine.mac_memory.MacMemory), or None: --memory's for an
     emulated run; on a Mac's own GPU, that Mac's (measured by `mpsimpact doctor`, else assumed)."""
-    from mpsimpact.engine.mac_memory import resolve_mac, this_mac
+    from mpsimpact.engine.mac_memory import this_mac
     from mpsimpact.engine.release import cache_root
 
     if device == "mps" and not config.emulate:  # --memory other than auto is refused there (check_run)
         return this_mac(cache_root())
-    return resolve_mac(config.memory, cache_root())
+    return config.mac
 
 
 def report_head(config: RunConfig, scenario, kind_name: str, geometry: Geometry, sections: dict, batch: int,

@@ -94,9 +94,9 @@ def mac_buffer(config: SweepConfig, device: str) -> tuple[MacMemory | None, int 
     and that buffer in bytes: --memory's Mac (scaled to --index-bits, as every limit is, so a small sweep
     skips the cells a full-size one on that Mac would) or, on MPS, this Mac's own (measured by `doctor`, else
     assumed; the bytes MPS refuses, whatever the width); (None, None) elsewhere: no Mac, nothing changes."""
-    from mpsimpact.engine.mac_memory import resolve_mac, this_mac
+    from mpsimpact.engine.mac_memory import this_mac
 
-    mac = resolve_mac(config.memory, cache_root())
+    mac = config.mac
     if mac is not None:
         return mac, mac.buffer_at(config.index_bits)
     if device == "mps":

@@ -11,9 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from mpsimpact.bounds import read_release
-from mpsimpact.config import ATTENTIONS, BATCH_SIZE, EMBEDDED_MODEL, MAX_LENGTH, NEWER, TORCH_PROFILE
-from mpsimpact.config import Check, Validated, option
+from mpsimpact.config import ATTENTIONS, EMBEDDED_MODEL, NEWER, MatrixConfig
 from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.output.record import ABSENT, Record
@@ -22,44 +20,12 @@ from mpsimpact.upgrade.overlay import OverlayCache, OverlayError, probe_environm
 from mpsimpact.variables import is_offline
 
 SCHEMA_VERSION = 1
-DEFAULT_VERSIONS = ("4.44.2", "4.57.6", "5.24.0")
 # The tiny emulated run's release: the last where both eager's P V wraps and fused SDPA is wrong, so
 # the guard has something to stop and split on either attention path.
 EMULATED_PROFILE = "2.12.1"
 
 Progress = Callable[[str, str], None]  # (transformers version, stage: building, probing, done, failed)
 Prober = Callable[[Path, dict[str, Any]], dict[str, Any]]
-
-
-def _parse_versions(versions: tuple[str, ...]) -> None:
-    if not versions:
-        raise ValueError("no release given")
-    for version in versions:
-        try:
-            read_release(version)  # the rule every release a person types is read by
-        except ValueError:
-            raise ValueError(f"'{version}' is not a release") from None
-    repeated = sorted({v for v in versions if versions.count(v) > 1})
-    if repeated:
-        raise ValueError(f"{', '.join(repeated)} given twice")
-
-
-TRANSFORMERS = Check("--transformers", parse=_parse_versions,
-                     hint="; give a comma-separated list of transformers releases such as 4.44.2,4.57.6,5.24.0")
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixConfig(Validated):
-    """What `mpsimpact matrix` was asked; embedded in matrix.json (`validate()`: every field's Check)."""
-
-    scenario: str
-    transformers: tuple[str, ...] = option(DEFAULT_VERSIONS, TRANSFORMERS)
-    model: str | None = None
-    batch_size: int | None = option(None, BATCH_SIZE)
-    max_length: int | None = option(None, MAX_LENGTH)
-    out: str | None = None
-    offline: bool = False
-    torch_profile: str | None = option(None, TORCH_PROFILE)
 
 
 def profile_columns(*profiles: FaultProfile) -> list[dict[str, str]]:

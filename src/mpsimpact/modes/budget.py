@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mpsimpact.variables import ATTENTION_BUDGET as ENV, attention_budget
+from mpsimpact.variables import attention_budget
 
 # Note [Attention memory budget]
 # mps_safe_eager and the guard's SDPA split cut attention into pieces below MPS's index limits

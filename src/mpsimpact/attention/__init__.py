@@ -9,10 +9,10 @@ import functools
 
 import torch
 
-from mpsimpact.budget import budget_scores
+from mpsimpact.modes.budget import budget_scores
 from mpsimpact.engine.faults import limits
 from mpsimpact.errors import OversizedOpError
-from mpsimpact.lazy_mask import LazyEagerMask, lazy_eager_mask
+from mpsimpact.attention.lazy_mask import LazyEagerMask, lazy_eager_mask
 from mpsimpact.modes.chunking import Blocks, attention_blocks, emulated_index_bits, pieces
 
 NAME = "mps_safe_eager"

@@ -1,7 +1,7 @@
 """`blocked_eager`: eager attention for the demo on a small Mac. It keeps eager's one oversized call,
 `matmul(P, V)` of the whole batch with P contiguous (B, H, L, Lk) as eager gives it, so that MPS gets it
 wrong exactly as it gets eager's wrong; everything else runs a block of samples at a time. It shows the
-fault (`mps_safe_eager` in attention.py prevents it)."""
+fault (`mps_safe_eager`, the room's face, prevents it)."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def _step(layer: _LayerPass, rows: slice, forward, hidden_states, args: tuple, k
         return None
     if not layer.attended:
         raise MpsImpactError(f"A layer run in blocks for {NAME} made no attention call; load the model with "
-                             f"attn_implementation='{NAME}' (see mpsimpact.blocked_attention.register).")
+                             f"attn_implementation='{NAME}' (see mpsimpact.attention.blocked.register).")
     return result
 
 
