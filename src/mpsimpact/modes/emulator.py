@@ -16,14 +16,17 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    check_index_bits,
+    check_index_bits, eval_frame_callback,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
     sdpa_operands,
 )
 from mpsimpact.modes.chunking import entry_bound
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import judged_at, judged_outputs, outputs_of, size_call, tensors_of
-from mpsimpact.modes.op_table import ENTRY_KINDS, PRODUCT, SKIP, op_entry, stacked_shapes
+from mpsimpact.modes.op_table import (
+    AFTER, BROADCAST, COMPOSITE, ENTRY_KINDS, INPUTS, NO_KERNEL, OP_ENTRIES, PRODUCT, SKIP, broadcast_within, op_entry,
+    stacked_shapes, within,
+)
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
     MPS_INDEX_BITS, contiguous_strides, dim_max, Fault, Profile, limits, sdpa_path, TensorSpec,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
 
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
+_HOT = frozenset({NO_KERNEL, INPUTS, BROADCAST, AFTER})  # the kinds its hot path answers: Note [The emulator's hot path]
 # What the emulator does with a call it altered (EmulateMode._keep).
 RETURNED, INFERRED, RAISED, ABORTED, REFUSED = "returned", "inferred", "raised", "aborted", "refused"
 
@@ -98,6 +102,8 @@ class EmulateMode(MatmulMode):
     instead of classifying its own, smaller shapes. See `emulate()`.
     """
 
+    hot_path = True  # Note [The emulator's hot path] (off: every op takes the full route, as the tests compare)
+
     @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None,
                  memory: MacMemory | None = None) -> None:
@@ -122,6 +128,42 @@ class EmulateMode(MatmulMode):
         self._allocations = any(allocates(c.op) for c in others)  # a plan traced with them replays them
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
+
+    # Note [The emulator's hot path]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # As strict's (Note [Strict's hot path] in modes/guard_dispatch.py): the emulator sees every op, and almost none
+    # can reach a limit, so each op is decided from the table first: a view runs; an op whose every tensor has at
+    # most DIM_MAX elements runs where its output cannot outgrow them (INPUTS, BROADCAST within DIM_MAX); an op
+    # nobody sized (AFTER, a kernel: a composite one is decomposed to see what it runs) runs and is judged only if
+    # what it made passes DIM_MAX. SDPA's own kernels (Note [SDPA past its entry]), products, grown ops (factories,
+    # lookups, cat), a replayed plan (whose calls are counted by name), a Mac's buffer (every tensor held against it),
+    # tensor subclasses and a compiled region running take the full route, which would have run these as they are.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entry = OP_ENTRIES.get(id(func)) or op_entry(func)
+        hot = entry.hot
+        if hot not in _HOT or not self.hot_path or types or self.plan is not None or self.mac is not None or \
+                hot is AFTER and entry.route is COMPOSITE or entry.fused_sdpa or eval_frame_callback() is not None:
+            return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
+        if kwargs is None:
+            kwargs = {}
+        most = self._most
+        if hot is NO_KERNEL or self._passing or (broadcast_within(args, kwargs, most) if hot is BROADCAST else
+                                                 within(args, most) and (not kwargs or within(kwargs.values(), most))):
+            try:
+                out = entry.run(*args, **kwargs)
+            except RuntimeError:  # an op that refused its arguments: the full route says why, or runs it as it can
+                return self._torch_dispatch(func, types, args, kwargs)
+            return self._judged_after(func, args, kwargs, out) if hot is AFTER and not self._passing else out
+        return self._torch_dispatch(func, types, args, kwargs)
+
+    def _judged_after(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
+        """An op nobody sized, run: as it is where what it made has at most DIM_MAX elements; else judged on that."""
+        if type(out) is torch.Tensor and out.numel() <= self._most and not out.is_nested:
+            return out
+        made = judged_outputs(func, outputs_of(out), judged_at(self.index_bits)[1])
+        if max((t.numel() for t in made), default=0) > self._most:
+            self._decide_other(func, tensors_of(args, kwargs), made)
+        return out
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """A composite op that reached the mode whole (under no_grad or inference_mode) is decomposed into the
