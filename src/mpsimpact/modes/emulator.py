@@ -25,7 +25,7 @@ from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import judged_at, judged_outputs, outputs_of, size_call, tensors_of
 from mpsimpact.modes.op_table import (
     AFTER, BROADCAST, COMPOSITE, ENTRY_KINDS, INPUTS, NO_KERNEL, OP_ENTRIES, PRODUCT, SKIP, broadcast_within, op_entry,
-    stacked_shapes, within,
+    plain_types, stacked_shapes, within,
 )
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
@@ -117,6 +117,7 @@ class EmulateMode(MatmulMode):
         self.calls = 0
         self._near = limits(index_bits)[1]  # every rule needs a count at VIEW_LIMIT or more
         self._most = dim_max(index_bits)  # a call whose every tensor has at most DIM_MAX elements is past none
+        self._fast = self.hot_path and plan is None and self.mac is None  # Note [The emulator's hot path]
         self.records: list[CallRecord] = []
         # Called with each record and what the emulator does with it (`_keep`): the pytest plugin's summary.
         self.listeners: list[Callable[[CallRecord, str], None]] = []
@@ -141,8 +142,8 @@ class EmulateMode(MatmulMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entry = OP_ENTRIES.get(id(func)) or op_entry(func)
         hot = entry.hot
-        if hot not in _HOT or not self.hot_path or types or self.plan is not None or self.mac is not None or \
-                hot is AFTER and entry.route is COMPOSITE or entry.fused_sdpa or eval_frame_callback() is not None:
+        if hot not in _HOT or not self._fast or types and not plain_types(types) or entry.fused_sdpa or \
+                hot is AFTER and entry.route is COMPOSITE or eval_frame_callback() is not None:
             return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
         if kwargs is None:
             kwargs = {}

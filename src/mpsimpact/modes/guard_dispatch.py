@@ -21,7 +21,8 @@ from mpsimpact.modes.op_size import (
     SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
 from mpsimpact.modes.op_table import (
-    AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, QUICK, broadcast_within, op_entry, within,
+    AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, QUICK, broadcast_within, op_entry, plain_types,
+    within,
 )
 from mpsimpact.modes.piecewise import run_pieces, split_call
 
@@ -51,7 +52,7 @@ class DispatchJudge:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entry = OP_ENTRIES.get(id(func)) or op_entry(func)
         hot = entry.hot
-        if hot is FULL or types or not self._hot or eval_frame_callback() is not None:
+        if hot is FULL or types and not plain_types(types) or not self._hot or eval_frame_callback() is not None:
             return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
         if kwargs is None:
             kwargs = {}

@@ -366,6 +366,8 @@ def _entry_for(func: Any) -> OpEntry:
         hot = FULL
     elif sizing is SKIP:  # a composite view (reshape) or SDPA: the full route runs one whole below DIM_MAX
         hot = NO_KERNEL if route is OTHER else INPUTS
+    elif sizing is GROWN and name.endswith("_"):  # fill_, uniform_, index_put_: it writes into its input
+        hot = INPUTS
     else:
         hot = sizing
     if sizing is GROWN and "output" not in known:
@@ -419,3 +421,12 @@ def broadcast_within(args: tuple, kwargs: dict, most: int) -> bool:
                 elif same and t.shape != shape:
                     same = False
     return same or product <= most
+
+
+_DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__  # a tensor type that does not override dispatch
+
+
+def plain_types(types: tuple) -> bool:
+    """Whether a dispatch's tensor types are all plain (torch.Tensor, nn.Parameter: no __torch_dispatch__ of their
+    own), so that a hot path may answer the call; a subclass that dispatches (FakeTensor, nested) takes the route."""
+    return all(t.__torch_dispatch__ is _DEFAULT_DISPATCH for t in types)
