@@ -24,7 +24,7 @@ from mpsimpact.modes.chunking import entry_bound
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import judged_at, judged_outputs, outputs_of, size_call, tensors_of
 from mpsimpact.modes.op_table import (
-    AFTER, BROADCAST, COMPOSITE, ENTRY_KINDS, INPUTS, NO_KERNEL, OP_ENTRIES, PRODUCT, SKIP, broadcast_within, op_entry,
+    AFTER, BROADCAST, COMPOSITE, ENTRY_KINDS, INPUTS, NO_KERNEL, PRODUCT, SKIP, broadcast_within, op_entry,
     plain_types, stacked_shapes, within,
 )
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
@@ -41,6 +41,18 @@ if TYPE_CHECKING:
 
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _HOT = frozenset({NO_KERNEL, INPUTS, BROADCAST, AFTER})  # the kinds its hot path answers: Note [The emulator's hot path]
+_HOT_ENTRIES: dict[int, tuple[str | None, Any]] = {}  # by id(op), as op_table.OP_ENTRIES: (its kind here or None, run)
+_Tensor = torch.Tensor
+
+
+def _hot_entry(func: Any) -> tuple[str | None, Any]:
+    """The kind the emulator's hot path answers an op as (None: the full route), and how to run it; asked once an op.
+    See Note [The emulator's hot path]."""
+    entry = op_entry(func)
+    hot = entry.hot if entry.hot in _HOT and not entry.fused_sdpa and not (
+        entry.hot is AFTER and entry.route is COMPOSITE) else None
+    found = _HOT_ENTRIES[id(func)] = (hot, entry.run)
+    return found
 # What the emulator does with a call it altered (EmulateMode._keep).
 RETURNED, INFERRED, RAISED, ABORTED, REFUSED = "returned", "inferred", "raised", "aborted", "refused"
 
@@ -140,22 +152,28 @@ class EmulateMode(MatmulMode):
     # lookups, cat), a replayed plan (whose calls are counted by name), a Mac's buffer (every tensor held against it),
     # tensor subclasses and a compiled region running take the full route, which would have run these as they are.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = OP_ENTRIES.get(id(func)) or op_entry(func)
-        hot = entry.hot
-        if hot not in _HOT or not self._fast or types and not plain_types(types) or entry.fused_sdpa or \
-                hot is AFTER and entry.route is COMPOSITE or eval_frame_callback() is not None:
+        hot, run = _HOT_ENTRIES.get(id(func)) or _hot_entry(func)
+        if hot is None or not self._fast or types and not plain_types(types) or eval_frame_callback() is not None:
             return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
-        if kwargs is None:
-            kwargs = {}
         most = self._most
-        if hot is NO_KERNEL or self._passing or (broadcast_within(args, kwargs, most) if hot is BROADCAST else
-                                                 within(args, most) and (not kwargs or within(kwargs.values(), most))):
-            try:
-                out = entry.run(*args, **kwargs)
-            except RuntimeError:  # an op that refused its arguments: the full route says why, or runs it as it can
-                return self._torch_dispatch(func, types, args, kwargs)
-            return self._judged_after(func, args, kwargs, out) if hot is AFTER and not self._passing else out
-        return self._torch_dispatch(func, types, args, kwargs)
+        if kwargs:
+            answered = within(args, most) and within(kwargs.values(), most) and (
+                hot is not BROADCAST or broadcast_within(args, kwargs, most))
+        elif hot is NO_KERNEL or self._passing:
+            answered = True
+        elif len(args) == 2 and type(args[0]) is _Tensor and type(args[1]) is _Tensor:  # most of a model's ops
+            a, b = args
+            answered = a.numel() <= most and b.numel() <= most and (
+                hot is not BROADCAST or a.shape == b.shape or broadcast_within(args, {}, most))
+        else:
+            answered = broadcast_within(args, {}, most) if hot is BROADCAST else within(args, most)
+        if not answered:
+            return self._torch_dispatch(func, types, args, kwargs)
+        try:
+            out = run(*args, **(kwargs or {}))
+        except RuntimeError:  # an op that refused its arguments: the full route says why, or runs it as it can
+            return self._torch_dispatch(func, types, args, kwargs)
+        return self._judged_after(func, args, kwargs or {}, out) if hot is AFTER and not self._passing else out
 
     def _judged_after(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
         """An op nobody sized, run: as it is where what it made has at most DIM_MAX elements; else judged on that."""
