@@ -12,10 +12,9 @@ a marker comment on the line above it:
 followed by options separated by `;`: `exit N` (the block's documented exit code, default 0), `expect TEXT`
 (a line the README claims the block prints; repeatable; compared with whitespace collapsed), `lines A-B`
 (run only those lines of the block, 1-based, e.g. the emulated line of a block whose others need a Mac).
-A runnable block runs with `bash -e` in a temporary folder that links the clone's tests/, src/, ... (so the
-default outputs/ lands there), with its own MPSIMPACT_CACHE and Hugging Face offline. It must leave the clone as it
-found it, as typed in a clone it would: it writes nothing but outputs/ (git-ignored) in that folder, and nothing
-through the links (the clone's `git status` of them is the same after it).
+A runnable block runs with `bash -e` in a temporary copy of the clone's tests/, src/, docs/, ... (so the default
+outputs/ lands there), with its own MPSIMPACT_CACHE and Hugging Face offline. It must leave that copy as it found it
+but for outputs/ (git-ignored), so that typed in a clone it leaves `git status` clean.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ COMMAND_LINE = re.compile(r"^\s*(\$ )?(mpsimpact|pip|pytest|python|uv|hf)(\s+(?!
 FENCE = re.compile(r"^(\s*)```\s*(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 KINDS = {"run", "ci", "slow", "network"}
-LINKED = ("tests", "src", "scenarios", "docs", "benchmarks", "README.md", "pyproject.toml", "mkdocs.yml")
+COPIED = ("tests", "src", "scenarios", "docs", "benchmarks", "README.md", "pyproject.toml", "mkdocs.yml")
+NOT_COPIED = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")  # what git ignores in them
 OUTPUTS = "outputs"  # what a block may write in the clone (ignored by .gitignore's /outputs/*)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 SHELL_SYNTAX = re.compile(r"[|&;<>$`]")
@@ -186,29 +186,37 @@ def _param(block: Block):
 
 
 def _workspace(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A folder that looks like the clone (its files linked, not copied) and the block's environment."""
+    """A folder that looks like the clone (a copy of its files: a block cannot touch the clone itself) and the
+    block's environment (no bytecode written, as git would ignore it)."""
     work = tmp_path / "work"
     work.mkdir()
-    for name in LINKED:
-        (work / name).symlink_to(ROOT / name)
+    for name in COPIED:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, work / name, symlinks=True, ignore=NOT_COPIED)
+        else:
+            shutil.copy2(ROOT / name, work / name)
     bin_dir = str(Path(sys.executable).parent)  # `mpsimpact` and `python` of this interpreter
     env = {**os.environ, **OFFLINE, "MPSIMPACT_CACHE": str(tmp_path / "cache"), "COLUMNS": "160",
-           "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+           "PYTHONDONTWRITEBYTECODE": "1", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     return work, env
 
 
-def clone_status() -> str | None:
-    """The clone's `git status` of what a workspace links (None where the clone is not a git work tree)."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        return None
-    done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *LINKED], cwd=ROOT,
-                          capture_output=True, text=True)
-    return done.stdout if done.returncode == 0 else None
+def files_in(work: Path) -> dict[str, tuple[int, int]]:
+    """Every file and link in a workspace but under outputs/, with its size and modification time."""
+    found = {}
+    for folder, folders, names in os.walk(work):  # links to folders are not followed: a link is a file here
+        if Path(folder) == work and OUTPUTS in folders:
+            folders.remove(OUTPUTS)
+        for name in names + [name for name in folders if os.path.islink(os.path.join(folder, name))]:
+            path = Path(folder, name)
+            state = path.lstat()
+            found[path.relative_to(work).as_posix()] = (state.st_size, state.st_mtime_ns)
+    return found
 
 
-def left_in_workspace(work: Path) -> list[str]:
-    """What a block made in its workspace besides outputs/: what, typed in a clone, it would leave untracked."""
-    return sorted(path.name for path in work.iterdir() if path.name not in (*LINKED, OUTPUTS))
+def changed_files(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """The files made, changed or removed between two `files_in`: what `git status` would show in a clone."""
+    return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
 
 
 def mpsimpact_lines(commands: str) -> list[list[str]] | None:
@@ -251,7 +259,7 @@ def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path, mo
     # A block of plain mpsimpact lines runs in this process (the process boundary is not what it tests:
     # tests/test_light_install.py and test_imports.py run the installed command itself); others in bash.
     work, env = _workspace(tmp_path)
-    status = clone_status()
+    files = files_in(work)
     started = time.monotonic()
     lines = mpsimpact_lines(block.commands(spec))
     if lines is not None:
@@ -269,25 +277,30 @@ def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path, mo
     flat = " ".join(output.split())
     missing = [text for text in spec.expect if " ".join(text.split()) not in flat]
     assert not missing, f"{block.where} did not print {missing}:\n{output[-4000:]}"
-    left = left_in_workspace(work)
-    assert not left, (f"{block.where} left {left} where a clone would show them in `git status`: write under "
-                      f"{OUTPUTS}/ (git-ignored) or a temporary folder")
-    assert clone_status() == status, f"{block.where} changed the clone through a link (see `git status`)"
+    changed = changed_files(files, files_in(work))
+    assert not changed, (f"{block.where} made, changed or removed {changed[:8]} in the clone: `git status` would "
+                         f"show them; write under {OUTPUTS}/ (git-ignored) or a temporary folder")
 
 
 def test_what_a_block_may_leave_is_what_git_ignores(tmp_path):
     # outputs/ is ignored, its .gitkeep aside (git's own reading of .gitignore); anything else a block makes is not.
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("the clone is not a git work tree")
-    paths = f"{OUTPUTS}/a-run/report.json\n{OUTPUTS}/.gitkeep\nmy-roberta/config.json\n"
-    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input=paths,
-                          capture_output=True, text=True)
-    assert done.stdout.split() == [f"{OUTPUTS}/a-run/report.json"]
-    work = tmp_path / "work"
+    if shutil.which("git") is not None and (ROOT / ".git").exists():
+        paths = f"{OUTPUTS}/a-run/report.json\n{OUTPUTS}/.gitkeep\nmy-roberta/config.json\n"
+        done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input=paths,
+                              capture_output=True, text=True)
+        assert done.stdout.split() == [f"{OUTPUTS}/a-run/report.json"]
+    work, _ = _workspace(tmp_path)
+    before = files_in(work)
+    assert "tests/test_readme_commands.py" in before and "mkdocs.yml" in before  # the copy holds the clone's files
     (work / OUTPUTS / "a-run").mkdir(parents=True)
+    (work / OUTPUTS / "a-run" / "report.json").write_text("{}")
     (work / "my-roberta").mkdir()
-    (work / "README.md").touch()
-    assert left_in_workspace(work) == ["my-roberta"]
+    (work / "my-roberta" / "config.json").write_text("{}")
+    (work / "docs" / "index.md").write_text("changed")
+    (work / "docs" / "glossary.md").unlink()
+    (work / "tests" / "there").symlink_to(work / "src")
+    assert changed_files(before, files_in(work)) == ["docs/glossary.md", "docs/index.md", "my-roberta/config.json",
+                                                     "tests/there"]
 
 
 def test_the_readme_test_command_is_the_one_ci_runs():
