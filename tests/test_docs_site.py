@@ -48,6 +48,22 @@ def option_of(group, word: str, flag: str):
     return next(param for param in group.commands[word].params if flag in getattr(param, "opts", ()))
 
 
+def test_the_readme_is_a_front_door_to_every_page():
+    # At most 300 lines; each of the five paths one click away; every link into docs/ names a file there (the CI
+    # test below checks the built pages and anchors); every docs page is linked from the README or a path's page.
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    links = re.findall(r"\]\(docs/([\w/.-]+\.(?:md|png))(?:#([\w-]+))?\)", readme)
+    assert {page for page, _ in links} >= set(PATHS)
+    for page, _ in links:
+        assert (ROOT / "docs" / page).is_file(), page
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")}
+    reached = {page for page, _ in links}
+    for page in PATHS:
+        reached |= set(re.findall(r"\]\(([\w-]+\.md)", (ROOT / "docs" / page).read_text()))
+    assert pages - reached <= {"index.md"}, pages - reached  # the site's home page is the README's stand-in
+
+
 def test_every_command_and_every_visible_option_has_its_reference_entry(hook):
     group = cli_group()
     pages = hook.reference_pages(group)
@@ -108,7 +124,8 @@ def test_the_api_page_renders_every_public_name_from_where_it_is_defined(hook):
 
 def test_a_tables_escaped_pipe_in_code_reads_as_on_github(hook):
     markdown = "| `--device auto\\|mps` | a \\| b |\n```\n| `x\\|y` |\n```\ntext `p\\|q`\n"
-    assert hook.unescaped_table_pipes(markdown) == "| `--device auto|mps` | a \\| b |\n```\n| `x\\|y` |\n```\ntext `p\\|q`\n"
+    expected = "| `--device auto|mps` | a \\| b |\n```\n| `x\\|y` |\n```\ntext `p\\|q`\n"
+    assert hook.unescaped_table_pipes(markdown) == expected
 
 
 @pytest.mark.ci
@@ -136,6 +153,6 @@ def test_the_site_builds_strict_offline_and_the_readme_reaches_every_page(tmp_pa
     assert "<code>--device auto|mps|cuda|cpu</code>" in (site / "giving-the-talk" / "index.html").read_text()
     api = (site / "reference" / "api" / "index.html").read_text()
     assert 'id="mpsimpact.modes.guard.guard"' in api and "OversizedOpError" in api
-    fetched = {match for path in site.rglob("*.html")
-               for match in re.findall(r'<(?:link|script|img)[^>]+(?:href|src)="(https?://[^"]+)"', path.read_text())}
+    resource = re.compile(r'<(?:link|script|img)[^>]+(?:href|src)="(https?://[^"]+)"')
+    fetched = {match for path in site.rglob("*.html") for match in resource.findall(path.read_text())}
     assert not fetched  # a page read offline needs nothing from the network (no web fonts, no CDN)

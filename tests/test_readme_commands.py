@@ -283,7 +283,8 @@ def test_readme_block_runs_as_typed(block: Block, spec: Spec, tmp_path: Path, mo
 
 
 def test_what_a_block_may_leave_is_what_git_ignores(tmp_path):
-    # outputs/ is ignored, its .gitkeep aside (git's own reading of .gitignore); anything else a block makes is not.
+    # outputs/ is ignored, its .gitkeep aside (git's own reading of .gitignore); anything else a block makes is
+    # not, and is found.
     if shutil.which("git") is not None and (ROOT / ".git").exists():
         paths = f"{OUTPUTS}/a-run/report.json\n{OUTPUTS}/.gitkeep\nmy-roberta/config.json\n"
         done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input=paths,

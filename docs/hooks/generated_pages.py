@@ -26,7 +26,8 @@ STORY = {
 # The library beyond the names `mpsimpact` exports: the attention face, the memory budget, the errors (each
 # exception class of mpsimpact.errors, found there: see api_page), with the members people call.
 LIBRARY_MODULES = (
-    ("mpsimpact.attention", "The attention face: `mps_safe_eager`", ("NAME", "register", "mps_safe_eager_attention")),
+    ("mpsimpact.attention", "The attention face: `mps_safe_eager`",
+     ("NAME", "register", "mps_safe_eager_attention")),
     ("mpsimpact.attention.blocked", "The demo's attention for a small Mac: `blocked_eager`",
      ("NAME", "register", "use_blocks", "remove_blocks")),
     ("mpsimpact.modes.budget", "The memory budget of an attention piece", ("set_memory_budget", "memory_budget")),
@@ -101,7 +102,8 @@ def index_page(group: Any) -> str:
              "| command | what it does |", "|---|---|"]
     for word, command in group.commands.items():
         if not command.hidden:
-            lines.append(f"| [`mpsimpact {word}`]({page_name(word)}) | {escaped(command.help or '').split('  ')[0]} |")
+            first = (command.help or "").split("\n\n")[0]  # the help's first paragraph
+            lines.append(f"| [`mpsimpact {word}`]({page_name(word)}) | {escaped(first)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +141,8 @@ def api_page() -> str:
              "[The library](../library.md) and [The guard](../guard.md).", "", "## `mpsimpact`", ""]
     for name in mpsimpact.__all__:
         lines += [f"::: {mpsimpact._EXPORTS[name]}.{name}", "    options:", "      show_root_heading: true",
-                  f'      heading: "mpsimpact.{name}"', f'      toc_label: "mpsimpact.{name}"', "      heading_level: 3",
+                  f'      heading: "mpsimpact.{name}"', f'      toc_label: "mpsimpact.{name}"',
+                  "      heading_level: 3",
                   *(["      members: false"] if name in HOOKS_ONLY else []), ""]
     for module, title, members in LIBRARY_MODULES:
         members = members or exception_classes(module)
@@ -186,8 +189,8 @@ def on_config(config: Any) -> Any:
 
 
 def unescaped_table_pipes(markdown: str) -> str:
-    """A table row's `\\|` inside a code span as GitHub renders it, a plain `|` (GitHub needs the escape to keep the
-    cell whole; Python-Markdown keeps a code span's pipes in their cell and would show the backslash)."""
+    """A table row's `\\|` inside a code span as GitHub renders it, a plain `|` (GitHub needs the escape to keep
+    the cell whole; Python-Markdown keeps a code span's pipes in their cell and would show the backslash)."""
     lines, fenced = [], False
     for line in markdown.split("\n"):
         fenced ^= line.lstrip().startswith("```")
