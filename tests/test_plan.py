@@ -159,8 +159,8 @@ def test_plan_and_run_agree_under_an_unmeasured_release(tmp_path):
     assert plan.exit_code == 0, plan.output
     text = " ".join(plan.output.split())
     assert "MPS aborts the process at call 13 (mul in encoder.encoder.layer.0.attention.self)" in text
-    assert ("Before it, call 12 (bmm in encoder.encoder.layer.0.attention.self) goes wrong in a pattern nobody "
-            "characterised: an emulated run stops there ('not emulated')") in text
+    assert ("Before it, call 12 (bmm in encoder.encoder.layer.0.attention.self) returns wrong values in a pattern "
+            "nobody characterised; an emulated run stops there instead of inventing them.") in text
     run = runner.invoke(app, ["run", "sentiment", *args, "--guard", "off", "--out", str(tmp_path / "run")])
     assert run.exit_code == 0, run.output
     off = json.loads((tmp_path / "run" / "report.json").read_text())["conditions"][0]

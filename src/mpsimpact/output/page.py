@@ -39,6 +39,19 @@ def release_lines(report: dict[str, Any]) -> list[str]:
     return [line for line in (release.get("sentence"), release.get("on_a_mac")) if line]
 
 
+def after_label(text: str) -> str:
+    """A sentence put after a label ("note: ..."): its first word in lower case, unless it is a name or an
+    acronym ("MPS", "Llama"), so that a label never reads glued to a second sentence ("note: No ...")."""
+    first = text.split(" ", 1)[0]
+    if not first[:1].isupper() or first[1:2].isupper() or first.rstrip(",.:;") in PROPER_WORDS:
+        return text
+    return text[0].lower() + text[1:]
+
+
+# Capitalised words that stay so after a label: names, not a sentence's first word.
+PROPER_WORDS = frozenset({"Apple", "Metal", "Mac", "Python", "PyTorch", "Linux", "Hugging", "Chromium", "Llama"})
+
+
 def without_rule_names(text: str) -> str:
     """A message without the fault rules' internal names, for the console (the JSON and --verbose keep
     them): "(emulated MPS 2.13.0, rule int32-kernel; ...)" -> "(emulated MPS 2.13.0; ...)"."""
@@ -68,6 +81,13 @@ def command_lines(command: str, width: int = 80) -> list[str]:
             lines.append("  ")
         lines[-1] += (" " if lines[-1].strip() else "") + piece
     return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
+def count_words(n: int, unit: str = "") -> str:
+    """A count as people read it, never a bare G or M: "6.44 billion", "402.7 million", "12,582,912" below a
+    million; with `unit`, after it ("6.44 billion elements")."""
+    said = (f"{n / 1e9:.2f} billion" if n >= 1e9 else f"{n / 1e6:.1f} million" if n >= 1e6 else f"{n:,}")
+    return f"{said} {unit}" if unit else said
 
 
 def cell_name(cell: dict[str, Any]) -> str:
@@ -130,7 +150,10 @@ class Footnotes:
 
 
 def _words(cell: str) -> list[str]:
-    return cell.split() or [""]
+    """A cell's words as a wrap keeps them whole (a number with its unit is one: errors.unbroken_words)."""
+    from mpsimpact.errors import unbroken_words
+
+    return unbroken_words(cell) or [""]
 
 
 def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list[int] | None:
@@ -152,11 +175,15 @@ def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list
 
 
 def _wrapped(text: str, width: int) -> list[str]:
-    """`text` in lines of `width`, broken at spaces only (a word longer than a line stays whole)."""
+    """`text` in lines of `width`, broken at spaces only (a word longer than a line stays whole, and so does a
+    number with its unit: errors.kept_together)."""
     import textwrap
 
-    return [line for paragraph in text.splitlines() or [""]
-            for line in textwrap.wrap(paragraph, width, break_long_words=False, break_on_hyphens=False) or [""]]
+    from mpsimpact.errors import KEEP, kept_together
+
+    return [line.replace(KEEP, " ") for paragraph in text.splitlines() or [""]
+            for line in textwrap.wrap(kept_together(paragraph), width, break_long_words=False,
+                                      break_on_hyphens=False) or [""]]
 
 
 class FittedTable:
@@ -181,10 +208,11 @@ class FittedTable:
         from rich.text import Text
 
         table = Table(title=self.title, show_lines=self.show_lines)
-        for title, width in zip(self.header, widths):
-            table.add_column(title, justify=self.justify, width=width, overflow="fold")
+        for title, width in zip(self.header, widths):  # each cell wrapped here, so rich breaks none again
+            table.add_column(Text("\n".join(_wrapped(title, width))), justify=self.justify, width=width,
+                             overflow="fold")
         for row in self.rows:
-            table.add_row(*(Text(cell) for cell in row))
+            table.add_row(*(Text("\n".join(_wrapped(cell, width))) for cell, width in zip(row, widths)))
         return table
 
     def _blocks(self, width: int):
