@@ -18,7 +18,7 @@ HTML_STYLE = (
 
 
 # A fault kind (engine.faults) in plain words, for the console; the JSON keeps the kind itself.
-FAULT_WORDS = {"wrong_all": "silent, every row wrong", "wrong_tail": "silent, tail rows wrong",
+FAULT_WORDS = {"wrong_all": "silent, all wrong", "wrong_tail": "silent, the tail wrong",
                "truncated": "silent, truncated", "wrong_other": "silent, wrong (not characterised)",
                "error": "error", "abort": "abort", "ok": "correct"}
 
@@ -146,7 +146,9 @@ class Footnotes:
         return f"[{self.texts.index(text) + 1}]"
 
     def lines(self) -> list[str]:
-        return [f"[{n}] {text}" for n, text in enumerate(self.texts, 1)]
+        """Each text after its marker, ended as a sentence is."""
+        return [f"[{n}] {text}" + ("" if text.endswith((".", "?", "!")) else ".")
+                for n, text in enumerate(self.texts, 1)]
 
 
 def _words(cell: str) -> list[str]:

@@ -70,14 +70,14 @@ class Prediction:
         """The outcome in words, for tables and slides."""
         if self.stop is not None:
             fault = self.stop.fault
-            what = "process abort" if fault.kind == "abort" else "error"
             rule = f"rule {fault.rule}" + (", inferred" if fault.inferred else "")
-            return f"{what}: {fault.message} (at {self.stop.describe()}, {self.stop.phase}; {rule})"
+            said = f"process abort: {fault.message}" if fault.kind == "abort" else f"error, {torch_words(fault.message)}"
+            return f"{said} (at {self.stop.describe()}, {self.stop.phase}; {rule})"
         if self.first_corrupted_text is not None:
             return f"{self.corrupted_count} texts wrong from text {self.first_corrupted_text}"
         if self.outcome == "unmeasured":
             calls = unmeasured_calls(self.unmeasured)
-            return f"unmeasured ({calls}: nobody measured them on MPS; judged conservatively)"
+            return f"cannot tell ({calls}: nobody measured them on MPS; judged conservatively)"
         if self.uncharacterised:
             return "wrong (values and texts not characterised)"
         return "clean"
@@ -346,7 +346,7 @@ def _refused_advice(faults: list[CallRecord], refused: list[CallRecord], plan: F
                         if is_attention_call(first, batch, subject.heads) else [])
     on = f"on {mac.label} ({mac.buffer_words()})" if mac is not None else "on this Mac"
     lines = [f"No guard mode makes call {first.index} ({first.op} in {first.module or first.phase}) run {on}: "
-             f"MPS refuses to allocate its tensor ('{first.fault.message}') before anything runs, and a guard "
+             f"MPS refuses to allocate its tensor ('{first.fault.message}') before the call runs, and a guard "
              "splits a computation, not one tensor. Lower the batch size or the length (see the largest safe "
              "sizes)."]
     if all(is_attention_call(c, batch, subject.heads) for c in refused):
@@ -465,7 +465,7 @@ def _describe(prediction: Prediction, unit: str = "sample") -> str:
         return (f"{prediction.corrupted_count} of {prediction.batch} {unit}s silently wrong, from {unit} "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
     if prediction.outcome == "unmeasured":
-        return f"unmeasured: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
+        return f"cannot tell: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
         which = f"the one {unit}" if prediction.batch == 1 else f"which {unit}s is not characterised: any may be"
         return f"silently wrong ({which})"

@@ -11,8 +11,9 @@ from typing import Any
 
 from mpsimpact.engine.call import op_cell
 from mpsimpact.engine.mac_memory import MAC_RULES
+from mpsimpact.prediction.outcome import torch_words
 from mpsimpact.output.page import (
-    FAULT_WORDS, count_words, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
+    FAULT_WORDS, after_label, count_words, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
@@ -75,12 +76,12 @@ def _groups(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def outcome_words(row: dict[str, Any]) -> str:
-    """A faulting call's outcome in words: "abort (inferred)", "silent, every row wrong"; where nobody measured
+    """A faulting call's outcome in words: "abort (inferred)", "silent, all wrong"; where nobody measured
     the call (an op's case, or the whole release) "cannot tell (judged as ...)", in the glossary's words."""
     if row["rule"].startswith("unmeasured"):
         return "cannot tell (judged wrong)" if row["kind"] == "wrong_other" else f"cannot tell (judged {row['kind']})"
-    if row["rule"] in MAC_RULES:  # the Mac's own refusal: its message says it all
-        return f"error: {row['message']}"
+    if row["rule"] in MAC_RULES:  # the Mac's own refusal: its message (torch's own words) says it all
+        return f"error: '{row['message']}'"
     words = FAULT_WORDS.get(row["kind"], row["kind"])
     if row["rule"].startswith("conservative:"):  # a release nobody measured: as the worst measured one
         return f"cannot tell (judged {words})"
@@ -153,7 +154,7 @@ def facts(report: dict[str, Any], verbose: bool = True) -> list[tuple[str, str]]
     ]
     lines += [("", advice) for advice in report["guard_advice"]]
     lines += [("generation", report["generation"])] if report.get("generation") else []
-    lines += [("note", note) for note in p["notes"]]
+    lines += [("note", after_label(note)) for note in p["notes"]]
     return lines
 
 
@@ -207,7 +208,8 @@ def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = (), unm
     what = "aborts the process" if first["kind"] == "abort" else "raises"
     tail = f" ({more} later calls would too; the run never reaches them)" if more else ""
     where = first["module"] or first["phase"]
-    line = f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}."
+    said = f": {first['message']}" if first["kind"] == "abort" else f", {torch_words(first['message'])}"
+    line = f"MPS {what} at call {first['index']} ({first['op']} in {where}){said}{tail}."
     earlier = next((c for c in calls if c["index"] < first["index"] and c["kind"] == "wrong_other"), None)
     if earlier is not None:
         line += (f" Before it, call {earlier['index']} ({earlier['op']} in {earlier['module'] or earlier['phase']}) "

@@ -15,7 +15,7 @@ from typing import Any
 from mpsimpact.engine.release import CONSERVATIVE
 from mpsimpact.config import ATTENTIONS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, fitted_table,
+from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, after_label, fitted_table,
                                    html_table, markdown_table, release_lines)
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
@@ -67,7 +67,7 @@ def short_outcome(cell: dict[str, Any], sep: str = " ", profile: str = "") -> st
         return f"cannot{sep}tell"
     if cell["outcome"] == "wrong" and cell["first_corrupted_text"] is not None:
         return f"wrong{sep}from {cell['first_corrupted_text']}"
-    labels = {"wrong_other": f"wrong{sep}(not char.)", "unmeasured": f"unmeasured{sep}(conserv.)"}
+    labels = {"wrong_other": f"wrong{sep}(not char.)", "unmeasured": f"cannot{sep}tell"}
     return labels.get(cell["outcome"], cell["outcome"])
 
 
@@ -165,9 +165,9 @@ def notes(report: dict[str, Any]) -> list[str]:
 
 def headline(report: dict[str, Any]) -> str:
     cfg, env = report["config"], report["environment"]
-    return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, "
-            f"torch {env['torch']} (the running one, in every environment). Outcomes predicted from shapes "
-            f"(meta tensors); guard checked on a tiny random BERT under {EMULATED_LABEL} "
+    return (f"Model {report['model']} on {cfg['batch_size']} texts of {cfg['max_length']} tokens, "
+            f"torch {env['torch']} (the running one, in every environment). Outcomes predicted from the config "
+            f"alone, with no weights; guard checked on a tiny random BERT under {EMULATED_LABEL} "
             f"{report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
 
 
@@ -268,10 +268,10 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
         console.print(line, markup=False)
     for title, header, rows in tables(report):
         console.print(fitted_table(title, header, rows, show_lines=True))
-    for line in [*(f"note: {note}" for note in notes(report)), result_line(report)]:
+    for line in [*(f"note: {after_label(note)}" for note in notes(report)), result_line(report)]:
         console.print(line, markup=False)
     if folder is not None:
-        console.print(f"Written to {folder}/ ({', '.join(FILES)})", markup=False)
+        console.print(f"Written to {folder}/ ({', '.join(FILES)}).", markup=False)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import Footnotes, command_lines, fitted_table, release_lines, without_rule_names
+from mpsimpact.output.page import (Footnotes, after_label, command_lines, fitted_table, release_lines,
+                                   without_rule_names)
 from mpsimpact.reports.check import console_calls, stop_line, traced_words, unmeasured_release
 
 
@@ -107,7 +108,7 @@ def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], ve
     title = (f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens "
              "(from shapes alone)")
     console.print(console_table(rows, title, footnotes, verbose))  # fills the footnotes
-    for line in [*footnotes.lines(), *(f"note: {note}" for note in sorted({r["note"] for r in rows if r["note"]}))]:
+    for line in [*footnotes.lines(), *(f"note: {after_label(note)}" for note in sorted({r["note"] for r in rows if r["note"]}))]:
         console.print(line, markup=False)
 
 
