@@ -147,7 +147,7 @@ def test_6_a_llama_8b_at_8191_tokens_on_a_16gb_mac_runs_out_of_memory_and_its_sa
 
 
 def test_8_torchs_misspelt_text_is_quoted_as_torchs():
-    from mpsimpact.prediction.outcome import torch_words
+    from mpsimpact.engine.release import torch_words
 
     assert torch_words("MPSGaph does not support tensor dims larger than INT_MAX") == (
         "in torch's own words, misspelling and all: 'MPSGaph does not support tensor dims larger than INT_MAX'")

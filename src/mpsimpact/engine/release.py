@@ -613,3 +613,10 @@ def bmm_failure_texts() -> tuple[str, ...]:
     """Every text the study recorded for a bmm that raises or aborts, in each release's spelling."""
     at_limit = (view_equal_limit_message(profile_for(release)) for release in _SRC_NDARRAY_LINE)
     return (INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, NDARRAY_ABORT_MESSAGE, *at_limit)
+
+
+def torch_words(text: str | None) -> str:
+    """torch's own error text, quoted as torch's ("in torch's own words: '...'"); torch's own misspelling
+    (2.9.1 .. 2.12.1's "MPSGaph") said to be torch's, so that no reader takes it for ours."""
+    typo = text is not None and INT_MAX_MESSAGE_TYPO.split()[0] in text
+    return f"in torch's own words{', misspelling and all' if typo else ''}: '{text}'"

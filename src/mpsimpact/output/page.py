@@ -39,6 +39,12 @@ def release_lines(report: dict[str, Any]) -> list[str]:
     return [line for line in (release.get("sentence"), release.get("on_a_mac")) if line]
 
 
+def narrowed_words(index_bits: int, full: int = 32) -> str:
+    """" at the 23-bit index" where sizes are judged at a narrowed index (--quick, --index-bits; MPS's is `full`),
+    "" at MPS's own: said wherever such a size is given."""
+    return f" at the {index_bits}-bit index" if index_bits != full else ""
+
+
 def after_label(text: str) -> str:
     """A sentence put after a label ("note: ..."): its first word in lower case, unless it is a name or an
     acronym ("MPS", "Llama"), so that a label never reads glued to a second sentence ("note: No ...")."""

@@ -17,8 +17,9 @@ from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE, MAC_RULES, WATERMARK_RULE
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.engine.release import INT_MAX_MESSAGE_TYPO, allocates
+from mpsimpact.engine.release import allocates
 from mpsimpact.modes.piecewise import has_split
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.record import ABSENT, Record
 
 
@@ -545,13 +546,6 @@ def undecided_at(profile: Any, prediction: Prediction) -> CallRecord | None:
     if prediction.first_corrupted_text is not None:
         return None
     return next((c for c in calls if c.fault.nobody_measured), None)
-
-
-def torch_words(text: str | None) -> str:
-    """torch's own error text, quoted as torch's ("in torch's own words: '...'"); torch's own misspelling
-    (2.9.1 .. 2.12.1's "MPSGaph") said to be torch's, so that no reader takes it for ours."""
-    typo = text is not None and INT_MAX_MESSAGE_TYPO.split()[0] in text
-    return f"in torch's own words{', misspelling and all' if typo else ''}: '{text}'"
 
 
 def cannot_tell(release: str, call: CallRecord) -> str:

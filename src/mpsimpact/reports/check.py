@@ -11,9 +11,9 @@ from typing import Any
 
 from mpsimpact.engine.call import op_cell
 from mpsimpact.engine.mac_memory import MAC_RULES
-from mpsimpact.prediction.outcome import torch_words
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.page import (
-    FAULT_WORDS, after_label, count_words, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
+    FAULT_WORDS, after_label, count_words, fitted_table, narrowed_words, format_cell, markdown_table, without_rule_names, release_lines,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
@@ -136,6 +136,7 @@ def facts(report: dict[str, Any], verbose: bool = True) -> list[tuple[str, str]]
     by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
     mac = report.get("mac")
     on_mac = f" on {mac['label']}" if mac else ""
+    on_mac += narrowed_words(g.get("index_bits") or 32)  # a narrowed index: said with every size
     lines = [
         ("task", f"{m['task']} ({m['task_basis']})"),
         ("attention", f"{m['attention']} ({m['attention_basis']})"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import (Footnotes, after_label, command_lines, fitted_table, release_lines,
-                                   without_rule_names)
+from mpsimpact.output.page import (Footnotes, after_label, command_lines, fitted_table, narrowed_words,
+                                   release_lines, without_rule_names)
 from mpsimpact.reports.check import console_calls, stop_line, traced_words, unmeasured_release
 
 
@@ -29,6 +29,10 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
                   f"texts of {cfg['max_length']} tokens, {traced_words(report, verbose)}.", markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
+    bits = cfg.get("index_bits", 32)
+    if narrowed_words(bits):
+        console.print(f"Every size below is{narrowed_words(bits)} (--index-bits), every limit divided by 2^{32 - bits}: "
+                      f"on MPS the same faults come at a batch 2^{32 - bits} times larger.", markup=False)
     if report.get("padding"):
         console.print(f"Traced with the model's config as given, but for this: {report['padding']}.", markup=False)
     if report.get("mac"):
@@ -49,7 +53,7 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     ceiling = report.get("largest_safe_batch_ceiling")
     rows = [(length, f"at least {safe}" if ceiling is not None and safe >= ceiling else safe)
             for length, safe in report["largest_safe_batch_by_length"].items()]
-    console.print(fitted_table("largest safe batch", ("max length", "texts"), rows))
+    console.print(fitted_table(f"largest safe batch{narrowed_words(bits)}", ("max length", "texts"), rows))
     if any(isinstance(safe, str) for _, safe in rows):
         console.print(f"at least: every batch up to {ceiling:,} is clean there; the search stops at {ceiling:,}.",
                       markup=False)

@@ -46,7 +46,8 @@ class SweepConsole:
 
     def estimate(self, name: str, took: float, total: float) -> None:
         """The first estimate of the whole sweep's time, once its first cell has run (`took` seconds)."""
-        self.console.print(f"The first cell ({name}) took {_duration(took)}: the sweep needs about "
+        spent = f"{took:.2g} s" if took < 10 else _duration(took)
+        self.console.print(f"The first cell ({name}) took {spent}: the sweep needs about "
                            f"{_duration(total)} in all (estimated from it and the other cells' sizes, refined as "
                            "cells finish).", markup=False)
 

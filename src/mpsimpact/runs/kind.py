@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from mpsimpact.config import DEFAULT_ATTENTION, RUN_ATTENTIONS
 from mpsimpact.engine.faults import MPS_INDEX_BITS, STOP_KINDS
 from mpsimpact.errors import UsageError
-from mpsimpact.prediction.outcome import torch_words
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.page import (
     EMULATED_LABEL, STATUS_WORDS, Footnotes, fitted_table, format_cell, without_rule_names,
 )
