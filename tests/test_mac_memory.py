@@ -171,7 +171,7 @@ def test_an_emulated_run_on_a_small_mac_stops_with_invalid_buffer_size_and_a_big
     assert all(c["status"] == "error" and c["buffer_refused"] == "Invalid buffer size: 24.00 GB"
                for c in small["conditions"])
     assert "Not silent: on a 16 GB Mac" in said and "Invalid buffer size" in said
-    assert any("largest buffer 8.0 GiB (assumed: half of 16 GB unified memory)" in n for n in small["notes"])
+    assert any("one buffer of at most 8.0 GiB (assumed: half of 16 GB unified memory)" in n for n in small["notes"])
     # At full length (no plan replayed: what a CUDA machine runs) the emulator holds each op against the buffer.
     direct, _ = run_json(tmp_path, "16-direct", "--memory", "16GB", "--run-length", "256", "--guard", "off")
     (off,) = direct["conditions"]
