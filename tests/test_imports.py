@@ -1,5 +1,5 @@
 """The package's shape: public names stay the documented objects whatever is imported first, imports
-go one way through the layers (docs/fault-model.md is the engine's; README "Layout" lists them), and no
+go one way through the layers (docs/fault-model.md is the engine's; docs/development.md's "Layout" lists them), and no
 module imports a module that imports it back."""
 
 import ast
@@ -228,7 +228,7 @@ def test_the_readme_guard_one_liner_works_after_emulate_and_after_importing_the_
 
 
 def test_the_readme_layout_names_every_module_in_its_room():
-    section = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "development.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
     unnamed = []
     for name in module_files():

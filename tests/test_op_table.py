@@ -269,7 +269,63 @@ def test_a_planted_hot_path_that_passes_too_much_is_caught(planted, monkeypatch)
     from mpsimpact.modes import guard_dispatch
 
     if planted == "every broadcast passes":
-        monkeypatch.setattr(guard_dispatch, "_broadcast_within", lambda args, kwargs, most: True)
+        monkeypatch.setattr(guard_dispatch, "broadcast_within", lambda args, kwargs, most: True)
     else:
         monkeypatch.setattr(guard_dispatch.DispatchJudge, "_made", lambda self, func, args, kwargs, out: out)
     assert not same_decisions(hot_and_full(_mixed_ops, monkeypatch))
+
+
+# The emulator's hot path (Note [The emulator's hot path] in modes/emulator.py) likewise: with it and without it
+# (EmulateMode.hot_path) the emulator makes the same records and returns the same values, on fewer full routes.
+def _emulated_ops():
+    # P (6 * 4, 64, 64) past 2**16 wraps in P V (its backward would raise: view-int-max), with gradients and under
+    # no_grad (where composite ops reach the mode whole); the rest of BERT below every limit
+    model, ids = tiny_bert(), token_batch(6, 64)
+    with torch.no_grad():
+        quiet = model(ids).last_hidden_state
+    return [model(ids).last_hidden_state.detach(), quiet, torch.ones(2**7, 2**6).repeat(2, 1).sum()]
+
+
+def emulated_hot_and_full(monkeypatch):
+    from mpsimpact.modes.base import MatmulMode
+    from mpsimpact.modes.emulator import EmulateMode, emulate
+
+    route, full, runs = MatmulMode._torch_dispatch, [], {}
+    monkeypatch.setattr(MatmulMode, "_torch_dispatch", lambda self, func, *rest: full.append(func) or route(
+        self, func, *rest))
+    for hot in (False, True):
+        monkeypatch.setattr(EmulateMode, "hot_path", hot)
+        full.clear()
+        torch.manual_seed(0)
+        with emulate(index_bits=16, profile="2.14.0") as emulator:
+            values = _emulated_ops()
+        runs[hot] = (values, [(r.op, r.fault.rule, r.phase) for r in emulator.records], len(full))
+    return runs
+
+
+def test_the_emulators_hot_path_decides_as_the_full_route(monkeypatch):
+    runs = emulated_hot_and_full(monkeypatch)
+    (values, records, full), (hot_values, hot_records, hot_full) = runs[False], runs[True]
+    assert records and hot_records == records  # P V wraps, the sum past INT_MAX wraps, ...
+    assert all(torch.equal(x, y) for x, y in zip(hot_values, values, strict=True))
+    assert 0 < hot_full < full / 2  # most ops answered on the hot path
+
+
+def test_a_planted_emulator_hot_path_that_passes_every_broadcast_is_caught(monkeypatch):
+    from mpsimpact.errors import EmulatedMpsError
+    from mpsimpact.modes import emulator as emulator_module
+    from mpsimpact.modes.emulator import EmulateMode, emulate
+
+    def outcome():  # a broadcast past DIM_MAX from two small tensors: 2.13.0's int32 kernel dies there
+        a, b = torch.ones(2**8 + 2), torch.arange(2**8, dtype=torch.float32)
+        with emulate(index_bits=16, profile="2.13.0"):
+            try:
+                return (a[:, None] * b[None, :]).shape
+            except EmulatedMpsError:
+                return "refused"
+
+    assert outcome() == "refused"  # the hot path sends it to the full route
+    monkeypatch.setattr(emulator_module, "broadcast_within", lambda args, kwargs, most: True)
+    assert outcome() != "refused"  # planted: the comparison above would see it
+    monkeypatch.setattr(EmulateMode, "hot_path", False)
+    assert outcome() == "refused"

@@ -1,6 +1,6 @@
 """`mpsimpact run retrieval` end to end through the CLI at a small geometry (as tests/test_run.py's
-SMALL: 16 texts at 256 tokens, index width 2**23, replayed at 64), the README's sentence-transformers
-guard snippet at a reduced index width, and the run kinds' single home."""
+SMALL: 16 texts at 256 tokens, index width 2**23, replayed at 64), the sentence-transformers guard snippet of
+the guard's page (docs/guard.md) at a reduced index width, and the run kinds' single home."""
 
 import json
 import re
@@ -54,8 +54,8 @@ def test_retrieval_refuses_a_dataset(tmp_path):
 
 
 def readme_snippet(marker: str) -> str:
-    """The python block that follows `marker` in README.md."""
-    text = (ROOT / "README.md").read_text()
+    """The python block that follows `marker` in docs/guard.md (the guard's page)."""
+    text = (ROOT / "docs" / "guard.md").read_text()
     block = re.search(r"```python\n(.*?)```", text[text.index(marker):], re.DOTALL)
     return block.group(1)
 
@@ -88,7 +88,7 @@ def test_readme_guard_snippet_for_sentence_transformers(sentence_transformer):
             with pytest.raises(NotEmulatedError, match="embedding"):
                 model.encode(texts, batch_size=len(texts))
             namespace = {"mpsimpact": mpsimpact, "model": model, "texts": texts}
-            exec(readme_snippet("<!-- tested: sentence-transformers guard -->"), namespace)  # noqa: S102 (our own README)
+            exec(readme_snippet("<!-- tested: sentence-transformers guard -->"), namespace)  # noqa: S102 (our own docs page)
     np.testing.assert_allclose(namespace["embeddings"], clean, atol=1e-6, rtol=0)
 
 

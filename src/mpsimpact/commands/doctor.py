@@ -69,8 +69,8 @@ def profile_sentence(env: dict) -> str:
                 f"a profile.json at {cache} would be used instead.")
     return (f"The installed torch's fault profile: torch {label}: nobody measured this release, so every call "
             "any measured release faults on is treated as faulting. Measure it on a Mac with `mpsimpact sweep "
-            f"--device mps --full --out sweep/` and copy sweep/profile.json to {cache} (see README, 'Measuring a "
-            "new release').")
+            f"--device mps --full --out sweep/` and copy sweep/profile.json to {cache} (see the documentation's "
+            "page docs/measuring-a-release.md).")
 
 
 def mac_sentence(apple_gpu: bool) -> str:

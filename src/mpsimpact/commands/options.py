@@ -186,7 +186,9 @@ def shows_config_defaults(config: type) -> type[TyperCommand]:
     --help shows each field's default."""
 
     class ShowsConfigDefaults(CheckedCommand):
-        def format_help(self, ctx: Any, formatter: Any) -> None:
+        def show_config_defaults(self) -> None:
+            """Each option's shown default becomes its config field's (the site's reference pages read them
+            here too: docs/hooks/generated_pages.py)."""
             fields = {field.name: field.default for field in dataclasses.fields(config)}
             for param in self.params:
                 default = fields.get(param.name)
@@ -194,6 +196,9 @@ def shows_config_defaults(config: type) -> type[TyperCommand]:
                     continue  # an argument, not a field, or an absence the option itself describes
                 param.default = ", ".join(default) if isinstance(default, tuple) else default
                 param.show_default = True
+
+        def format_help(self, ctx: Any, formatter: Any) -> None:
+            self.show_config_defaults()
             super().format_help(ctx, formatter)
 
     return ShowsConfigDefaults

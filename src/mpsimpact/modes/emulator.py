@@ -16,14 +16,17 @@ import torch
 
 from mpsimpact.engine.call import CallRecord, classify_call
 from mpsimpact.modes.base import (
-    check_index_bits,
+    check_index_bits, eval_frame_callback,
     MatmulMode, activated, current_phase, innermost, needs_grad, op_name, sdpa_dropout, sdpa_math,
     sdpa_operands,
 )
 from mpsimpact.modes.chunking import entry_bound
 from mpsimpact.modes.entrypoint import handling
 from mpsimpact.modes.op_size import judged_at, judged_outputs, outputs_of, size_call, tensors_of
-from mpsimpact.modes.op_table import ENTRY_KINDS, PRODUCT, SKIP, op_entry, stacked_shapes
+from mpsimpact.modes.op_table import (
+    AFTER, BROADCAST, COMPOSITE, ENTRY_KINDS, INPUTS, NO_KERNEL, PRODUCT, SKIP, broadcast_within, op_entry,
+    plain_types, stacked_shapes, within,
+)
 from mpsimpact.errors import EmulatedMpsError, MpsImpactError, NotEmulatedError, PlanMismatchError
 from mpsimpact.engine.faults import (
     MPS_INDEX_BITS, contiguous_strides, dim_max, Fault, Profile, limits, sdpa_path, TensorSpec,
@@ -37,6 +40,19 @@ if TYPE_CHECKING:
     from mpsimpact.engine.fault_plan import FaultPlan
 
 _fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
+_HOT = frozenset({NO_KERNEL, INPUTS, BROADCAST, AFTER})  # the kinds its hot path answers: Note [The emulator's hot path]
+_HOT_ENTRIES: dict[int, tuple[str | None, Any]] = {}  # by id(op), as op_table.OP_ENTRIES: (its kind here or None, run)
+_Tensor = torch.Tensor
+
+
+def _hot_entry(func: Any) -> tuple[str | None, Any]:
+    """The kind the emulator's hot path answers an op as (None: the full route), and how to run it; asked once an op.
+    See Note [The emulator's hot path]."""
+    entry = op_entry(func)
+    hot = entry.hot if entry.hot in _HOT and not entry.fused_sdpa and not (
+        entry.hot is AFTER and entry.route is COMPOSITE) else None
+    found = _HOT_ENTRIES[id(func)] = (hot, entry.run)
+    return found
 # What the emulator does with a call it altered (EmulateMode._keep).
 RETURNED, INFERRED, RAISED, ABORTED, REFUSED = "returned", "inferred", "raised", "aborted", "refused"
 
@@ -98,6 +114,8 @@ class EmulateMode(MatmulMode):
     instead of classifying its own, smaller shapes. See `emulate()`.
     """
 
+    hot_path = True  # Note [The emulator's hot path] (off: every op takes the full route, as the tests compare)
+
     @takes_release
     def __init__(self, index_bits: int = MPS_INDEX_BITS, plan: FaultPlan | None = None, profile: Profile = None,
                  memory: MacMemory | None = None) -> None:
@@ -111,6 +129,7 @@ class EmulateMode(MatmulMode):
         self.calls = 0
         self._near = limits(index_bits)[1]  # every rule needs a count at VIEW_LIMIT or more
         self._most = dim_max(index_bits)  # a call whose every tensor has at most DIM_MAX elements is past none
+        self._fast = self.hot_path and plan is None and self.mac is None  # Note [The emulator's hot path]
         self.records: list[CallRecord] = []
         # Called with each record and what the emulator does with it (`_keep`): the pytest plugin's summary.
         self.listeners: list[Callable[[CallRecord, str], None]] = []
@@ -122,6 +141,48 @@ class EmulateMode(MatmulMode):
         self._allocations = any(allocates(c.op) for c in others)  # a plan traced with them replays them
         self._seen: dict[tuple[int | None, str], int] = {}
         self._scope: int | None = None
+
+    # Note [The emulator's hot path]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # As strict's (Note [Strict's hot path] in modes/guard_dispatch.py): the emulator sees every op, and almost none
+    # can reach a limit, so each op is decided from the table first: a view runs; an op whose every tensor has at
+    # most DIM_MAX elements runs where its output cannot outgrow them (INPUTS, BROADCAST within DIM_MAX); an op
+    # nobody sized (AFTER, a kernel: a composite one is decomposed to see what it runs) runs and is judged only if
+    # what it made passes DIM_MAX. SDPA's own kernels (Note [SDPA past its entry]), products, grown ops (factories,
+    # lookups, cat), a replayed plan (whose calls are counted by name), a Mac's buffer (every tensor held against it),
+    # tensor subclasses and a compiled region running take the full route, which would have run these as they are.
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        hot, run = _HOT_ENTRIES.get(id(func)) or _hot_entry(func)
+        if hot is None or not self._fast or types and not plain_types(types) or eval_frame_callback() is not None:
+            return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
+        most = self._most
+        if kwargs:
+            answered = within(args, most) and within(kwargs.values(), most) and (
+                hot is not BROADCAST or broadcast_within(args, kwargs, most))
+        elif hot is NO_KERNEL or self._passing:
+            answered = True
+        elif len(args) == 2 and type(args[0]) is _Tensor and type(args[1]) is _Tensor:  # most of a model's ops
+            a, b = args
+            answered = a.numel() <= most and b.numel() <= most and (
+                hot is not BROADCAST or a.shape == b.shape or broadcast_within(args, {}, most))
+        else:
+            answered = broadcast_within(args, {}, most) if hot is BROADCAST else within(args, most)
+        if not answered:
+            return self._torch_dispatch(func, types, args, kwargs)
+        try:
+            out = run(*args, **(kwargs or {}))
+        except RuntimeError:  # an op that refused its arguments: the full route says why, or runs it as it can
+            return self._torch_dispatch(func, types, args, kwargs)
+        return self._judged_after(func, args, kwargs or {}, out) if hot is AFTER and not self._passing else out
+
+    def _judged_after(self, func, args: tuple, kwargs: dict, out: Any) -> Any:
+        """An op nobody sized, run: as it is where what it made has at most DIM_MAX elements; else judged on that."""
+        if type(out) is torch.Tensor and out.numel() <= self._most and not out.is_nested:
+            return out
+        made = judged_outputs(func, outputs_of(out), judged_at(self.index_bits)[1])
+        if max((t.numel() for t in made), default=0) > self._most:
+            self._decide_other(func, tensors_of(args, kwargs), made)
+        return out
 
     def decomposes(self, func, args: tuple, kwargs: dict) -> bool:
         """A composite op that reached the mode whole (under no_grad or inference_mode) is decomposed into the

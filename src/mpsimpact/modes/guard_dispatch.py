@@ -20,7 +20,10 @@ from mpsimpact.modes.chunking import cat_in_place
 from mpsimpact.modes.op_size import (
     SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
 )
-from mpsimpact.modes.op_table import AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, QUICK, op_entry
+from mpsimpact.modes.op_table import (
+    AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, QUICK, broadcast_within, op_entry, plain_types,
+    within,
+)
 from mpsimpact.modes.piecewise import run_pieces, split_call
 
 _Tensor = torch.Tensor
@@ -49,7 +52,7 @@ class DispatchJudge:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         entry = OP_ENTRIES.get(id(func)) or op_entry(func)
         hot = entry.hot
-        if hot is FULL or types or not self._hot or eval_frame_callback() is not None:
+        if hot is FULL or types and not plain_types(types) or not self._hot or eval_frame_callback() is not None:
             return MatmulMode.__torch_dispatch__(self, func, types, args, kwargs)
         if kwargs is None:
             kwargs = {}
@@ -61,7 +64,7 @@ class DispatchJudge:
                 if self._quick_pass(entry.bound_by, args, kwargs):
                     return entry.run(*args, **kwargs)
             elif hot is BROADCAST:
-                if _broadcast_within(args, kwargs, self._most):
+                if broadcast_within(args, kwargs, self._most):
                     return entry.run(*args, **kwargs)
             else:
                 most = self._most
@@ -69,10 +72,10 @@ class DispatchJudge:
                     if isinstance(arg, _Tensor):
                         if arg.numel() > most:
                             break
-                    elif type(arg) in _SEQUENCES and not _within(arg, most):
+                    elif type(arg) in _SEQUENCES and not within(arg, most):
                         break
                 else:
-                    if not kwargs or _within(kwargs.values(), most):
+                    if not kwargs or within(kwargs.values(), most):
                         if hot is INPUTS:
                             return entry.run(*args, **kwargs)
                         if hot is AFTER:
@@ -171,33 +174,3 @@ class DispatchJudge:
         record = CallRecord.of_op(len(self.stopped) + len(self.chunked), op_name(func), sized.inputs, outputs,
                                   fault, current_phase())
         return self._act(record, fault, None, lambda: out, lambda: out, active, op_name(func))
-
-
-def _within(items: Any, most: int) -> bool:
-    """Whether every tensor among `items` (lists opened one level) has at most `most` elements (Note [Strict's hot
-    path])."""
-    for item in items:
-        if isinstance(item, _Tensor):
-            if item.numel() > most:
-                return False
-        elif type(item) in _SEQUENCES and not all(t.numel() <= most for t in item if isinstance(t, _Tensor)):
-            return False
-    return True
-
-
-def _broadcast_within(args: tuple, kwargs: dict, most: int) -> bool:
-    """Whether an elementwise call's tensors (lists opened one level) have at most `most` elements each, none is
-    empty, and they share a shape or their sizes' product is at most `most`, the most their broadcast can have."""
-    product, shape, same = 1, None, True
-    for arg in (*args, *kwargs.values()) if kwargs else args:
-        for t in arg if type(arg) in _SEQUENCES else (arg,):
-            if isinstance(t, _Tensor):
-                n = t.numel()
-                if n > most or not n:
-                    return False
-                product *= n
-                if shape is None:
-                    shape = t.shape
-                elif same and t.shape != shape:
-                    same = False
-    return same or product <= most

@@ -366,6 +366,8 @@ def _entry_for(func: Any) -> OpEntry:
         hot = FULL
     elif sizing is SKIP:  # a composite view (reshape) or SDPA: the full route runs one whole below DIM_MAX
         hot = NO_KERNEL if route is OTHER else INPUTS
+    elif sizing is GROWN and name.endswith("_"):  # fill_, uniform_, index_put_: it writes into its input
+        hot = INPUTS
     else:
         hot = sizing
     if sizing is GROWN and "output" not in known:
@@ -385,3 +387,46 @@ def split_named(op: str, family: str) -> str | None:
     """How the guard splits a recorded call of op `op` (a record's name) and family `family` (None: it does
     not): for plans and check's advice, which see names and shapes only."""
     return _KNOWN.get(op.rstrip("_"), {}).get("split", _FAMILY_SPLITS.get(family))
+
+
+_Tensor = torch.Tensor
+_SEQUENCES = (list, tuple)  # a call's tensor lists (cat's)
+
+
+def within(items: Any, most: int) -> bool:
+    """Whether every tensor among `items` (lists opened one level) has at most `most` elements (Note [Strict's hot
+    path] in modes/guard_dispatch.py)."""
+    for item in items:
+        if isinstance(item, _Tensor):
+            if item.numel() > most:
+                return False
+        elif type(item) in _SEQUENCES and not all(t.numel() <= most for t in item if isinstance(t, _Tensor)):
+            return False
+    return True
+
+
+def broadcast_within(args: tuple, kwargs: dict, most: int) -> bool:
+    """Whether an elementwise call's tensors (lists opened one level) have at most `most` elements each, none is
+    empty, and they share a shape or their sizes' product is at most `most`, the most their broadcast can have."""
+    product, shape, same = 1, None, True
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        for t in arg if type(arg) in _SEQUENCES else (arg,):
+            if isinstance(t, _Tensor):
+                n = t.numel()
+                if n > most or not n:
+                    return False
+                product *= n
+                if shape is None:
+                    shape = t.shape
+                elif same and t.shape != shape:
+                    same = False
+    return same or product <= most
+
+
+_DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__  # a tensor type that does not override dispatch
+
+
+def plain_types(types: tuple) -> bool:
+    """Whether a dispatch's tensor types are all plain (torch.Tensor, nn.Parameter: no __torch_dispatch__ of their
+    own), so that a hot path may answer the call; a subclass that dispatches (FakeTensor, nested) takes the route."""
+    return all(t.__torch_dispatch__ is _DEFAULT_DISPATCH for t in types)
