@@ -397,7 +397,7 @@ def test_plan_backward_and_check_training_answer_alike_for_one_training_step():
     same = ("outcome", "describe", "first_wrong_sample", "first_wrong_head", "wrong_samples")
     assert [plan["prediction"][w] for w in same] == [check["prediction"][w] for w in same]
     assert plan["prediction"]["outcome"] == "error" and plan["prediction"]["first_wrong_sample"] == 1365
-    assert "then error in backward" in plan["prediction"]["describe"]
+    assert "then an error in backward" in plan["prediction"]["describe"]
     assert plan["largest_safe_batch"] == check["largest_safe_batch"] == 682
     inference = json.loads(runner.invoke(app, ["plan", "sentiment", "--batch-size", "2048", "--json",
                                                "--torch-profile", PROFILE]).stdout)

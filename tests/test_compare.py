@@ -99,7 +99,7 @@ def test_same_count_on_other_texts_is_a_change(tmp_path):
     old, new = pair(tmp_path, shifted, {"off": range(FIRST - 1, BATCH - 1)})  # still 683 texts
     result, text = compare(old, new)
     assert result.exit_code == 1, text
-    assert "bug still present, different texts (683 -> 683 corrupted: 1 newly, 1 no longer; first at position 1365 -> 1364)" in text
+    assert "bug still present, different texts (683 -> 683 corrupted: 1 newly, 1 no longer; first at text 1365 -> 1364)" in text
 
 
 def test_without_samples_counts_are_compared(tmp_path):
@@ -107,7 +107,7 @@ def test_without_samples_counts_are_compared(tmp_path):
     for folder in (old, new):
         (folder / "samples.jsonl").unlink()
     result, text = compare(old, new)
-    assert result.exit_code == 0 and "bug still present (same count: 683 texts, first at position 1365" in text
+    assert result.exit_code == 0 and "bug still present (same count: 683 texts, first at text 1365" in text
 
 
 def test_logits_npz_gives_the_exact_sets_when_samples_are_missing(tmp_path):
@@ -137,14 +137,14 @@ def test_new_failure(tmp_path):
     old = write_run(tmp_path / "old", clean)
     new = write_run(tmp_path / "new", report())
     result, text = compare(old, new)
-    assert result.exit_code == 1 and "new failure: guard off now corrupts 683 texts, first at position 1365" in text
+    assert result.exit_code == 1 and "new failure: guard off now corrupts 683 texts, first at text 1365" in text
 
 
 @pytest.mark.parametrize(
     ("raise_condition", "message"),
     [
         ({"status": "completed", "corrupted_count": 683, "first_corrupted_index": FIRST},
-         "guard regression: raise no longer stops (now corrupts 683 texts, first at position 1365)"),
+         "guard regression: raise no longer stops (now corrupts 683 texts, first at text 1365)"),
         ({"wrong_values_before_stop": 6}, "guard regression: raise no longer stops in time (now stops after 6 wrong values)"),
     ],
 )
@@ -160,7 +160,7 @@ def test_guard_chunk_no_longer_clean(tmp_path):
     broken["conditions"][CHUNK].update(corrupted_count=3, first_corrupted_index=2045, flips=1)
     result, text = compare(*pair(tmp_path, broken))
     assert result.exit_code == 1, text
-    assert "guard regression: chunk no longer clean (now corrupts 3 texts, first at position 2045)" in text
+    assert "guard regression: chunk no longer clean (now corrupts 3 texts, first at text 2045)" in text
 
 
 def test_versions_and_profile_changed_with_equal_outcomes_is_informational(tmp_path):

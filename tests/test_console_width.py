@@ -46,7 +46,8 @@ def flat(text: str) -> str:
 
 
 def assert_fits(text: str, width: int = 80) -> None:
-    long = [line for line in text.splitlines() if len(line) > width]
+    # a word of 50 characters or more (a temporary folder's path) is never broken: its line may be longer
+    long = [line for line in text.splitlines() if len(line) > width and max(map(len, line.split())) < 50]
     assert not long, "\n".join(long)
     assert "…" not in text
     words = tokens(text)
@@ -71,11 +72,11 @@ def test_a_quick_run_fits_80_columns_and_says_whether_it_was_silent(args, tmp_pa
         assert ("Not silent: the process would die at the scaling of the attention scores: torch 2.13.0 aborts "
                 "there") in flat(text)
         # and that no size is silent there: the scale on the scores aborts wherever P V would wrap
-        assert ("No batch of up to 16,777,216 texts at 256 tokens or any power-of-two length from 16 to 512 at the "
+        assert ("no batch of up to 16,777,216 texts at 256 tokens or any power-of-two length from 16 to 512 at the "
                 "23-bit index shows the silent effect on torch 2.13.0") in " ".join(text.split())
         assert "16x12x256x256" not in text  # shapes are for --verbose and the files
     assert "stopped_by_guard" not in text and "rule int32-kernel" not in text and "rule input-wrap" not in text
-    assert re.search(r"^\[\d\] guard raise: mpsimpact guard: ", text, re.M)  # a footnote, not a cell
+    assert re.search(r"^\[\d\] guard raise: stopped ", text, re.M)  # a footnote, not a cell, in words
     assert "- (None)" not in text
     assert any(c["status"] == "stopped_by_guard" for c in report["conditions"])  # the JSON keeps its words
     # The reports' headline is the console's plain sentence; the condition's own line keeps the rule's name.
@@ -101,11 +102,11 @@ def test_plan_with_versions_fits_80_columns_in_words(tmp_path):
     text = invoke([*PLAN, "--versions"], tmp_path)
     assert_fits(text)
     lines = flat(text)
-    assert "ops traced (50 of them matrix products)" in lines and "bmm/mm/SDPA" not in lines
+    assert "128 operations, 50 of them matrix products" in lines and "bmm/mm/SDPA" not in lines
     assert "kills the process at the scaling of the attention scores instead" in lines and "mul: 4096" not in lines
     assert "bmm: 49152x512x512 @ 49152x512x32" in lines
     assert "encoder.encoder.layer.*.attention.self" in tokens(text)
-    assert "wrong from text 1365" in lines and "abort" in lines and "unmeasured [" in lines
+    assert "wrong from text 1365" in lines and "abort" in lines and "unmeasured [" not in lines
     newer = text.split("unmeasured newer")[1].split("└")[0]  # the row of the releases nobody measured
     assert "cannot" in newer and "abort" not in newer and "inferred" not in newer  # no outcome stands there
     assert "wrong_other" not in text and "int32-kernel" not in text and "(unmeasured:" not in text
@@ -128,7 +129,7 @@ def test_check_fits_80_columns_and_counts_every_op():
     text = invoke(CHECK)
     assert_fits(text)
     lines = flat(text)
-    assert "166 ops traced (86 of them matrix products)" in lines
+    assert "166 operations, 86 of them matrix products" in lines
     assert "gelu on 2048x512x3072" in lines and "cannot tell (judged wrong)" in lines
     assert "rule unmeasured" not in lines and "wrong_other" not in lines
 
@@ -154,7 +155,7 @@ def test_the_talks_command_as_typed_shows_the_silent_bug_and_names_both_releases
     # --quick's 23-bit index stands for a batch 2^9 times larger: said wherever a Mac's outcome is told
     assert ("On a Mac, at the size this 23-bit run stands for, the installed torch 2.13.0 kills the process at the "
             "scaling of the attention scores instead (--torch-profile 2.13.0 shows it).") in lines
-    assert "replaying the fault plan traced at 256, 23-bit index" in lines and "full-scale" not in lines
+    assert "with texts of 64 tokens standing for 256, at a 23-bit index" in lines and "full-scale" not in lines
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["release"]["judged"] == "2.14.0" and report["release"]["installed"] == "2.13.0"
     assert report["geometry"]["profile"] == "2.14.0" and report["config"]["torch_profile"] is None
@@ -172,12 +173,12 @@ def test_plan_names_the_release_and_what_the_installed_one_would_do(installed, m
     text = invoke(PLAN)
     assert_fits(text)
     lines = flat(text)
-    assert "decided for MPS on torch 2.14.0." in lines and "Judged as torch 2.14.0" in lines
+    assert "decided for MPS" not in lines and "Judged as torch 2.14.0" in lines  # one phrase for the release
     if installed == "2.14.0":
         assert "On a Mac" not in lines  # the installed release is the one judged
     else:  # nobody measured 2.15.0: never a crash or a count said of it
-        assert ("On a Mac with the installed torch: nobody measured torch 2.15.0 on MPS at eager attention's Q "
-                "K^T product") in lines and "`mpsimpact sweep` on a Mac measures it" in lines
+        assert ("On a Mac with the installed torch: nobody measured torch 2.15.0 on MPS at the attention scores "
+                "(queries times keys)") in lines and "`mpsimpact sweep` on a Mac measures it" in lines
 
 
 def test_doctor_list_compare_and_matrix_fit_80_columns(tmp_path):

@@ -45,7 +45,8 @@ WORK = {
 }
 # Every environment variable mpsimpact reads (test_the_fuzzed_variables_are_every_one_the_code_reads keeps it so).
 VARIABLES = ("MPSIMPACT_ATTENTION_BUDGET", "MPSIMPACT_GUARD", "MPSIMPACT_EMBEDDED_MODEL", "MPSIMPACT_CACHE",
-             "XDG_CACHE_HOME", "HOME", "UV_OFFLINE", "PIP_NO_INDEX", "PYTORCH_ENABLE_MPS_FALLBACK", "COLUMNS")
+             "XDG_CACHE_HOME", "HOME", "UV_OFFLINE", "PIP_NO_INDEX", "PYTORCH_ENABLE_MPS_FALLBACK", "COLUMNS",
+             "PYTORCH_MPS_HIGH_WATERMARK_RATIO")
 
 # Things a path may name, made in each case's own folder ("<fifo>" becomes the path of a FIFO, ...).
 THINGS = ("<fifo>", "<socket>", "<dangling>", "<device>", "<folder>", "<file>", "<long-name>", "<long-path>",

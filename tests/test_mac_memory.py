@@ -70,8 +70,14 @@ def test_plan_on_a_declared_mac_stops_where_the_buffer_refuses_and_sizes_batches
     # 2048 texts in float32: the scores (2048*12, 512, 512) are 24 GiB, past the 8 GiB buffer: MPS raises first.
     assert mac["prediction"]["outcome"] == "error" and mac["mac"]["largest_buffer_gib"] == 8.0
     assert mac["prediction"]["stops"][0]["message"] == "Invalid buffer size: 24.00 GB"
-    # On 16 GB the float32 scores stay under 8 GiB up to 2**31 // (12 * 512**2) = 682 texts.
-    assert mac["largest_safe_batch"] == 682 and mac["largest_safe_batch_by_length"]["128"] == 2**31 // (12 * 128**2)
+    # On 16 GB the float32 scores stay under 8 GiB up to 2**31 // (12 * 512**2) = 682 texts; the run's peak must
+    # also stay within MPS's high watermark (1.7 x the working set): safe means it runs (issue 58).
+    safe, watermark = mac["largest_safe_batch"], mac["mac"]["high_watermark_gib"]
+    assert 0 < safe <= 682 and mac["largest_safe_batch_by_length"]["128"] <= 2**31 // (12 * 128**2)
+    at_safe, past = plan_json("--memory", "16GB", "--batch-size", str(safe)), plan_json(
+        "--memory", "16GB", "--batch-size", str(safe + 1))
+    assert at_safe["prediction"]["outcome"] == "clean" and at_safe["estimated_peak_gib"] <= watermark
+    assert past["prediction"]["outcome"] == "error"  # the buffer, or the watermark: it does not run
 
 
 LLAMA_3_8B = {  # Llama-3-8B's attention (32 heads of 128, 8 key/value heads), two of its 32 layers, in float16
@@ -102,8 +108,9 @@ def test_check_on_a_16gb_mac_says_the_scores_cannot_be_allocated_and_the_longest
     assert report["prediction"]["outcome"] == "error" and report["prediction"]["first_wrong_sample"] is None
     stop = report["prediction"]["stops"][0]
     assert (stop["rule"], stop["message"], stop["op"]) == (BUFFER_RULE, "Invalid buffer size: 8.00 GB", "bmm")
-    # Llama's softmax runs in float32: 32 * L**2 * 4 bytes < 2**33 up to L = 8191 (8192**2 * 128 = 2**33).
-    assert report["longest_safe_length"] == 8191 and report["largest_safe_batch"] == 0
+    # Llama's softmax runs in float32: 32 * L**2 * 4 bytes < 2**33 up to L = 8191 (8192**2 * 128 = 2**33); the
+    # run's peak must also stay within MPS's high watermark, which cuts it shorter still (issue 58).
+    assert 0 < report["longest_safe_length"] < 8191 and report["largest_safe_batch"] == 0
     assert "No guard mode makes call" in report["guard_advice"][0]
 
 
@@ -164,7 +171,7 @@ def test_an_emulated_run_on_a_small_mac_stops_with_invalid_buffer_size_and_a_big
     assert all(c["status"] == "error" and c["buffer_refused"] == "Invalid buffer size: 24.00 GB"
                for c in small["conditions"])
     assert "Not silent: on a 16 GB Mac" in said and "Invalid buffer size" in said
-    assert any("largest buffer 8.0 GiB (assumed: half of 16 GB unified memory)" in n for n in small["notes"])
+    assert any("one buffer of at most 8.0 GiB (assumed: half of 16 GB unified memory)" in n for n in small["notes"])
     # At full length (no plan replayed: what a CUDA machine runs) the emulator holds each op against the buffer.
     direct, _ = run_json(tmp_path, "16-direct", "--memory", "16GB", "--run-length", "256", "--guard", "off")
     (off,) = direct["conditions"]

@@ -499,7 +499,10 @@ def test_a_batch_search_that_reaches_its_ceiling_answers_at_least():
     assert report["largest_safe_batch"] == 40_000_000 and report["largest_safe_batch_search"]["at_least"]
     result, _ = invoke(["check", tiny])
     said = " ".join(result.output.split())
-    assert (f"largest safe batch: at least {BATCH_CEILING} at 1 tokens (every size up to {BATCH_CEILING:,} is "
+    assert f"largest safe batch: at least {BATCH_CEILING} samples at 1 token" in said
+    result, _ = invoke(["check", tiny, "--verbose"])  # the search's basis: --verbose and the files
+    said = " ".join(result.output.split())
+    assert (f"largest safe batch: at least {BATCH_CEILING} samples at 1 token (every size up to {BATCH_CEILING:,} is "
             "clean;") in said
 
 

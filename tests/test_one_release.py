@@ -94,7 +94,7 @@ def test_a_sweep_resolves_its_release_once_not_per_cell(counted, tmp_path, monke
     monkeypatch.setattr(sweep, "grid", lambda *_: cells)
     monkeypatch.setattr(family_cells, "family_grid", lambda *_: families)
     monkeypatch.setattr(figures, "outcome_map", lambda *_: b"")
-    quiet = dict.fromkeys(("plan", "cell", "write", "summary", "interrupted"), lambda *_, **__: None)
+    quiet = dict.fromkeys(("plan", "estimate", "cell", "write", "summary", "interrupted"), lambda *_, **__: None)
     show = SimpleNamespace(**quiet)
     config = SweepConfig(device="cpu", emulate=True, index_bits=16, torch_profile=asked,
                          max_memory="1", out=str(tmp_path / "sweep"))

@@ -101,7 +101,7 @@ def test_a_pinned_batch_that_aborts_names_the_batches_that_would_be_silent(rober
     assert text.startswith("EMULATED MPS. Not silent: the process would die at addmm"), text
     sizes = report_of(tmp_path / "run")["silent_sizes"]
     assert (sizes["max_length"], sizes["batches"], sizes["first_corrupted_text"]) == (512, [[11, 21]], 10)
-    assert ("The silent effect shows instead from 11 to 21 texts of 512 tokens at the 25-bit index on torch 2.14.0 "
+    assert ("the silent effect shows instead from 11 to 21 texts of 512 tokens at the 25-bit index on torch 2.14.0 "
             "for this model: wrong from text 10, and nothing stops (e.g. --batch-size 15 --max-length 512).") in text
 
 

@@ -63,7 +63,7 @@ def test_plan_runs_in_a_small_process():
     # the pytest parent's size through fork and exec, and RUSAGE_CHILDREN every earlier child's.
     done = subprocess.run([sys.executable, "-c", PLAN_IN_A_CHILD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "2731 of 4096 samples silently wrong, from sample 1365 (head 4)" in done.stdout
+    assert "2731 of 4096 texts silently wrong, from text 1365 (head 4)" in " ".join(done.stdout.split())
     peak_rss_gib = int(done.stdout.rsplit("peak RSS KiB", 1)[1]) / 2**20
     assert peak_rss_gib < 1.5, f"peak RSS {peak_rss_gib:.2f} GiB"
 
@@ -159,8 +159,8 @@ def test_plan_and_run_agree_under_an_unmeasured_release(tmp_path):
     assert plan.exit_code == 0, plan.output
     text = " ".join(plan.output.split())
     assert "MPS aborts the process at call 13 (mul in encoder.encoder.layer.0.attention.self)" in text
-    assert ("Before it, call 12 (bmm in encoder.encoder.layer.0.attention.self) goes wrong in a pattern nobody "
-            "characterised: an emulated run stops there ('not emulated')") in text
+    assert ("Before it, call 12 (bmm in encoder.encoder.layer.0.attention.self) returns wrong values in a pattern "
+            "nobody characterised; an emulated run stops there instead of inventing them.") in text
     run = runner.invoke(app, ["run", "sentiment", *args, "--guard", "off", "--out", str(tmp_path / "run")])
     assert run.exit_code == 0, run.output
     off = json.loads((tmp_path / "run" / "report.json").read_text())["conditions"][0]

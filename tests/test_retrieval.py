@@ -37,7 +37,7 @@ def test_small_retrieval_run_under_each_guard(tmp_path, monkeypatch):
     assert off["corrupted_contiguous_to_end"] and off["max_corrupted_cosine"] < 0.99 < 1 - 1e-6 < off["min_clean_cosine"]
     assert 0 < off["self_retrieval_failures"] <= 6 and off["recall_at_10"] < 1.0 and off["top1_changed"] > 0
     assert off["hubs"]["expected_if_uniform"] == 256 * 10 * 6 / 16
-    assert stop["status"] == "stopped_by_guard" and "would return wrong values from batch 128" in stop["message"]
+    assert stop["status"] == "stopped_by_guard" and "would return wrong values from sample 10" in stop["message"]
     assert (chunk["status"], chunk["corrupted_count"], chunk["recall_at_10"], chunk["self_retrieval_failures"]) == ("completed", 0, 1.0, 0)
     assert chunk["min_cosine"] > 1 - 1e-6
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

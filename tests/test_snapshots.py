@@ -59,10 +59,34 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("MPSIMPACT_CACHE", str(tmp_path / "cache"))
 
 
+# A sentence printed (one Console.print of a plain text, a paragraph before wrapping) that starts with a capital
+# letter ends as a sentence does, or with a colon before what it introduces (a command to type).
+SENTENCE_ENDS = (".", ":", "?", "!")
+# A label glued to a sentence of its own ("Mac: A 16 GB Mac: ...", "guard: The fused ...", "Here: Judged as ..."):
+# a lower-case label, or one word, then a capitalised word that is not a name (MPS, EMULATED, GB: capitals).
+GLUED = re.compile(r"(?:^|[.!?] )(?:[a-z][\w ]*|[A-Z][a-z]+): (?![A-Z]{2})(?!Apple|Metal|Mac\b|Llama)[A-Z][a-z]* ")
+
+
+def printed_sentences(monkeypatch) -> list[str]:
+    """Every plain text the commands print through the console from here on, one paragraph each."""
+    from mpsimpact.output import console
+
+    seen, real = [], console.Console.print
+
+    def record(self, *objects, **kwargs):
+        if len(objects) == 1 and isinstance(objects[0], str) and not objects[0].startswith("["):
+            seen.append(objects[0])
+        return real(self, *objects, **kwargs)
+
+    monkeypatch.setattr(console.Console, "print", record)
+    return seen
+
+
 @pytest.mark.parametrize("name", [*sorted(COMMANDS), *(pytest.param(name, marks=pytest.mark.ci) for name in sorted(SLOW))])
-def test_the_console_reads_as_reviewed(name):
+def test_the_console_reads_as_reviewed(name, monkeypatch):
     if torch.__version__.split("+")[0] != PINNED_TORCH:
         pytest.skip(f"the snapshots are of torch {PINNED_TORCH} installed (as CI installs it)")
+    sentences = printed_sentences(monkeypatch)
     result = CliRunner().invoke(app, (COMMANDS | SLOW)[name], env={"COLUMNS": "80"})
     refused = name.startswith("error-")
     assert result.exit_code == (2 if refused else 0), result.output
@@ -75,12 +99,43 @@ def test_the_console_reads_as_reviewed(name):
         path.write_text(text)
     assert path.exists(), f"no snapshot {path.name}: run with MPSIMPACT_UPDATE_SNAPSHOTS=1 and review it"
     assert text == path.read_text(), f"{name}'s console changed: review, then update the snapshot"
+    # issue 58: every sentence ends with its full stop, and no label is glued to a sentence of its own
+    assert sentences or refused or name == "list"  # the console's own prints were read
+    unended = [s for s in sentences if s[:1].isupper() and not s.rstrip().endswith(SENTENCE_ENDS)]
+    assert not unended, unended
+    assert not [s for s in sentences if GLUED.search(s)], [s for s in sentences if GLUED.search(s)]
 
 
 @pytest.mark.parametrize("path", sorted(SNAPSHOTS.glob("*.txt")), ids=lambda p: p.stem)
 def test_no_snapshot_prints_none_or_an_empty_list(path):
     text = path.read_text()
     assert not re.search(r"\bNone\b", text) and "[]" not in text and "[none]" not in text.lower()
+
+
+@pytest.mark.parametrize("path", sorted(SNAPSHOTS.glob("*.txt")), ids=lambda p: p.stem)
+def test_no_snapshot_writes_a_number_with_a_bare_g_or_m(path):
+    # issue 58: "out 6.44G", "402.7M", "(0.11G parameters)": a count is said in words, a size with its unit (GiB)
+    assert not re.findall(r"\d[GM]\b", path.read_text())
+
+
+@pytest.mark.parametrize("path", sorted(SNAPSHOTS.glob("*.txt")), ids=lambda p: p.stem)
+def test_no_snapshot_counts_a_calls_rows_as_batches(path):
+    # issue 58: "wrong values from batch 16384 onward ... the largest safe chunk is 8191 batches" counted a bmm's
+    # rows (text x head): a plain line counts texts (samples), the rows are for --verbose and the files
+    text = " ".join(path.read_text().split())
+    rows = re.findall(r"\bbmm batch\b|\b\d+ (?:bmm )?batches\b|from batch \d+ onward|batches a sample|"
+                      r"\b\d+ (?:bmm |batch-head )?rows\b|first bad row", text)
+    assert not rows
+
+
+@pytest.mark.parametrize("path", sorted(SNAPSHOTS.glob("*.txt")), ids=lambda p: p.stem)
+def test_no_snapshot_wraps_a_number_away_from_its_unit(path):
+    # issue 58: "(396 s, about 198" / "s left)", "(a 16" / "GB Mac", "SIGSEGV (signal" / "11)"
+    lines = path.read_text().splitlines()
+    split = [(line, after) for line, after in zip(lines, lines[1:])
+             if (re.search(r"\d$", line) and re.match(r"\s*(?:GiB|GB|MiB|MB|s|min|bits|billion|million)\b", after))
+             or (line.endswith("(signal") and re.match(r"\s*\d", after))]
+    assert not split
 
 
 def internal_terms() -> list[str]:

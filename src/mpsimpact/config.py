@@ -140,8 +140,10 @@ class TakesMemory(Validated):
         a size where the config is validated, auto (this Mac's own, measured on it) where first asked for."""
         from mpsimpact.engine.mac_memory import resolve_mac
         from mpsimpact.engine.release import cache_root
+        from mpsimpact.variables import high_watermark_ratio
 
-        return resolve_mac(self.memory, cache_root())
+        mac = resolve_mac(self.memory, cache_root())  # with the high watermark this process would have
+        return None if mac is None else dataclasses.replace(mac, watermark_ratio=high_watermark_ratio())
 
     def validate(self) -> None:
         """Raises UsageError on any bad value, before anything is loaded: each field's Check, then --memory."""

@@ -30,15 +30,32 @@ def wrapped(text: str, width: int, indent: int = 0) -> str:
     """`text` (one line) wrapped between words at `width`, the lines after the first indented by `indent` (and
     then its first word kept with the next: "error:" never alone on its line). A word longer than the width (a
     path) stays whole, and so does a backquoted command; joining the lines with single spaces gives the text
-    back. The console's wrapping too (output.console)."""
-    whole = _BACKQUOTED.sub(lambda m: m.group().replace(" ", _KEEP), text)  # a command to type is one word
-    whole = whole.replace(" ", _KEEP, 1) if indent else whole
+    back. A number stays with its unit (`kept_together`). The console's wrapping too (output.console)."""
+    whole = _BACKQUOTED.sub(lambda m: m.group().replace(" ", KEEP), text)  # a command to type is one word
+    whole = kept_together(whole)
+    whole = whole.replace(" ", KEEP, 1) if indent else whole
     return textwrap.fill(whole, width=width, subsequent_indent=" " * indent, break_long_words=False,
-                         break_on_hyphens=False).replace(_KEEP, " ")
+                         break_on_hyphens=False).replace(KEEP, " ")
+
+
+def kept_together(text: str) -> str:
+    """`text` with the spaces inside a number and its unit ("16 GB", "9 min 32 s", "6.44 billion elements",
+    "signal 11") made unbreakable (`KEEP`): no wrap puts a number on one line and its unit on the next."""
+    return _WITH_UNIT.sub(lambda m: m.group().replace(" ", KEEP), text)
+
+
+def unbroken_words(text: str) -> list[str]:
+    """The words of `text` that a wrap keeps whole: split at spaces, a number with its unit one word."""
+    return [word.replace(KEEP, " ") for word in kept_together(text).split()]
 
 
 _BACKQUOTED = re.compile(r"`[^`\n]*`")
-_KEEP = "\0"  # a space that must not break while wrapping (not whitespace to textwrap; no path holds it)
+KEEP = "\0"  # a space that must not break while wrapping (not whitespace to textwrap; no path holds it)
+# A number and its unit: sizes, times and bits ("8.0 GiB", "396 s", "9 min 32 s"), "6.44 billion elements", and a
+# signal's number ("SIGSEGV (signal 11)").
+_NUMBER, _UNIT = r"\d[\d,]*(?:\.\d+)?", r"(?:[KMGT]i?B|bytes?|bits?|ms|s|min|h)\b(?!\.\w)"
+_WITH_UNIT = re.compile(rf"\bsignal \d+|(?<![\w.]){_NUMBER}(?: (?:billion|million|thousand) \w+|"
+                        rf" {_UNIT}(?: {_NUMBER} {_UNIT})*)")
 
 
 def _stderr_width() -> int | None:

@@ -14,6 +14,11 @@ ATTENTION_BUDGET = "MPSIMPACT_ATTENTION_BUDGET"  # bytes of one attention piece:
 GUARD = "MPSIMPACT_GUARD"  # install_thread_guard()'s mode when none is given
 EMBEDDED_MODEL = "MPSIMPACT_EMBEDDED_MODEL"  # a local all-MiniLM-L6-v2 folder in place of the package's
 OFFLINE = ("UV_OFFLINE", "PIP_NO_INDEX")  # package-index switches: the package index is off limits (matrix)
+# torch's own: MPS's high watermark, a share of the working set past which its allocator stops a process with
+# "MPS backend out of memory" (0: no limit); read for a Mac a command judges (engine.mac_memory).
+HIGH_WATERMARK_RATIO = "PYTORCH_MPS_HIGH_WATERMARK_RATIO"
+DEFAULT_WATERMARK_RATIO, MAX_WATERMARK_RATIO = 1.7, 2.0  # torch's default on unified memory (engine.mac_memory's
+# WATERMARK_RATIO, which the engine cannot import from here), and its upper bound
 COLUMNS = "COLUMNS"  # the console's width: rich lays out every line (--help too) by it, and errors.paragraph wraps
 
 GUARD_MODES = ("raise", "warn", "chunk")  # the guard's modes (modes.guard); MPSIMPACT_GUARD may also say off
@@ -92,6 +97,26 @@ def guard_mode() -> str | None:
     return value.strip()
 
 
+def high_watermark_ratio() -> float:
+    """PYTORCH_MPS_HIGH_WATERMARK_RATIO as torch's MPS allocator reads it: a number from 0 (no limit) to 2, its
+    default 1.7 where unset (on unified memory).
+
+    Raises:
+        EnvironmentVariableError: not a number, or outside what torch accepts (it refuses the process then).
+    """
+    value = _value(HIGH_WATERMARK_RATIO)
+    if value is None:
+        return DEFAULT_WATERMARK_RATIO
+    accepted = f"give a number from 0 (no limit) to {MAX_WATERMARK_RATIO:g}, as torch accepts, e.g. 1.7"
+    try:
+        ratio = float(value)
+    except ValueError:
+        raise EnvironmentVariableError(HIGH_WATERMARK_RATIO, value, "is not a number", accepted) from None
+    if not 0 <= ratio <= MAX_WATERMARK_RATIO:  # nan fails both
+        raise EnvironmentVariableError(HIGH_WATERMARK_RATIO, value, "is out of range", accepted)
+    return ratio
+
+
 def embedded_model_folder() -> Path | None:
     """MPSIMPACT_EMBEDDED_MODEL as a path, or None where unset. Only its name is checked here; what the folder
     holds is checked by models.classifier before anything reads it.
@@ -130,5 +155,6 @@ def check_variables() -> None:
     attention_budget()
     console_width()
     guard_mode()
+    high_watermark_ratio()
     embedded_model_folder()
     is_offline()

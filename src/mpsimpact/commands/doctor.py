@@ -52,8 +52,7 @@ def release_rule(release) -> str:
     outcome here."""
     return ("Which torch release the commands judge: the one --torch-profile names; else on a Mac the "
             "installed torch; else (no Apple GPU: the installed torch says nothing about a Mac) 2.14.0, a "
-            "release measured on Macs where the bug is silent (the published demo's). Here: "
-            f"{release.sentence()}")
+            f"release measured on Macs where the bug is silent (the published demo's). {release.sentence()}")
 
 
 def profile_sentence(env: dict) -> str:
@@ -81,10 +80,12 @@ def mac_sentence(apple_gpu: bool) -> str:
     from mpsimpact.engine.release import cache_root
 
     if not apple_gpu:
-        return ("A Mac's memory: no Apple GPU here. A Mac declared with --memory (plan, check, run) is "
-                "assumed to allocate one buffer of at most half its unified memory (a 16 GB Mac: 8 GiB, so no "
-                "2^32 half-precision numbers) and to lend a process about two thirds; `mpsimpact doctor` on "
-                "the Mac measures its own.")
+        return ("No Apple GPU here, so no Mac's memory to measure. A Mac declared with --memory (plan, check, "
+                "run) is assumed to allocate one buffer of at most half its unified memory (on a 16 GB Mac, "
+                "8 GiB: no 2^32 half-precision numbers), to lend a process about two thirds (its working set), "
+                "and to stop a process past its high watermark (1.7 x the working set by default, "
+                "PYTORCH_MPS_HIGH_WATERMARK_RATIO) with 'MPS backend out of memory'; `mpsimpact doctor` on the "
+                "Mac measures its own.")
     mac = measure_mac(cache_root())
-    return (f"This Mac's memory: {mac.describe()} (the largest torch.empty MPS accepts, measured now). "
+    return (f"This Mac's memory, measured now (the largest torch.empty MPS accepts): {mac.describe()} "
             f"Kept in {measured_path(cache_root())} for plan --memory auto, run and sweep on MPS.")

@@ -85,7 +85,7 @@ def main(
 def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) -> None:
     from mpsimpact.output.console import Console
 
-    from mpsimpact.output.page import Footnotes, release_lines
+    from mpsimpact.output.page import Footnotes, after_label, release_lines
 
     footnotes = Footnotes()
     console = Console()
@@ -93,12 +93,12 @@ def _print_summary(report: dict, folder: Any, kind: Any, verbose: bool = False) 
     console.print(kind.headline(report, plain=not verbose), style="bold", markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
-    console.print(geometry["mode"], style="bold yellow" if geometry["emulated"] else "bold green", markup=False)
+    console.print(f"{geometry['mode']}.", style="bold yellow" if geometry["emulated"] else "bold green", markup=False)
     console.print(kind.console_table(report, footnotes, verbose))  # fills the footnotes
-    notes = [f"note: {note}" for note in report["notes"][1:]]
+    notes = [f"note: {after_label(note)}" for note in report["notes"][1:]]
     for line in [*kind.guard_lines(report), *footnotes.lines(), *kind.console_lines(report, verbose), *notes]:
         console.print(line, markup=False)
-    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)})", markup=False)
+    console.print(f"Reports written to {folder}/ ({', '.join(kind.files)}).", markup=False)
 
 
 def _check_expectation(report: dict, expect: str | None, kind: Any) -> None:

@@ -77,6 +77,14 @@ class CallRecord:
         new.__dict__.update(self.__dict__, **changes)
         return new
 
+    def resized(self, a: TensorSpec, b: TensorSpec) -> CallRecord:
+        """The same call on operands `a` and `b` (rescaled to another batch or length), its fault not decided
+        again; the bytes its softmax kept alive (`live_bytes`) scaled with its output."""
+        live = self.live_bytes
+        if live is not None and self.b.numel:
+            live = live * b.numel // self.b.numel
+        return self.evolve(a=a, b=b, live_bytes=live)
+
     @property
     def family(self) -> str:
         return family_of(self.op)

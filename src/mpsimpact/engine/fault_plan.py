@@ -9,7 +9,7 @@ from typing import Any
 
 from mpsimpact.engine.call import CallRecord, classify_record
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, Profile, sdpa_path
-from mpsimpact.engine.mac_memory import MacMemory, buffer_fault
+from mpsimpact.engine.mac_memory import MacMemory, buffer_fault, call_bytes
 from mpsimpact.engine.release import FaultProfile, takes_release
 
 
@@ -63,6 +63,21 @@ class FaultPlan:
         if mac == self.mac:
             return self
         return FaultPlan.from_trace(self.trace or self.calls, self.index_bits, self.profile, mac)
+
+    def out_of_memory(self, needed: int) -> FaultPlan:
+        """The plan on a Mac whose high watermark a run needing `needed` bytes in all passes (its estimated peak):
+        MPS stops it with "MPS backend out of memory" where the run makes its largest tensor (the first forward call
+        that allocates it: where the peak is reached), unless that call stops already (the Mac's buffer refuses that
+        tensor first) or no Mac is declared, or the run is judged at a narrowed index (its weights do not shrink
+        with its limits: Note [The Mac's largest buffer])."""
+        mac = self.mac
+        if mac is None or mac.holds(needed) or self.index_bits != MPS_INDEX_BITS or not self.calls:
+            return self
+        at = max([c for c in self.calls if c.phase == "forward"] or self.calls, key=call_bytes)  # the first largest
+        if at.fault.is_stop:
+            return self
+        fault = mac.out_of_memory(needed, self.profile.release if self.profile else "")
+        return dataclasses.replace(self, calls=tuple(c.evolve(fault=fault) if c is at else c for c in self.calls))
 
     @property
     def faults(self) -> list[CallRecord]:

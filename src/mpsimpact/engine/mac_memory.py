@@ -30,6 +30,12 @@ from mpsimpact.errors import UsageError
 # "104.25 GB" on a 128 GB M1 Ultra, diffusers#5894): half is assumed unless this Mac measured its own
 # (`mpsimpact doctor`). The total a process may hold is recommendedMaxWorkingSetSize, about two thirds
 # (torch.mps.recommended_max_memory()).
+# Beside the one buffer, the total: MPS's allocator lets a process hold at most its high watermark, the working set
+# times PYTORCH_MPS_HIGH_WATERMARK_RATIO (1.7 by default on unified memory; 0: no limit), and refuses the allocation
+# that would cross it with "MPS backend out of memory" (MPSAllocator.mm); between the working set and the
+# watermark a run proceeds, swapping. A run's total is an estimate of its peak (prediction.memory), judged at
+# MPS's own index width only: a narrowed run's weights do not shrink with its limits. See Note [What fits a Mac]
+# in prediction/memory.py.
 # Every silent bmm rule needs an operand or output past 2**32 elements: 8 GiB in half precision, which a
 # 16 GB Mac cannot allocate, so there the loud error comes first. A call whose tensor reaches the largest
 # buffer is "error" (rule BUFFER_RULE) before and instead of what the index rules say; the guard cannot split
@@ -40,9 +46,12 @@ from mpsimpact.errors import UsageError
 # PyTorch buffer: not judged (nobody measured what MPSGraph does there).
 
 BUFFER_RULE = "buffer-size"
+WATERMARK_RULE = "high-watermark"  # the process's total past MPS's high watermark: "MPS backend out of memory"
+MAC_RULES = frozenset({BUFFER_RULE, WATERMARK_RULE})  # the Mac's own refusals: no guard splits them away
 BUFFER_SHARE = 1 / 2  # maxBufferLength, of unified memory (reports above)
 WORKING_SET_SHARE = 2 / 3  # recommendedMaxWorkingSetSize, of unified memory
 GIB = 1 << 30
+WATERMARK_RATIO = 1.7  # MPSAllocator's default_high_watermark_ratio on unified memory
 # Where the largest buffer was found: assumed from the memory size, or measured on a Mac (`doctor`).
 ASSUMED, MEASURED = "assumed", "measured"
 # Bytes per element by dtype name (TensorSpec.dtype); others count as 4.
@@ -115,12 +124,39 @@ class MacMemory:
     working_set: int
     basis: str = ASSUMED  # ASSUMED (shares of unified memory) or MEASURED
     measured_on: str = ""  # with MEASURED: chip, macOS, torch and date
+    # MPS's high watermark, of the working set: torch's default on unified memory; a command's Mac takes
+    # PYTORCH_MPS_HIGH_WATERMARK_RATIO's (variables.high_watermark_ratio, read where --memory is: config). 0: no limit
+    watermark_ratio: float = WATERMARK_RATIO
 
     @classmethod
     def of_size(cls, unified_gb: float) -> MacMemory:
         """The limits assumed for a Mac of `unified_gb` GB: half for the buffer, two thirds for the working set."""
         total = unified_gb * GIB
         return cls(unified_gb, int(total * BUFFER_SHARE), int(total * WORKING_SET_SHARE))
+
+    @property
+    def high_watermark(self) -> int | None:
+        """The most a process may hold before MPS stops it ("MPS backend out of memory"): the working set times
+        the high watermark ratio; None where the ratio is 0 (no limit)."""
+        return int(self.working_set * self.watermark_ratio) if self.watermark_ratio else None
+
+    def holds(self, n_bytes: float) -> bool:
+        """Whether MPS lets a process hold `n_bytes` in all here (at most its high watermark)."""
+        return self.high_watermark is None or n_bytes <= self.high_watermark
+
+    def out_of_memory(self, n_bytes: int, release: str = "") -> Fault:
+        """What MPS does with a run that needs `n_bytes` in all here, past its high watermark: raises at the
+        allocation that crosses it (MPSAllocator's words, its limit as format_size prints it)."""
+        message = f"MPS backend out of memory (max allowed: {format_size(self.high_watermark or 0)})"
+        return Fault("error", None, None, message, WATERMARK_RULE, release=release, inferred=True)
+
+    def watermark_words(self) -> str:
+        """'MPS stops a process past 18.1 GiB (its high watermark: 1.7 x the working set, ...)', or no limit."""
+        if self.high_watermark is None:
+            return "MPS sets a process no limit in all (PYTORCH_MPS_HIGH_WATERMARK_RATIO=0)"
+        return (f"MPS stops a process that needs more than {self.high_watermark / GIB:.1f} GiB in all with 'MPS "
+                f"backend out of memory' (its high watermark: {self.watermark_ratio:g} x the working set, "
+                "PYTORCH_MPS_HIGH_WATERMARK_RATIO)")
 
     @property
     def label(self) -> str:
@@ -150,15 +186,23 @@ class MacMemory:
             return f"measured{': ' + self.measured_on if self.measured_on else ''}"
         return f"assumed: half of {self.unified_gb:g} GB unified memory"
 
+    def limits(self) -> str:
+        """Its three limits in words: the largest buffer, the working set and the high watermark, each with where
+        it came from (what follows "On a 16 GB Mac, " in `describe`)."""
+        return (f"Metal allocates one buffer of at most {self.largest_buffer / GIB:.1f} GiB ({self.source()}) and "
+                f"lends a process about {self.working_set / GIB:.1f} GiB (its working set); {self.watermark_words()}")
+
     def describe(self) -> str:
-        """One sentence for a report: which Mac, its largest buffer and working set, and where each came from."""
-        return (f"{self.label[0].upper()}{self.label[1:]}: {self.buffer_words()}; Metal lends a process about "
-                f"{self.working_set / GIB:.1f} GiB in all")
+        """One sentence for a report: which Mac, and its limits (`limits`)."""
+        return f"On {self.label}, {self.limits()}."
 
     def to_json(self) -> dict[str, Any]:
+        watermark = self.high_watermark
         return dataclasses.asdict(self) | {
             "label": self.label, "largest_buffer_gib": round(self.largest_buffer / GIB, 2),
-            "working_set_gib": round(self.working_set / GIB, 2), "sentence": self.describe()}
+            "working_set_gib": round(self.working_set / GIB, 2),
+            "high_watermark_gib": None if watermark is None else round(watermark / GIB, 2),
+            "sentence": self.describe()}
 
 
 def buffer_refuses(n_bytes: float, buffer: int) -> bool:

@@ -275,11 +275,12 @@ def _is_prerelease(name: str) -> bool:
         return False
 
 
-_EAGER_2_4_1 = ("Model level, the first-pass suite saw eager attention (5712, 12, 256, 256) correct on 2.4.1, "
-                "although the op-level rules predict its P V wrong (unexplained).")
-_EAGER_2_13_0 = ("Model level, eager attention (5712, 12, 256, 256) crashed (signal 11) on 2.13.0 in the "
-                 "first-pass suite; the rules attribute it to the scale or softmax on the > 2**32-element "
-                 "scores (inferred).")
+_EAGER_2_4_1 = ("In the study's tests of whole ops (one shape each), eager attention (5712, 12, 256, 256) came "
+                "back correct on 2.4.1, although the op-level rules predict its weighted sum of the values wrong "
+                "(unexplained).")
+_EAGER_2_13_0 = ("In the study's tests of whole ops (one shape each), eager attention (5712, 12, 256, 256) crashed "
+                 "the process (signal 11) on 2.13.0; the rules put the crash at the scaling or softmax of its more "
+                 "than 2^32 scores (inferred).")
 
 
 def _group(version: tuple[int, int, int]) -> tuple[str, dict[str, object]] | None:
@@ -612,3 +613,10 @@ def bmm_failure_texts() -> tuple[str, ...]:
     """Every text the study recorded for a bmm that raises or aborts, in each release's spelling."""
     at_limit = (view_equal_limit_message(profile_for(release)) for release in _SRC_NDARRAY_LINE)
     return (INT_MAX_MESSAGE, INT_MAX_MESSAGE_TYPO, NDARRAY_ABORT_MESSAGE, *at_limit)
+
+
+def torch_words(text: str | None) -> str:
+    """torch's own error text, quoted as torch's ("in torch's own words: '...'"); torch's own misspelling
+    (2.9.1 .. 2.12.1's "MPSGaph") said to be torch's, so that no reader takes it for ours."""
+    typo = text is not None and INT_MAX_MESSAGE_TYPO.split()[0] in text
+    return f"in torch's own words{', misspelling and all' if typo else ''}: '{text}'"

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from mpsimpact.engine.call import CallRecord, classify_call
+from mpsimpact.engine.call import CallRecord, classify_call, rows_per_sample
 from mpsimpact.modes.base import (
     ACTIVE, check_index_bits, MatmulMode, active_emulator, current_phase, innermost, op_name,
 )
 from mpsimpact.modes.call_site import TORCH_AND_OURS, innermost_outside
 from mpsimpact.modes.chunking import Split, run_in_pieces, split_bmm
+from mpsimpact.modes.entrypoint import entry_shape
 from mpsimpact.modes.guard_dispatch import DispatchJudge
 from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import has_symbolic_sizes, tensors_of
@@ -252,15 +253,18 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
             self.chunk_sizes.append(chunk.step if isinstance(chunk, Pieces) else chunk)
             with active.as_one_call(op) if active else contextlib.nullcontext():
                 return split()
-        message = describe_stop(record, fault, chunk, why_not, self._bits(active))
+        bits = self._bits(active)
+        message = describe_stop(record, fault, chunk, why_not, bits)
         if self.mode == "warn":
             self.warned.append(record)
             self._warn_once(message)
             return unguarded()
         self.stopped.append(record)
         safe_chunk = chunk.step if isinstance(chunk, Pieces) else chunk
+        # rows_per_sample: the call's rows one sample of the caller's first dimension holds (Note [A call's samples])
         raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
-                               safe_chunk=safe_chunk)
+                               safe_chunk=safe_chunk, rows_per_sample=rows_per_sample(record, entry_shape()),
+                               index_bits=bits)
 
     def _bits(self, active) -> int:
         return active.index_bits if active and active.plan is None else self.index_bits

@@ -18,7 +18,7 @@ HTML_STYLE = (
 
 
 # A fault kind (engine.faults) in plain words, for the console; the JSON keeps the kind itself.
-FAULT_WORDS = {"wrong_all": "silent, every row wrong", "wrong_tail": "silent, tail rows wrong",
+FAULT_WORDS = {"wrong_all": "silent, all wrong", "wrong_tail": "silent, the tail wrong",
                "truncated": "silent, truncated", "wrong_other": "silent, wrong (not characterised)",
                "error": "error", "abort": "abort", "ok": "correct"}
 
@@ -37,6 +37,25 @@ def release_lines(report: dict[str, Any]) -> list[str]:
     (with the flag that shows it): the lines under every report's first line (report["release"])."""
     release = report.get("release") or {}
     return [line for line in (release.get("sentence"), release.get("on_a_mac")) if line]
+
+
+def narrowed_words(index_bits: int, full: int = 32) -> str:
+    """" at the 23-bit index" where sizes are judged at a narrowed index (--quick, --index-bits; MPS's is `full`),
+    "" at MPS's own: said wherever such a size is given."""
+    return f" at the {index_bits}-bit index" if index_bits != full else ""
+
+
+def after_label(text: str) -> str:
+    """A sentence put after a label ("note: ..."): its first word in lower case, unless it is a name or an
+    acronym ("MPS", "Llama"), so that a label never reads glued to a second sentence ("note: No ...")."""
+    first = text.split(" ", 1)[0]
+    if not first[:1].isupper() or first[1:2].isupper() or first.rstrip(",.:;") in PROPER_WORDS:
+        return text
+    return text[0].lower() + text[1:]
+
+
+# Capitalised words that stay so after a label: names, not a sentence's first word.
+PROPER_WORDS = frozenset({"Apple", "Metal", "Mac", "Python", "PyTorch", "Linux", "Hugging", "Chromium", "Llama"})
 
 
 def without_rule_names(text: str) -> str:
@@ -68,6 +87,13 @@ def command_lines(command: str, width: int = 80) -> list[str]:
             lines.append("  ")
         lines[-1] += (" " if lines[-1].strip() else "") + piece
     return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
+def count_words(n: int, unit: str = "") -> str:
+    """A count as people read it, never a bare G or M: "6.44 billion", "402.7 million", "12,582,912" below a
+    million; with `unit`, after it ("6.44 billion elements")."""
+    said = (f"{n / 1e9:.2f} billion" if n >= 1e9 else f"{n / 1e6:.1f} million" if n >= 1e6 else f"{n:,}")
+    return f"{said} {unit}" if unit else said
 
 
 def cell_name(cell: dict[str, Any]) -> str:
@@ -126,11 +152,16 @@ class Footnotes:
         return f"[{self.texts.index(text) + 1}]"
 
     def lines(self) -> list[str]:
-        return [f"[{n}] {text}" for n, text in enumerate(self.texts, 1)]
+        """Each text after its marker, ended as a sentence is."""
+        return [f"[{n}] {text}" + ("" if text.endswith((".", "?", "!")) else ".")
+                for n, text in enumerate(self.texts, 1)]
 
 
 def _words(cell: str) -> list[str]:
-    return cell.split() or [""]
+    """A cell's words as a wrap keeps them whole (a number with its unit is one: errors.unbroken_words)."""
+    from mpsimpact.errors import unbroken_words
+
+    return unbroken_words(cell) or [""]
 
 
 def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list[int] | None:
@@ -152,11 +183,15 @@ def _column_widths(header: list[str], rows: list[list[str]], width: int) -> list
 
 
 def _wrapped(text: str, width: int) -> list[str]:
-    """`text` in lines of `width`, broken at spaces only (a word longer than a line stays whole)."""
+    """`text` in lines of `width`, broken at spaces only (a word longer than a line stays whole, and so does a
+    number with its unit: errors.kept_together)."""
     import textwrap
 
-    return [line for paragraph in text.splitlines() or [""]
-            for line in textwrap.wrap(paragraph, width, break_long_words=False, break_on_hyphens=False) or [""]]
+    from mpsimpact.errors import KEEP, kept_together
+
+    return [line.replace(KEEP, " ") for paragraph in text.splitlines() or [""]
+            for line in textwrap.wrap(kept_together(paragraph), width, break_long_words=False,
+                                      break_on_hyphens=False) or [""]]
 
 
 class FittedTable:
@@ -181,10 +216,11 @@ class FittedTable:
         from rich.text import Text
 
         table = Table(title=self.title, show_lines=self.show_lines)
-        for title, width in zip(self.header, widths):
-            table.add_column(title, justify=self.justify, width=width, overflow="fold")
+        for title, width in zip(self.header, widths):  # each cell wrapped here, so rich breaks none again
+            table.add_column(Text("\n".join(_wrapped(title, width))), justify=self.justify, width=width,
+                             overflow="fold")
         for row in self.rows:
-            table.add_row(*(Text(cell) for cell in row))
+            table.add_row(*(Text("\n".join(_wrapped(cell, width))) for cell, width in zip(row, widths)))
         return table
 
     def _blocks(self, width: int):

@@ -16,9 +16,10 @@ from mpsimpact.prediction.meta_model import (
 from mpsimpact.config import LENGTH_CEILING, CheckConfig, batch_ceiling
 from mpsimpact.output.record import ABSENT, Record
 from mpsimpact.prediction.outcome import CallRow, PredictionBlock, PredictionSection, ReleaseBlock, Subject
+from mpsimpact.prediction.memory import batch_fits, length_fits
 from mpsimpact.prediction.safe_size import (
-    TRACE_TEXTS, BoundarySearch, bisect_clean, fit_lengths, is_clean, largest_safe_batch, longest_safe_length,
-    per_text, plan_at, plan_signature, scalable,
+    TRACE_TEXTS, BoundarySearch, bisect_clean, calls_at, cut_to_fit, fit_lengths, is_clean, largest_safe_batch,
+    longest_safe_length, per_text, plan_at, plan_signature, scalable,
 )
 from mpsimpact.engine.release import ASKED, ON_THIS_MAC, JudgedRelease, judge_release
 from mpsimpact.engine.fault_plan import FaultPlan
@@ -80,19 +81,21 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
     return model, info
 
 
-def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
-    """The largest batch B such that every batch up to B is clean at this length: traces at 2 and 4
-    samples scaled by arithmetic (safe_size.largest_safe_batch, as `plan` does), checked against the
-    trace at the asked batch. One sample is traced as itself where it decides (a 4-D matmul at one
-    sample hands bmm strided views): when asked, or when the scaled answer is below 2."""
+def safe_batch(model: MetaModel, batch: int, length: int, subject: Subject) -> BoundarySearch:
+    """The largest batch B such that every batch up to B is clean at this length and fits the Mac declared (Note
+    [What fits a Mac] in prediction/memory.py): traces at 2 and 4 samples scaled by arithmetic
+    (safe_size.largest_safe_batch, as `plan` does), checked against the trace at the asked batch. One sample is
+    traced as itself where it decides (a 4-D matmul at one sample hands bmm strided views): when asked, or when the
+    scaled answer is below 2."""
     def trace_at(n: int) -> FaultPlan:
         return model.trace(n, length)
 
     ceiling = batch_ceiling(batch)
     two, four = trace_at(TRACE_TEXTS), trace_at(2 * TRACE_TEXTS)
     if not scalable(two, four):
-        return dataclasses.replace(bisect_clean(trace_at, ceiling, "the calls change with the batch size"),
-                                   ceiling=True)
+        found = bisect_clean(trace_at, ceiling, "the calls change with the batch size")
+        fits = batch_fits(lambda n: trace_at(n).calls, subject, length, model.mac, model.profile, model.index_bits)
+        return cut_to_fit(dataclasses.replace(found, ceiling=True), fits, "batch")
     calls = per_text(two, four)
     basis = f"arithmetic on calls traced at {TRACE_TEXTS} and {2 * TRACE_TEXTS} samples (as `plan`)"
     if batch not in (1, TRACE_TEXTS, 2 * TRACE_TEXTS):
@@ -105,7 +108,8 @@ def safe_batch(model: MetaModel, batch: int, length: int) -> BoundarySearch:
     if batch == 1 or found < 2:
         found = max(found, 1) if is_clean(trace_at(1)) else 0
         basis += "; batch 1 traced as itself"
-    return BoundarySearch(found, ceiling, basis, ceiling=True)
+    fits = batch_fits(lambda n: calls_at(calls, n), subject, length, model.mac, model.profile, model.index_bits)
+    return cut_to_fit(BoundarySearch(found, ceiling, basis, ceiling=True), fits, "batch")
 
 
 # The most ops one trace of the length search may hold: a model that runs ops per token (a state-space or
@@ -131,12 +135,15 @@ def affordable_length(model: MetaModel, batch: int, high: int) -> tuple[int, str
                  f"runs ops token by token), and a longer one would hold more than {MAX_TRACE_OPS:,}")
 
 
-def safe_length(model: MetaModel, cfg: CheckConfig, batch: int, length: int, high: int) -> BoundarySearch:
-    """The longest safe length at this batch, searched in 1..high (cut where a trace would grow too large:
-    `affordable_length`); an answer at a bound of the search's own (not the model's positions) is "at least"."""
+def safe_length(model: MetaModel, cfg: CheckConfig, batch: int, length: int, high: int,
+                subject: Subject) -> BoundarySearch:
+    """The longest safe length at this batch (free of faults, and fitting the Mac declared), searched in 1..high
+    (cut where a trace would grow too large: `affordable_length`); an answer at a bound of the search's own (not
+    the model's positions) is "at least"."""
     high, cost_note = affordable_length(model, batch, high)
+    fits = length_fits(subject, batch, model.mac, model.profile, cfg.index_bits)
     by_length = longest_safe_length(lambda n: model.trace(batch, n), high, cfg.index_bits, model.profile,
-                                    known=length, mac=model.mac)
+                                    known=length, mac=model.mac, fits=fits)
     return dataclasses.replace(by_length, ceiling=bool(cost_note) or length_limit(model.config)[0] is None,
                                basis=f"{by_length.basis}; {cost_note}" if cost_note else by_length.basis)
 
@@ -201,10 +208,10 @@ def build_check_report(cfg: CheckConfig) -> CheckReport:
     length, high = geometry(model.config, cfg)
     batch, heads = cfg.batch_size, info["heads"]
     plan = model.trace(batch, length)  # the asked geometry: where it cannot be traced, that is the answer
-    by_length = searched(high, lambda: safe_length(model, cfg, batch, length, high))
-    by_batch = searched(batch_ceiling(batch), lambda: safe_batch(model, batch, length))
     subject = Subject(heads, info["class"], info["supports_attention_interface"], info["parameters"],
                       int(getattr(model.config, "hidden_size", 0) or 0), model.module.dtype, model.backward)
+    by_length = searched(high, lambda: safe_length(model, cfg, batch, length, high, subject))
+    by_batch = searched(batch_ceiling(batch), lambda: safe_batch(model, batch, length, subject))
     section = PredictionSection(judged, plan, batch, length, subject)
     target = (cfg.target_len or length) if info["encoder_decoder"] else None
     return CheckReport.of({

@@ -1,14 +1,20 @@
 """Memory: what a device pass or a training step needs, estimated from shapes alone (the preflight
-checks it before anything big is allocated; plan, check and the Mac table show it)."""
+checks it before anything big is allocated; plan, check and the Mac table show it), and whether a run fits the Mac
+declared: the largest batch and the longest length that do, and MPS's own stop where it does not (Note [What fits
+a Mac])."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpsimpact.attention.blocked import NAME as BLOCKED, samples_per_block
 from mpsimpact.config import GIB
+from mpsimpact.engine.call import CallRecord
+from mpsimpact.engine.fault_plan import FaultPlan, runs_on_mps
+from mpsimpact.engine.faults import MPS_INDEX_BITS
+from mpsimpact.output.page import count_words
 
 # What the training-step estimate counts, for the preflight's message.
 TRAINING_PARTS = "activations kept for backward, gradients, Adam state"
@@ -106,9 +112,9 @@ def traced_peak_bytes(plan: Any, parameters: int, batch: int, length: int, hidde
     upcast = softmax is not None and dtype.itemsize < UPCAST_BYTES and softmax.b.dtype == "float32"
     live = (softmax.live_bytes or 0) if softmax is not None and softmax.b.numel * 2 >= bmm else 0
     total = peak_bytes(parameters, states, bmm, heads, mm, dtype.itemsize, upcast, live)
-    basis = (f"{str(dtype).removeprefix('torch.')}: weights ({parameters / 1e9:.2f}G parameters) + 4 hidden-state "
-             f"copies + the larger of 2 x the largest bmm tensor ({bmm / 1e9:.2f}G elements) + the L x L mask, "
-             f"and 2 x the largest mm output ({mm / 1e9:.2f}G)")
+    basis = (f"{str(dtype).removeprefix('torch.')}: weights ({count_words(parameters, 'parameters')}) + 4 "
+             f"hidden-state copies + the larger of 2 x the largest bmm tensor ({count_words(bmm, 'elements')}) + "
+             f"the L x L mask, and 2 x the largest mm output ({count_words(mm, 'elements')})")
     if upcast:
         basis += "; eager softmax runs in fp32 (dtype=torch.float32): the scores plus two fp32 copies"
     per_score = dtype.itemsize + 2 * UPCAST_BYTES if upcast else 2 * dtype.itemsize
@@ -177,3 +183,64 @@ def largest_batch_where(fits: Callable[[int], bool], ceiling: int = 1 << 40) -> 
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+# Note [What fits a Mac]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A run "fits" a Mac where each of its tensors is under the largest buffer (engine.mac_memory.buffer_refuses, judged
+# call by call in the fault plan) and its estimated peak within MPS's high watermark (MacMemory.holds: the working
+# set times PYTORCH_MPS_HIGH_WATERMARK_RATIO, 1.7 by default). Past the watermark MPS stops the process with "MPS
+# backend out of memory" at the allocation that crosses it: the plan says so at the call that makes the run's
+# largest tensor (FaultPlan.out_of_memory), and the prediction with it, before any other verdict. Between the working
+# set and the watermark a run proceeds, swapping: it fits (it runs), and `plan --memory` sizes its demos within the
+# working set all the same (prediction.demo_size). A "safe" size is one that is free of faults and fits: the largest
+# safe batch and the longest safe length are the smaller of the index rules' (and the buffer's) answer and the
+# largest size whose peak the Mac holds. Judged at MPS's own index width only: a narrowed run's weights do not
+# shrink with its limits.
+
+
+def run_peak(calls: Sequence[CallRecord], subject: Any, batch: int, length: int,
+             profile: Any = None) -> tuple[int, str]:
+    """The estimated peak of a real run of these calls at `batch` samples of `length` tokens, and its basis
+    (`subject`: outcome.Subject, the model beyond its calls; `profile`: the release whose calls MPS runs, of a
+    trace's two ways of one SDPA call, as its fault plan keeps them)."""
+    kept = runs_on_mps(list(calls), profile) if profile is not None else list(calls)
+    return traced_peak_bytes(FaultPlan(tuple(kept)), subject.parameters, batch, length, subject.hidden,
+                             subject.heads, subject.dtype, subject.training)
+
+
+def knows_peak(subject: Any) -> bool:
+    """Whether the model is known well enough for a peak (its dtype and parameters: plan's and check's subjects)."""
+    return subject.dtype is not None and subject.parameters > 0
+
+
+def decided_on_memory(plan: FaultPlan, subject: Any, batch: int, length: int) -> FaultPlan:
+    """The plan with MPS's out-of-memory stop where the run's peak passes the Mac's high watermark (Note [What fits
+    a Mac]); the plan itself where no Mac is declared, the model is not known well enough, or the index is
+    narrowed."""
+    if plan.mac is None or plan.index_bits != MPS_INDEX_BITS or not knows_peak(subject):
+        return plan
+    return plan.out_of_memory(run_peak(plan.calls, subject, batch, length)[0])
+
+
+def batch_fits(calls_at: Callable[[int], Sequence[CallRecord]], subject: Any, length: int, mac: Any,
+               profile: Any, index_bits: int = MPS_INDEX_BITS) -> Callable[[int], bool] | None:
+    """Whether a batch's run fits `mac` (its peak within the high watermark), `calls_at(batch)` the calls at that
+    batch, for the batch searches (safe_size.cut_to_fit); None where nothing limits it: no Mac, no limit, the model
+    not known well enough, a narrowed index."""
+    if not _limits(mac, subject, index_bits):
+        return None
+    return lambda batch: mac.holds(run_peak(calls_at(batch), subject, batch, length, profile)[0])
+
+
+def length_fits(subject: Any, batch: int, mac: Any, profile: Any,
+                index_bits: int = MPS_INDEX_BITS) -> Callable[[Sequence[CallRecord], int], bool] | None:
+    """Whether the calls at a length (and that length) fit `mac` at `batch` samples, for the length search
+    (safe_size.longest_safe_length); None where nothing limits it (as `batch_fits`)."""
+    if not _limits(mac, subject, index_bits):
+        return None
+    return lambda calls, length: mac.holds(run_peak(calls, subject, batch, length, profile)[0])
+
+
+def _limits(mac: Any, subject: Any, index_bits: int) -> bool:
+    return mac is not None and mac.high_watermark is not None and index_bits == MPS_INDEX_BITS and knows_peak(subject)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +15,11 @@ from mpsimpact.modes.budget import bytes_per_score_of, target_budget
 from mpsimpact.prediction.memory import in_gib, traced_peak_bytes
 from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
-from mpsimpact.engine.mac_memory import BUFFER_RULE
+from mpsimpact.engine.mac_memory import BUFFER_RULE, MAC_RULES, WATERMARK_RULE
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.engine.release import allocates
 from mpsimpact.modes.piecewise import has_split
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.record import ABSENT, Record
 
 
@@ -69,14 +71,14 @@ class Prediction:
         """The outcome in words, for tables and slides."""
         if self.stop is not None:
             fault = self.stop.fault
-            what = "process abort" if fault.kind == "abort" else "error"
             rule = f"rule {fault.rule}" + (", inferred" if fault.inferred else "")
-            return f"{what}: {fault.message} (at {self.stop.describe()}, {self.stop.phase}; {rule})"
+            said = f"process abort: {fault.message}" if fault.kind == "abort" else f"error, {torch_words(fault.message)}"
+            return f"{said} (at {self.stop.describe()}, {self.stop.phase}; {rule})"
         if self.first_corrupted_text is not None:
             return f"{self.corrupted_count} texts wrong from text {self.first_corrupted_text}"
         if self.outcome == "unmeasured":
             calls = unmeasured_calls(self.unmeasured)
-            return f"unmeasured ({calls}: nobody measured them on MPS; judged conservatively)"
+            return f"cannot tell ({calls}: nobody measured them on MPS; judged conservatively)"
         if self.uncharacterised:
             return "wrong (values and texts not characterised)"
         return "clean"
@@ -266,6 +268,7 @@ class Subject:
     hidden: int = 0
     dtype: Any = None  # the model's torch.dtype
     training: bool = False  # one training step (forward and backward), not one forward pass
+    unit: str = "sample"  # what one entry of the input's first dimension is called to its user: "text" in `plan`
 
 
 def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
@@ -273,7 +276,7 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     faults = plan.faults
     if not faults:
         return ["Nothing crosses a limit: no guard needed."]
-    if refused := [c for c in faults if c.fault.rule == BUFFER_RULE]:
+    if refused := [c for c in faults if c.fault.rule in MAC_RULES]:
         return _refused_advice(faults, refused, plan, batch, subject)
     stuck = [c for c in faults if not splits_safely(c, plan.index_bits)]
     strict = [c for c in faults if needs_strict(c)]
@@ -300,9 +303,30 @@ def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
                  + ("an MPS error or a crash." if stop is first else "wrong values."))
     lines.append(_safe_eager_advice(faults, plan.index_bits, batch, subject))
     if any(c.fault.rule == "sdpa-fused" for c in faults):
-        lines.append("The fused SDPA op is correct from torch 2.13.0 (--torch-profile 2.13.0 shows it): "
-                     "upgrading torch fixes those calls.")
+        lines.append(_upgrade_advice(plan, batch, subject.heads))
     return lines
+
+
+# The first release whose fused SDPA is correct past 2^32 scores (docs/fault-model.md, "Per-release differences").
+SDPA_FIXED_IN = "2.13.0"
+
+
+def _upgrade_advice(plan: FaultPlan, batch: int, heads: int) -> str:
+    """What upgrading to the release that fixed fused SDPA does to this run, decided by that release's rules: it
+    fixes the SDPA calls; whether the run is then clean, goes wrong or stops elsewhere, or meets a call nobody
+    measured there (then nobody can tell, as the line about the installed torch says)."""
+    from mpsimpact.engine.release import profile_for
+
+    fixed = SDPA_FIXED_IN
+    after = predict(plan.under(profile_for(fixed)), batch, heads, "all")
+    shows = f"(--torch-profile {fixed} shows it)"
+    if after.is_clean:
+        return (f"Upgrading torch fixes this run: torch {fixed} and later compute the fused SDPA calls correctly, "
+                f"and on torch {fixed} nothing else crosses a limit {shows}.")
+    unknown = undecided_at(profile_for(fixed), after)
+    then = (f"nobody measured what it does at {site(unknown)}, so nobody can tell whether the run is then safe"
+            if unknown is not None else f"the run then {spoken(after)}")
+    return f"Upgrading torch fixes the fused SDPA calls (correct from torch {fixed}), but on torch {fixed} {then} {shows}."
 
 
 def _all_calls(faults: list[CallRecord]) -> str:
@@ -314,9 +338,16 @@ def _refused_advice(faults: list[CallRecord], refused: list[CallRecord], plan: F
     """Where the Mac refuses an allocation, no guard mode helps (it splits a computation, never one tensor);
     mps_safe_eager does where every refused tensor is attention's scores, which it never holds whole."""
     first, mac = refused[0], plan.mac
+    if first.fault.rule == WATERMARK_RULE:  # the run's total, not one tensor
+        on = f"on {mac.label}" if mac is not None else "on this Mac"
+        lines = [f"No guard mode makes the run fit {on}: it needs more memory in all than MPS lets one process hold "
+                 f"('{first.fault.message}'), and a guard splits a computation, it does not shrink the model. Lower "
+                 "the batch size or the length (see the largest safe sizes)."]
+        return lines + ([_safe_eager_advice(faults, plan.index_bits, batch, subject)]
+                        if is_attention_call(first, batch, subject.heads) else [])
     on = f"on {mac.label} ({mac.buffer_words()})" if mac is not None else "on this Mac"
     lines = [f"No guard mode makes call {first.index} ({first.op} in {first.module or first.phase}) run {on}: "
-             f"MPS refuses to allocate its tensor ('{first.fault.message}') before anything runs, and a guard "
+             f"MPS refuses to allocate its tensor ('{first.fault.message}') before the call runs, and a guard "
              "splits a computation, not one tensor. Lower the batch size or the length (see the largest safe "
              "sizes)."]
     if all(is_attention_call(c, batch, subject.heads) for c in refused):
@@ -342,16 +373,18 @@ def _safe_eager_advice(faults: list[CallRecord], index_bits: int, batch: int, su
     blocks = attention_blocks(batch, heads, 1, length, keys, dim, dim, index_bits, max(1, budget // per_score))
     if blocks is None:
         return f"{name} cannot make them safe: one query row of a head already crosses a limit."
-    unit = (f"blocks of {blocks.block} query rows of one head" if blocks.block < length else
-            f"{blocks.rows // heads} samples" if blocks.rows >= heads else f"{blocks.rows} heads of one sample")
+    one, plural = subject.unit, lambda n, word: f"{n} {word}{'s' if n != 1 else ''}"
+    unit = (f"blocks of {plural(blocks.block, 'query row')} of one head" if blocks.block < length else
+            plural(blocks.rows // heads, one) if blocks.rows >= heads else f"{plural(blocks.rows, 'head')} of one {one}")
     if blocks.key_block is not None:
         unit += f" over blocks of {blocks.key_block} keys (online softmax)"
     rows = blocks.rows - blocks.rows % heads if blocks.rows >= heads else blocks.rows  # whole samples a piece
     piece = per_score * rows * blocks.block * (blocks.key_block or keys)
     tail = (f"; the {len(others)} other faulting calls (e.g. {others[0].op} in {others[0].module}) still need "
             "the guard") if others else ""
-    return (f"{name} makes the {len(attention)} attention calls safe in chunks of {unit}, without a "
-            f"dispatch mode; a piece's scores, mask and softmax take about {in_gib(piece):.1f} GiB on top of "
+    calls = "the attention call" if len(attention) == 1 else f"the {len(attention)} attention calls"
+    return (f"{name} makes {calls} safe in chunks of {unit}, with no guard around "
+            f"the model; a piece's scores, mask and softmax take about {in_gib(piece):.1f} GiB on top of "
             f"the model (memory budget {in_gib(budget):.1f} GiB: mpsimpact.modes.budget.set_memory_budget or "
             f"MPSIMPACT_ATTENTION_BUDGET){tail}.")
 
@@ -367,8 +400,9 @@ def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callab
     if whole is None:
         return outcome, words
     if stop is not None and stop.phase == "backward" and forward.outcome != "clean":
-        what = "process abort" if stop.fault.kind == "abort" else "error"
-        return outcome, f"{said}, then {what} in backward: {stop.fault.message}"
+        if stop.fault.kind == "abort":
+            return outcome, f"{said}, then a process abort in backward: {stop.fault.message}"
+        return outcome, f"{said}, then an error in backward, {torch_words(stop.fault.message)}"
     if stop is not None:
         return outcome, describe(whole)
     if wrong := [c for c in whole.silent if c.phase == "backward"]:
@@ -378,13 +412,13 @@ def step_outcome(forward: Prediction, whole: Prediction | None, describe: Callab
 
 
 def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False,
-              prediction: Prediction | None = None) -> dict[str, Any]:
+              prediction: Prediction | None = None, unit: str = "sample") -> dict[str, Any]:
     """The first wrong (sample, head) of the outputs, the fraction of the batch that goes wrong (None where
     nobody characterised which samples), the outcome in words (for a training step, with what its backward
-    pass adds: step_outcome), and the calls where MPS stops the run."""
+    pass adds: step_outcome; counted in `unit`s), and the calls where MPS stops the run."""
     prediction = prediction or predict(plan, batch, heads, "forward")  # the forward pass's, where made already
     whole = predict(plan, batch, heads, "all") if training else None
-    outcome, words = step_outcome(prediction, whole, _describe)
+    outcome, words = step_outcome(prediction, whole, functools.partial(_describe, unit=unit))
     profile = plan.profile
     if profile is not None and (unknown := undecided_at(profile, whole or prediction)) is not None:
         words = (f"cannot tell: {cannot_tell(profile.release, unknown)}; judged as the worst measured release would "
@@ -410,27 +444,37 @@ def summarise(plan: FaultPlan, batch: int, heads: int, *, training: bool = False
 def _note(prediction: Prediction) -> str:
     if prediction.outcome == "unmeasured":
         return (f"{unmeasured_calls(prediction.unmeasured)} past the limits in a case nobody measured on "
-                "MPS: judged conservatively (rule unmeasured:<family>); the guard stops them")
-    return "some calls are wrong in a pattern nobody characterised (kind wrong_other)"
+                "MPS: judged conservatively; the guard stops them")
+    return "some calls return wrong values in a pattern nobody characterised"
 
 
-def _describe(prediction: Prediction) -> str:
+def _describe(prediction: Prediction, unit: str = "sample") -> str:
     if prediction.stop is not None:
         what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
         stop = prediction.stop
+        # whether calls before it already went wrong: then the stop is not "before any wrong value"
+        before = (f", after {_calls(len(prediction.silent))} already returned wrong values"
+                  if prediction.silent else ", before any wrong value")
+        if stop.fault.rule == WATERMARK_RULE:
+            return (f"MPS stops the run with '{stop.fault.message}' at call {stop.index} ({stop.describe()}, "
+                    f"{stop.phase}): the run needs more memory than the Mac lets one process hold{before}")
         if stop.fault.rule == BUFFER_RULE:
             return (f"MPS raises '{stop.fault.message}' at call {stop.index} ({stop.describe()}, {stop.phase}): "
-                    "the Mac cannot allocate that tensor, before any wrong value")
+                    f"the Mac cannot allocate that tensor{before}")
         return f"MPS {what} at call {stop.index} ({stop.describe()}, {stop.phase})"
     if prediction.first_corrupted_text is not None:
-        return (f"{prediction.corrupted_count} of {prediction.batch} samples silently wrong, from sample "
+        return (f"{prediction.corrupted_count} of {prediction.batch} {unit}s silently wrong, from {unit} "
                 f"{prediction.first_corrupted_text} (head {prediction.first_corrupted_head})")
     if prediction.outcome == "unmeasured":
-        return f"unmeasured: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
+        return f"cannot tell: {unmeasured_calls(prediction.unmeasured)} nobody measured on MPS (judged conservatively)"
     if prediction.uncharacterised:
-        which = "the one sample" if prediction.batch == 1 else "which samples is not characterised: any may be"
+        which = f"the one {unit}" if prediction.batch == 1 else f"which {unit}s is not characterised: any may be"
         return f"silently wrong ({which})"
     return "clean"
+
+
+def _calls(n: int) -> str:
+    return "1 call" if n == 1 else f"{n} calls"
 
 
 # An op on attention scores, by what it does there (for the words a speaker reads out).
@@ -440,10 +484,14 @@ _ON_SCORES = {"mul": "scaling", "div": "scaling", "_softmax": "softmax", "_safe_
               "copy_": "copying", "_to_copy": "copying"}
 
 
+# Eager attention's two products, in a talk's words (the glossary's): P V, and Q K^T.
+WEIGHTED_VALUES, SCORES_PRODUCT = "attention's weighted sum of the values", "the attention scores (queries times keys)"
+
+
 def site(call: CallRecord, shapes: bool = False) -> str:
-    """Where a call is, in a talk's words: 'the scaling of the attention scores', 'eager attention's P V
-    product', 'gelu in encoder.layer.0'; with `shapes`, the op and its shapes after them in brackets
-    ('... (mul on 16x12x256x256)'), for --verbose and the files."""
+    """Where a call is, in a talk's words: 'the scaling of the attention scores', "attention's weighted sum of the
+    values" (eager attention's P V product), 'gelu in encoder.layer.0'; with `shapes`, the op and its shapes after
+    them in brackets ('... (mul on 16x12x256x256)'), for --verbose and the files."""
     if allocates(call.op):  # an empty tensor made whole (blocked_eager's P): where a Mac's buffer refuses it
         square = len(call.b.shape) == 4 and call.b.shape[-1] == call.b.shape[-2]
         words = f"{'the attention probabilities P' if square else 'a tensor'}, allocated whole"
@@ -453,14 +501,21 @@ def site(call: CallRecord, shapes: bool = False) -> str:
     if call.family == "sdpa":
         words = "fused attention (SDPA)"
     elif call.family == "bmm" and square and call.b.shape[-2] == a[-1] and call.b.shape[-1] < a[-1]:
-        words = "eager attention's P V product"
+        words = WEIGHTED_VALUES
     elif call.family == "bmm" and call.out_numel == a[0] * a[-2] * call.b.shape[-1] and call.b.shape[-1] == a[-2]:
-        words = "eager attention's Q K^T product"
+        words = SCORES_PRODUCT
     elif not call.is_product and square and call.op in _ON_SCORES:
         words = f"the {_ON_SCORES[call.op]} of the attention scores"
+    elif (node := re.fullmatch(r"(\w+?)Backward\d*", call.module or "")) is not None:  # autograd's node
+        words = f"the {call.op} in the backward pass of {_BACKWARD_OF.get(node[1], 'an op')}"
     else:
         words = f"{call.op} in {call.module}" if call.module else call.op
     return f"{words} ({op_cell(call.op, list(a), list(call.b.shape))})" if shapes else words
+
+
+# An autograd node's forward op (a backward call's module: "AddmmBackward0"), in a talk's words.
+_BACKWARD_OF = {"Addmm": "a linear layer", "Linear": "a linear layer", "Mm": "a matrix product",
+                "Bmm": "a batched matrix product", "Matmul": "a matrix product", "Softmax": "a softmax"}
 
 
 def spoken(prediction: Prediction) -> str:
@@ -533,14 +588,22 @@ class PredictionSection:
     subject: Subject
 
     @functools.cached_property
+    def decided(self) -> FaultPlan:
+        """The plan as the Mac declared meets it: with MPS's out-of-memory stop where the run's peak passes its high
+        watermark (memory.decided_on_memory; Note [What fits a Mac])."""
+        from mpsimpact.prediction.memory import decided_on_memory
+
+        return decided_on_memory(self.plan, self.subject, self.batch, self.length)
+
+    @functools.cached_property
     def prediction(self) -> Prediction:
-        return predict(self.plan, self.batch, self.subject.heads)
+        return predict(self.decided, self.batch, self.subject.heads)
 
     def prediction_json(self) -> dict[str, Any]:
         """The prediction block as run's report.json holds it (a PredictionBlock): schema 1's fields first
         (Prediction.to_json), then those of plan's and check's block that it lacks (`summarise`), in one vocabulary."""
         block = self.prediction.to_json()
-        said = summarise(self.plan, self.batch, self.subject.heads, training=self.subject.training,
+        said = summarise(self.decided, self.batch, self.subject.heads, training=self.subject.training,
                          prediction=self.prediction)
         return block | {key: value for key, value in said.items() if key not in block}
 
@@ -558,7 +621,7 @@ class PredictionSection:
     def to_json(self, safe: dict[str, Any]) -> dict[str, Any]:
         """The words of plan and check: the calls traced, the faulting ones, the outcome, `safe` (the largest
         safe sizes, as the caller searched them), the peak memory of a real run and the guard advice."""
-        plan, batch, subject, heads = self.plan, self.batch, self.subject, self.subject.heads
+        plan, batch, subject, heads = self.decided, self.batch, self.subject, self.subject.heads
         peak, basis = traced_peak_bytes(plan, subject.parameters, batch, self.length, subject.hidden, heads,
                                         subject.dtype, subject.training)
         return {"calls_traced": len(plan.products), "ops_traced": len(plan.calls),

@@ -14,7 +14,9 @@ from mpsimpact.prediction.outcome import CallRow, PredictionBlock, PredictionSec
 from mpsimpact.prediction.version_table import VersionRow, version_table
 from mpsimpact.prediction.memory import in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
-from mpsimpact.prediction.safe_size import PerTextTraces, largest_safe_batch, plan_at
+from mpsimpact.prediction.memory import batch_fits
+from mpsimpact.prediction.safe_size import (BoundarySearch, PerTextTraces, calls_at, cut_to_fit, largest_safe_batch,
+                                            plan_at)
 from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release, profile_for
 
 SAFE_TABLE_LENGTHS = (128, 256, 384, 512)
@@ -51,11 +53,11 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> PlanReport:
     traced = {L: traces(L) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
-    safe_here = safe if mac is None else {  # on the Mac: its largest buffer too
-        L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
     subject = Subject(heads, type(meta).__name__, parameters=sum(p.numel() for p in meta.parameters()),
                       hidden=model_config.hidden_size, dtype=next(meta.parameters()).dtype,
-                      training=config.backward)
+                      training=config.backward, unit="text")
+    safe_here = safe if mac is None else {  # on the Mac: its largest buffer too, and what fits (memory.batch_fits)
+        L: safe_on_mac(c, L, subject, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
     section = PredictionSection(judged, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,
                                 length, subject)
     report = {
@@ -84,6 +86,15 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> PlanReport:
     if config.sweep:
         report["sweep"] = sweep(traced, heads, config.index_bits, profile, mac)
     return PlanReport.of(report)
+
+
+def safe_on_mac(calls: list, length: int, subject: Subject, index_bits: int, profile: Any, ceiling: int,
+                mac: Any) -> int:
+    """The largest safe batch at `length` on `mac`: free of faults (its largest buffer among them) and fitting it
+    (Note [What fits a Mac] in prediction/memory.py)."""
+    found = largest_safe_batch(calls, subject.heads, index_bits, profile, ceiling, mac)
+    fits = batch_fits(lambda n: calls_at(calls, n), subject, length, mac, profile, index_bits)
+    return cut_to_fit(BoundarySearch(found, ceiling, ""), fits, "batch").largest_safe
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -70,7 +70,7 @@ class LengthFittedCall:
         """The call at `length` (its fault not yet decided)."""
         a, b = (_unflat([_value(fit, length) for fit in fits], spec)
                 for spec, fits in ((self.call.a, self.a), (self.call.b, self.b)))
-        return self.call.evolve(a=a, b=b)
+        return self.call.resized(a, b)
 
 
 def fit_calls(plans: list[FaultPlan], lengths: tuple[int, ...]) -> list[LengthFittedCall]:
@@ -165,9 +165,12 @@ def fit_lengths(high: int, known: int | None = None) -> tuple[int, int, int]:
 
 
 def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_bits: int, profile: FaultProfile,
-                        known: int | None = None, mac: MacMemory | None = None) -> BoundarySearch:
+                        known: int | None = None, mac: MacMemory | None = None,
+                        fits: Callable[[Any, int], bool] | None = None) -> BoundarySearch:
     """Searches 1..high. `trace_at(L)` traces the model at length L (same batch, rules and workload, and decided
-    on `mac` where one is given); `known` is a length already traced (reused as a fit point).
+    on `mac` where one is given); `known` is a length already traced (reused as a fit point); `fits(calls, L)`:
+    whether a run of these calls at length L fits the Mac (prediction.memory; None: no Mac limits it), the answer
+    cut to the longest that does.
 
     Three traces fit every call; the candidate lengths are decided by arithmetic; the boundary found
     is checked by tracing at L and L + 1. If the fit or the check fails, bisection over traces decides
@@ -176,6 +179,38 @@ def longest_safe_length(trace_at: Callable[[int], FaultPlan], high: int, index_b
     lengths = fit_lengths(high, known)
     try:
         calls = fit_calls([trace_at(n) for n in lengths], lengths)
+    except _Unscalable as error:
+        return cut_to_fit(bisect_clean(trace_at, high, f"the calls do not scale as quadratics in the length: {error}"),
+                          fits and (lambda n: fits(trace_at(n).calls, n)), "length")
+    search = _fitted_search(calls, trace_at, high, index_bits, profile, lengths, mac)
+    return cut_to_fit(search, fits and (lambda n: fits(_calls_at_length(calls, trace_at, n), n)), "length")
+
+
+def _calls_at_length(calls: list[LengthFittedCall], trace_at: Callable[[int], FaultPlan], length: int) -> Any:
+    """The calls at `length` by arithmetic on the fitted ones, or traced where the fit does not hold there."""
+    try:
+        return [f.at(length) for f in calls]
+    except _Unscalable:
+        return trace_at(length).calls
+
+
+def cut_to_fit(search: BoundarySearch, fits_at: Callable[[int], bool] | None, what: str) -> BoundarySearch:
+    """`search` (free of faults up to its answer) cut to the largest n whose run fits the Mac (`fits_at(n)`, which
+    once false stays false as n grows; None: nothing limits it): a safe size is free of faults and fits (Note
+    [What fits a Mac] in prediction/memory.py)."""
+    found = search.largest_safe
+    if fits_at is None or not found or fits_at(found):
+        return search
+    largest = (_first_where(lambda n: not fits_at(n), found) or found + 1) - 1
+    return dataclasses.replace(search, largest_safe=largest, ceiling=False, basis=(
+        f"{search.basis}; cut to the {what} whose estimated peak the Mac still holds, {largest}"))
+
+
+def _fitted_search(calls: list[LengthFittedCall], trace_at: Callable[[int], FaultPlan], high: int, index_bits: int,
+                   profile: FaultProfile, lengths: tuple[int, int, int], mac: MacMemory | None) -> BoundarySearch:
+    """The longest clean length by arithmetic on the fitted calls, checked by tracing at the boundary (bisection
+    over traces where the check fails)."""
+    try:
         kept = _distinct_runs(calls, profile)  # whether each length is clean, by arithmetic on them alone
         first_bad = next((L for L in candidate_lengths(calls, high, index_bits, mac)
                           if any(not decide(f.at(L), index_bits, profile, mac).is_ok for f in kept)), None)
@@ -387,5 +422,9 @@ def plan_at(calls: list[PerTextCall], batch: int, index_bits: int, profile: Faul
     """The fault plan at `batch` texts under a release (on `mac`, with its largest buffer), rebuilt from
     per-text calls by arithmetic alone: from_trace decides each call MPS runs (its `trace` keeps the rebuilt
     records, read for their operands)."""
-    rebuilt = tuple(p.call.evolve(a=a, b=b) for p in calls for a, b in [p.at(batch)])
-    return FaultPlan.from_trace(rebuilt, index_bits, profile, mac)
+    return FaultPlan.from_trace(calls_at(calls, batch), index_bits, profile, mac)
+
+
+def calls_at(calls: list[PerTextCall], batch: int) -> tuple[CallRecord, ...]:
+    """The per-text calls rebuilt at `batch` texts by arithmetic, their faults not decided again."""
+    return tuple(p.call.resized(a, b) for p in calls for a, b in [p.at(batch)])

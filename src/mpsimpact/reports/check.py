@@ -10,20 +10,25 @@ from pathlib import Path
 from typing import Any
 
 from mpsimpact.engine.call import op_cell
-from mpsimpact.engine.mac_memory import BUFFER_RULE
+from mpsimpact.engine.mac_memory import MAC_RULES
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.page import (
-    FAULT_WORDS, fitted_table, format_cell, markdown_table, without_rule_names, release_lines,
+    FAULT_WORDS, after_label, count_words, fitted_table, narrowed_words, format_cell, markdown_table, without_rule_names, release_lines,
 )
 from mpsimpact.output.files import atomic_write_text, folder_written_atomically
 
-CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "out", "kind (rule)",
+CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "output elements", "kind (rule)",
                "first bad row (sample, head)"]
-# The console's columns: the op and its shapes, the outcome in words (--verbose: CALL_HEADER's).
-CONSOLE_CALL_HEADER = ["calls", "where", "op and shapes", "out", "outcome", "first bad row (sample, head)"]
+
+
+def console_header(unit: str) -> list[str]:
+    """The console's columns: the op and its shapes, the outcome in words, the first wrong `unit` ("text" in
+    `plan`, "sample" in `check`; --verbose: CALL_HEADER's, with the call's rows)."""
+    return ["calls", "where", "op and shapes", "output elements", "outcome", f"first wrong {unit}"]
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+    return count_words(n)
 
 
 def _layer_pattern(modules: list[str]) -> str:
@@ -32,13 +37,19 @@ def _layer_pattern(modules: list[str]) -> str:
     return patterns.pop() if len(patterns) == 1 and len(set(modules)) > 1 else modules[0]
 
 
-def first_bad_cell(row: dict[str, Any]) -> str:
-    """A faulting call's first wrong row, with its (sample, head) where known; plan's table too."""
-    if row["first_bad_sample"] is not None:
-        return f"{row['first_bad_batch']} ({row['first_bad_sample']}, {format_cell(row['first_bad_head'])})"
+def first_bad_cell(row: dict[str, Any], verbose: bool = True) -> str:
+    """A faulting call's first wrong sample and head (plain), or its first wrong row with (sample, head) where
+    known (`verbose`); plan's table too."""
+    sample, head = row["first_bad_sample"], row["first_bad_head"]
+    if sample is not None:
+        if verbose:
+            return f"{row['first_bad_batch']} ({sample}, {format_cell(head)})"
+        return f"{sample}" + (f" (head {head})" if head is not None else "")
     if row["kind"] == "wrong_other":
         return "not characterised"
-    return str(row["first_bad_batch"]) if row["first_bad_batch"] is not None else "-"
+    if row["first_bad_batch"] is not None:
+        return str(row["first_bad_batch"]) if verbose else "not known (its rows are not whole samples)"
+    return "-"
 
 
 def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -65,21 +76,21 @@ def _groups(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def outcome_words(row: dict[str, Any]) -> str:
-    """A faulting call's outcome in words: "abort (inferred)", "silent, every row wrong"; where nobody measured
+    """A faulting call's outcome in words: "abort (inferred)", "silent, all wrong"; where nobody measured
     the call (an op's case, or the whole release) "cannot tell (judged as ...)", in the glossary's words."""
     if row["rule"].startswith("unmeasured"):
         return "cannot tell (judged wrong)" if row["kind"] == "wrong_other" else f"cannot tell (judged {row['kind']})"
-    if row["rule"] == BUFFER_RULE:  # the Mac's own refusal: its message says it all
-        return f"error: {row['message']}"
+    if row["rule"] in MAC_RULES:  # the Mac's own refusal: its message (torch's own words) says it all
+        return f"error: '{row['message']}'"
     words = FAULT_WORDS.get(row["kind"], row["kind"])
     if row["rule"].startswith("conservative:"):  # a release nobody measured: as the worst measured one
         return f"cannot tell (judged {words})"
     return words + (" (inferred)" if row["inferred"] else "")
 
 
-def console_calls(rows: list[dict[str, Any]], verbose: bool = False):
-    """The faulting calls as a console table (output.page.FittedTable), one row per distinct call; with
-    `verbose` the layouts and the rules' names too (CALL_HEADER)."""
+def console_calls(rows: list[dict[str, Any]], verbose: bool = False, unit: str = "sample"):
+    """The faulting calls as a console table (output.page.FittedTable), one row per distinct call, the first wrong
+    one counted in `unit`s; with `verbose` the layouts, the rules' names and the call's rows too (CALL_HEADER)."""
     if verbose:
         return fitted_table("calls that hit a rule", CALL_HEADER, grouped_calls(rows))
     table = []
@@ -88,50 +99,93 @@ def console_calls(rows: list[dict[str, Any]], verbose: bool = False):
         calls = str(row["index"]) if n == 1 else f"{row['index']} .. {same[-1]['index']} ({n} calls)"
         where = (_layer_pattern([r["module"] for r in same]) or "-") + (" (bwd)" if row["phase"] == "backward" else "")
         table.append([calls, where, op_cell(row["op"], row["a"], row["b"]), _count(row["out_numel"]),
-                      outcome_words(row), first_bad_cell(row)])
-    return fitted_table("calls that hit a rule", CONSOLE_CALL_HEADER, table)
+                      outcome_words(row), first_bad_cell(row, verbose=False)])
+    return fitted_table("calls that hit a rule", console_header(unit), table)
 
 
-def headline(report: dict[str, Any], every_op: bool = False) -> str:
+def traced_words(report: dict[str, Any], verbose: bool = False) -> str:
+    """How the prediction was made, in plain words: from the config alone, with no weights, and how many
+    operations; `verbose` (and the files): as traced ("on meta, shapes only")."""
+    ops, products = report.get("ops_traced"), report["calls_traced"]
+    if verbose or ops is None:
+        counted = f"{ops} ops traced ({products} of them matrix products)" if ops is not None else \
+            f"{products} matmul calls traced"
+        return f"{counted} on meta (shapes only)"
+    return f"predicted from the config alone, with no weights: {ops} operations, {products} of them matrix products"
+
+
+def headline(report: dict[str, Any], every_op: bool = False, verbose: bool = True) -> str:
     """One sentence: the model, what was built, and at which geometry; `every_op`: count every traced op,
-    not only the products (the console's; check.md keeps its sentence)."""
+    not only the products (the console's; check.md keeps its sentence); `verbose`: how it was traced, in the
+    tracer's words (check.md's too), else in plain ones."""
     m, g = report["model"], report["geometry"]
-    traced = (f"{report['ops_traced']} ops traced ({report['calls_traced']} of them matrix products)"
-              if every_op and "ops_traced" in report else f"{report['calls_traced']} matmul calls traced")
+    traced = traced_words(report if every_op else {k: v for k, v in report.items() if k != "ops_traced"},
+                          verbose or not every_op)
     target = f" + decoder {g['target_len']}" if g["target_len"] is not None else ""
     return (f"{m['source']} ({m['found_in']}): {m['class']} ({m['model_type']}, {m['heads']} heads, "
             f"{m['parameters']:,} parameters, {m['dtype']}), {m['attention']} attention; "
-            f"{g['workload']} at batch {g['batch_size']} x {g['seq_len']} tokens{target}; "
-            f"{traced} on meta (shapes only).")
+            f"{g['workload']} on {g['batch_size']} sample{'s' if g['batch_size'] != 1 else ''} of "
+            f"{tokens(g['seq_len'])}{target}; {traced}.")
 
 
-def facts(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """The summary lines after the tables, as (label, text)."""
+def facts(report: dict[str, Any], verbose: bool = True) -> list[tuple[str, str]]:
+    """The summary lines after the tables, as (label, text): a label "" is a sentence of its own (the Mac, the
+    advice); `verbose` (and check.md): each search's basis and the memory estimate's parts too."""
     m, p, pred, g = report["model"], report["torch_profile"], report["prediction"], report["geometry"]
     rules = f"torch {p['label']}, {'measured' if p['measured'] else 'not measured'}; from {p['source']}"
     by_batch, by_length = report["largest_safe_batch_search"], report["longest_safe_length_search"]
-    on_mac = f" on {report['mac']['label']}" if report.get("mac") else ""
+    mac = report.get("mac")
+    on_mac = f" on {mac['label']}" if mac else ""
+    on_mac += narrowed_words(g.get("index_bits") or 32)  # a narrowed index: said with every size
     lines = [
         ("task", f"{m['task']} ({m['task_basis']})"),
         ("attention", f"{m['attention']} ({m['attention_basis']})"),
         ("rules", rules),
-        *([("Mac", f"{report['mac']['sentence']}; a tensor that reaches the buffer stops the run with MPS's "
-                   "'Invalid buffer size'")] if report.get("mac") else []),
+        *([("", mac["sentence"])] if mac else []),
         ("predicted", pred["describe"] + (f"; {pred['note']}" if pred["note"] else "")),
-        ("largest safe batch", f"{at_least(by_batch)}{report['largest_safe_batch']} at {g['seq_len']} tokens"
-                               f"{on_mac} ({stopped(by_batch)}{by_batch['basis']})" if by_batch["largest_safe"]
-         is not None else by_batch["basis"]),
-        ("longest safe length", f"{at_least(by_length)}{report['longest_safe_length']} tokens at batch "
-                                f"{g['batch_size']}{on_mac} (searched 1..{by_length['high']}; {stopped(by_length)}"
-                                f"{by_length['basis']})" if by_length["largest_safe"] is not None
-         else by_length["basis"]),
-        ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run "
-                        f"({report['estimated_peak_basis']})"),
+        ("largest safe batch", _safe_words(by_batch, f"{report['largest_safe_batch']} sample"
+                                           f"{'s' if report['largest_safe_batch'] != 1 else ''} at "
+                                           f"{tokens(g['seq_len'])}{on_mac}", verbose, f"at {tokens(g['seq_len'])}{on_mac}")),
+        ("longest safe length", _safe_words(by_length, f"{tokens(report['longest_safe_length'] or 0)} at batch "
+                                            f"{g['batch_size']}{on_mac}", verbose, f"at batch {g['batch_size']}{on_mac}",
+                                            f"searched 1..{by_length['high']}")),
+        ("peak memory", f"about {report['estimated_peak_gib']} GiB for a real run"
+                        + (f" ({report['estimated_peak_basis']})" if verbose else " (a rough estimate)")
+                        + _against_mac(report['estimated_peak_gib'], mac)),
     ]
-    lines += [("guard", advice) for advice in report["guard_advice"]]
+    lines += [("", advice) for advice in report["guard_advice"]]
     lines += [("generation", report["generation"])] if report.get("generation") else []
-    lines += [("note", note) for note in p["notes"]]
+    lines += [("note", after_label(note)) for note in p["notes"]]
     return lines
+
+
+def tokens(n: int) -> str:
+    return f"{n} token{'s' if n != 1 else ''}"
+
+
+def _safe_words(search: dict[str, Any], answer: str, verbose: bool, where: str, searched: str = "") -> str:
+    """A safe size in words: "none" where not even the smallest is safe (`where`: at which other size, on which
+    Mac); its basis only when `verbose`."""
+    if search["largest_safe"] is None:  # not searched: the basis says why
+        return search["basis"]
+    said = f"{at_least(search)}{answer}" if search["largest_safe"] else f"none {where}: not even the smallest is safe"
+    if not verbose:
+        return said
+    return f"{said} ({', '.join(filter(None, (searched, stopped(search) + search['basis'])))})"
+
+
+def _against_mac(peak_gib: float, mac: dict[str, Any] | None) -> str:
+    """The peak against the Mac declared: past its high watermark (MPS stops the run), or past its working set
+    (it runs, swapping); "" where it is within both, or no Mac is declared."""
+    if not mac:
+        return ""
+    watermark, working = mac.get("high_watermark_gib"), mac["working_set_gib"]
+    if watermark is not None and peak_gib > watermark:
+        return (f"; more than the {watermark:.1f} GiB MPS lets a process hold on {mac['label']}, so MPS stops it "
+                "('MPS backend out of memory')")
+    if peak_gib > working:
+        return f"; past the {working:.1f} GiB Metal recommends on {mac['label']}: it runs, swapping"
+    return ""
 
 
 def at_least(search: dict[str, Any]) -> str:
@@ -155,12 +209,13 @@ def stop_line(stops: list[dict[str, Any]], calls: list[dict[str, Any]] = (), unm
     what = "aborts the process" if first["kind"] == "abort" else "raises"
     tail = f" ({more} later calls would too; the run never reaches them)" if more else ""
     where = first["module"] or first["phase"]
-    line = f"MPS {what} at call {first['index']} ({first['op']} in {where}): {first['message']}{tail}"
+    said = f": {first['message']}" if first["kind"] == "abort" else f", {torch_words(first['message'])}"
+    line = f"MPS {what} at call {first['index']} ({first['op']} in {where}){said}{tail}."
     earlier = next((c for c in calls if c["index"] < first["index"] and c["kind"] == "wrong_other"), None)
     if earlier is not None:
-        line += (f". Before it, call {earlier['index']} ({earlier['op']} in {earlier['module'] or earlier['phase']}) "
-                 "goes wrong in a pattern nobody characterised: an emulated run stops there ('not emulated') "
-                 "rather than invent its values")
+        line += (f" Before it, call {earlier['index']} ({earlier['op']} in {earlier['module'] or earlier['phase']}) "
+                 "returns wrong values in a pattern nobody characterised; an emulated run stops there instead of "
+                 "inventing them.")
     if unmeasured is not None:  # a release nobody measured: what the worst measured release does, said as that
         line = (f"Cannot tell what torch {unmeasured} does: nobody measured it on MPS (`mpsimpact sweep` on a Mac "
                 f"measures it). Judged as the worst measured release would be: {line}")
@@ -176,7 +231,7 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
     """The check as console tables, fitting the terminal's width (a log's: 80 columns)."""
     from mpsimpact.output.console import Console
     console = Console()
-    console.print(headline(report, every_op=True), markup=False)
+    console.print(headline(report, every_op=True, verbose=verbose), markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
     if report["faulting_calls"]:
@@ -188,8 +243,9 @@ def print_check(report: dict[str, Any], verbose: bool = False) -> None:
         line = stop_line(stops, report["faulting_calls"], unmeasured_release(report["torch_profile"]))
         line = line if verbose else without_rule_names(line)
         console.print(line, style="bold red", markup=False)
-    for label, text in facts(report):
-        console.print(f"{label}: {text if verbose else without_rule_names(text)}", markup=False)
+    for label, text in facts(report, verbose):
+        said = text if verbose else without_rule_names(text)
+        console.print(f"{label}: {said}" if label else said, markup=False)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -205,7 +261,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if stops:
         lines += ["", "## Where MPS stops the run", "",
                   stop_line(stops, report["faulting_calls"], unmeasured_release(report["torch_profile"]))]
-    lines += ["", "## Summary", ""] + [f"- **{label}**: {text}" for label, text in facts(report)]
+    lines += ["", "## Summary", ""] + [f"- **{label}**: {text}" if label else f"- {text}" for label, text in facts(report)]
     return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,7 @@ def result_line(comparison: Any) -> str:
     """The one-line summary that ends every output."""
     count = sum(v.changed for v in comparison.verdicts)
     if count:
-        return f"{count} change(s) that matter: exit code {comparison.exit_code}."
+        return f"{count} {'change that matters' if count == 1 else 'changes that matter'}: exit code {comparison.exit_code}."
     if comparison.undecided:
         return f"Cannot tell: a side did not run (see the verdicts): exit code {comparison.exit_code}."
     return f"Nothing that matters changed: exit code {comparison.exit_code}."
@@ -112,7 +112,8 @@ def print_comparison(comparison: Any, folder: Path | None = None) -> None:
     for index in (0, 1):
         style = "bold yellow" if comparison.emulated[index] else "bold green"
         console.print(_side(comparison, index), style=style, markup=False)
-    for title, header, rows in tables(comparison):
+    for title, header, rows in tables(comparison):  # each side's mode is said above it: not again in a cell
+        rows = [row for row in rows if not (title == "Environment" and row[0] == "mode")]
         console.print(fitted_table(title, header, rows, justify="right"))
     styles = {"changed": ("changed", "bold red"), "cannot-tell": ("cannot tell", "bold yellow")}
     for verdict in comparison.verdicts:
@@ -120,4 +121,4 @@ def print_comparison(comparison: Any, folder: Path | None = None) -> None:
         console.print(Text.assemble((tag, style), f"  {verdict.text}"))
     console.print(result_line(comparison), markup=False)
     if folder is not None:
-        console.print(f"Written to {folder}/ (compare.md, compare.html, compare.json)", markup=False)
+        console.print(f"Written to {folder}/ (compare.md, compare.html, compare.json).", markup=False)

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mpsimpact.engine.release import CONSERVATIVE
 from mpsimpact.config import ATTENTIONS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, fitted_table,
+from mpsimpact.output.page import (BANNER_COLOURS, EMULATED_LABEL, HTML_STYLE, STATUS_WORDS, after_label, fitted_table,
                                    html_table, markdown_table, release_lines)
 
 FILES = ("matrix.json", "matrix.md", "matrix.html", "matrix.png")
@@ -33,7 +34,9 @@ def summary_rows(report: dict[str, Any]) -> list[list[str]]:
             continue
         f, first = row["findings"], row["findings"]["eager_first_corrupted_text"]
         eager = f"text {first}, wherever it is silent" if first is not None else "differs by release"
-        env = f"{'cached' if row['cached'] else 'built'} ({len(row['overlay']['installed'])} packages differ)"
+        differ = len(row["overlay"]["installed"])
+        env = f"{'cached' if row['cached'] else 'built'} ({differ} package{'s' if differ != 1 else ''} differ" \
+              f"{'s' if differ == 1 else ''})"
         guard = "stops and splits" if f["guard_ok"] else "FAILED"
         rows.append([row["transformers"], env, time_cell, f["default_attention"],
                      str(f["output_attentions_runs"]), eager, guard])
@@ -56,11 +59,15 @@ def guard_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def short_outcome(cell: dict[str, Any], sep: str = " ") -> str:
-    """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (uncharacterised), "clean"."""
+def short_outcome(cell: dict[str, Any], sep: str = " ", profile: str = "") -> str:
+    """A cell's outcome in a few words: "wrong from 1365", "wrong (not char.)" (uncharacterised), "clean"; in the
+    column of the releases nobody measured (`profile` CONSERVATIVE), "cannot tell", as `plan --versions` says it
+    (the cell's outcome is the worst measured release's, a judgement, not a prediction)."""
+    if profile == CONSERVATIVE:
+        return f"cannot{sep}tell"
     if cell["outcome"] == "wrong" and cell["first_corrupted_text"] is not None:
         return f"wrong{sep}from {cell['first_corrupted_text']}"
-    labels = {"wrong_other": f"wrong{sep}(not char.)", "unmeasured": f"unmeasured{sep}(conserv.)"}
+    labels = {"wrong_other": f"wrong{sep}(not char.)", "unmeasured": f"cannot{sep}tell"}
     return labels.get(cell["outcome"], cell["outcome"])
 
 
@@ -110,7 +117,8 @@ def release_rows(report: dict[str, Any]) -> list[list[str]]:
             cells = row.get("cells", {}).get(attention) or {}
             reason = row["probe"]["implementations"][attention].get("error", "-") if probed else "not probed"
             label = attention + " (default)" * (probed and row["findings"]["default_attention"] == attention)
-            outcomes = [short_outcome(cells[c["profile"]]) if cells else reason for c in merged_columns(report)]
+            outcomes = [short_outcome(cells[c["profile"]], profile=c["profile"]) if cells else reason
+                        for c in merged_columns(report)]
             rows.append([row["transformers"], label, *outcomes])
     return rows
 
@@ -157,9 +165,9 @@ def notes(report: dict[str, Any]) -> list[str]:
 
 def headline(report: dict[str, Any]) -> str:
     cfg, env = report["config"], report["environment"]
-    return (f"Model {report['model']}, batch {cfg['batch_size']} x {cfg['max_length']} tokens, "
-            f"torch {env['torch']} (the running one, in every environment). Outcomes predicted from shapes "
-            f"(meta tensors); guard checked on a tiny random BERT under {EMULATED_LABEL} "
+    return (f"Model {report['model']} on {cfg['batch_size']} texts of {cfg['max_length']} tokens, "
+            f"torch {env['torch']} (the running one, in every environment). Outcomes predicted from the config "
+            f"alone, with no weights; guard checked on a tiny random BERT under {EMULATED_LABEL} "
             f"{report['emulated']['profile']} at a {report['emulated']['index_bits']}-bit index.")
 
 
@@ -214,7 +222,7 @@ def heatmap(report: dict[str, Any]) -> bytes:
             cell = row.get("cells", {}).get(attention, {}).get(column["profile"])
             colour = COLORS[cell["outcome"]] if cell else UNPROBED_COLOUR
             ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=1.5))
-            text = short_outcome(cell, "\n") if cell else (row["status"] if x == 0 else "")
+            text = short_outcome(cell, "\n", column["profile"]) if cell else (row["status"] if x == 0 else "")
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7,
                     color="black" if not cell or cell["outcome"] == "clean" else "white")
     # The group labels sit a fixed distance above the axes, in points, and the title above them, so neither
@@ -260,10 +268,10 @@ def print_matrix(report: dict[str, Any], folder: Path | None = None) -> None:
         console.print(line, markup=False)
     for title, header, rows in tables(report):
         console.print(fitted_table(title, header, rows, show_lines=True))
-    for line in [*(f"note: {note}" for note in notes(report)), result_line(report)]:
+    for line in [*(f"note: {after_label(note)}" for note in notes(report)), result_line(report)]:
         console.print(line, markup=False)
     if folder is not None:
-        console.print(f"Written to {folder}/ ({', '.join(FILES)})", markup=False)
+        console.print(f"Written to {folder}/ ({', '.join(FILES)}).", markup=False)
 
 
 @contextlib.contextmanager

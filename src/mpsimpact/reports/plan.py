@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsimpact.output.page import Footnotes, command_lines, fitted_table, release_lines, without_rule_names
-from mpsimpact.reports.check import console_calls, stop_line, unmeasured_release
+from mpsimpact.output.page import (Footnotes, after_label, command_lines, fitted_table, narrowed_words,
+                                   release_lines, without_rule_names)
+from mpsimpact.reports.check import console_calls, stop_line, traced_words, unmeasured_release
 
 
 def write_sweep_figure(table: dict, path: str, model: str, release: str = "") -> None:
@@ -24,31 +25,35 @@ def print_plan(report: dict[str, Any], verbose: bool = False) -> None:
     from mpsimpact.output.console import Console
     console = Console()
     cfg, pred = report["config"], report["prediction"]
-    traced = (f"{report['ops_traced']} ops traced ({report['calls_traced']} of them matrix products)"
-              if "ops_traced" in report else f"{report['calls_traced']} bmm/mm/SDPA calls traced")
-    console.print(f"{report['model']} ({report['heads']} heads, {report['layers']} layers): "
-                  f"batch {cfg['batch_size']}, max length {cfg['max_length']}, {traced} on meta (shapes "
-                  f"only), decided for MPS on torch {report['profile']['label']}.", markup=False)
+    console.print(f"{report['model']} ({report['heads']} heads, {report['layers']} layers) on {cfg['batch_size']} "
+                  f"texts of {cfg['max_length']} tokens, {traced_words(report, verbose)}.", markup=False)
     for line in release_lines(report):
         console.print(line, markup=False)
+    bits = cfg.get("index_bits", 32)
+    if narrowed_words(bits):
+        console.print(f"Every size below is{narrowed_words(bits)} (--index-bits), every limit divided by 2^{32 - bits}: "
+                      f"on MPS the same faults come at a batch 2^{32 - bits} times larger.", markup=False)
     if report.get("padding"):
         console.print(f"Traced with the model's config as given, but for this: {report['padding']}.", markup=False)
     if report.get("mac"):
-        console.print(f"{report['mac']['sentence']}: a tensor that reaches the buffer stops the run with MPS's "
+        console.print(f"{report['mac']['sentence']} A tensor that reaches the buffer stops the run with MPS's "
                       "'Invalid buffer size'.", markup=False)
     calls = report["faulting_calls"]
-    console.print(console_calls(calls, verbose) if calls else "No call crosses a limit.")
+    console.print(console_calls(calls, verbose, unit="text") if calls else "No call crosses a limit.")
     if pred["stops"]:
         line = stop_line(pred["stops"], calls, unmeasured_release(report["profile"]))
         console.print(line if verbose else without_rule_names(line), style="bold red", markup=False)
         if report.get("silent_sizes"):
             console.print(report["silent_sizes"]["sentence"], markup=False)
+    elif pred["outcome"] == "wrong" and pred["first_wrong_sample"] is not None and not cfg.get("backward"):
+        console.print(f"Predicted: {pred['wrong_samples']} of {cfg['batch_size']} texts silently wrong, from text "
+                      f"{pred['first_wrong_sample']} (head {pred['first_wrong_head']}).", markup=False)
     else:
         console.print(f"Predicted: {pred['describe']}.", markup=False)
     ceiling = report.get("largest_safe_batch_ceiling")
     rows = [(length, f"at least {safe}" if ceiling is not None and safe >= ceiling else safe)
             for length, safe in report["largest_safe_batch_by_length"].items()]
-    console.print(fitted_table("largest safe batch", ("max length", "texts"), rows))
+    console.print(fitted_table(f"largest safe batch{narrowed_words(bits)}", ("max length", "texts"), rows))
     if any(isinstance(safe, str) for _, safe in rows):
         console.print(f"at least: every batch up to {ceiling:,} is clean there; the search stops at {ceiling:,}.",
                       markup=False)
@@ -73,8 +78,8 @@ def _print_memory(console, memory: dict[str, Any]) -> None:
         rules = f" (torch {memory['judged_on']}'s rules)" if memory.get("judged_on") else ""
         title = (f"the smallest clear demo per dtype and length{rules}, against {memory['basis']}; largest "
                  f"buffer {memory['largest_buffer_gib']} GiB ({memory['buffer_basis']})")
-        console.print(fitted_table(title, ("attention", "dtype", "batch x length", "texts wrong",
-                                           "GiB: peak / largest tensor", "fits"), rows))
+        console.print(fitted_table(title, ("attention", "dtype", "texts x tokens", "texts wrong",
+                                           "GiB: peak / largest tensor", "in working set"), rows))
     rec = memory["recommendation"]
     if rec["command"]:  # a command to type stands alone on its line, never wrapped, so it pastes as printed
         console.print("Run:", style="bold", markup=False)
@@ -107,7 +112,7 @@ def _print_versions(console, rows: list[dict[str, Any]], cfg: dict[str, Any], ve
     title = (f"on MPS, by torch release: batch {cfg['batch_size']} x {cfg['max_length']} tokens "
              "(from shapes alone)")
     console.print(console_table(rows, title, footnotes, verbose))  # fills the footnotes
-    for line in [*footnotes.lines(), *(f"note: {note}" for note in sorted({r["note"] for r in rows if r["note"]}))]:
+    for line in [*footnotes.lines(), *(f"note: {after_label(note)}" for note in sorted({r["note"] for r in rows if r["note"]}))]:
         console.print(line, markup=False)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from mpsimpact.config import GIB, SweepConfig
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text
-from mpsimpact.output.page import rich_table
+from mpsimpact.output.page import fitted_table
 
 PROGRESS_EVERY_S = 5.0  # a progress line at least this far apart (and for every cell that disagrees)
 FILES = ("sweep.jsonl", "families.jsonl", "summary.json", "profile.json", "outcome_map.png")
@@ -24,17 +24,18 @@ class SweepConsole:
 
         self.console, self._last_line = Console(highlight=False), 0.0
 
-    def plan(self, mode: str, config: SweepConfig, counts, budget: int, estimate: float, partial: Path,
+    def plan(self, mode: str, judged: str, config: SweepConfig, counts, budget: int, partial: Path,
              buffer: tuple[int, str] | None = None) -> None:
-        """What the sweep will cost, before it starts: cells (`counts`: all, to do, run, and the bytes the
-        largest of those holds), memory, the time estimate, and how to resume; `buffer`: on a Mac, the cells
-        within the budget that reach its largest buffer, and that buffer in words."""
+        """What the sweep will cost, before it starts: the release judged (`judged`: the sentence every command
+        leads with), cells (`counts`: all, to do, run, and the bytes the largest of those holds) and memory, and
+        how to resume (the time comes with the first cell: `estimate`); `buffer`: on a Mac, the cells within the
+        budget that reach its largest buffer, and that buffer in words."""
         cells, todo, fits, largest = counts
         over_buffer, words = buffer or (0, "")
         resumed = f", {cells - todo} done by an earlier run (resumed)" if todo < cells else ""
-        self.console.print(f"[bold]{mode}[/], index bits {config.index_bits}: {cells} cells{resumed}")
-        self.console.print(f"To run: {fits} cells, the largest holding {largest / GIB:.3g} GiB, about "
-                           f"{_duration(estimate)} (a rough estimate, refined as cells finish); "
+        self.console.print(judged, markup=False)
+        self.console.print(f"{mode}, at a {config.index_bits}-bit index: {cells} cells{resumed}.", markup=False)
+        self.console.print(f"To run: {fits} cells, the largest holding {largest / GIB:.3g} GiB; "
                            f"{todo - fits - over_buffer} cells need more than the {budget / GIB:.3g} GiB "
                            "budget (--max-memory) and are not run (unmeasured).")
         if buffer:
@@ -42,6 +43,13 @@ class SweepConsole:
                                "('Invalid buffer size'), so they are not run (unmeasured).")
         self.console.print(f"Killed or interrupted? Finished cells are kept in {partial}/: "
                            f"{_resume_hint(config, partial.parent / partial.name[1:].removesuffix('.partial'))}.")
+
+    def estimate(self, name: str, took: float, total: float) -> None:
+        """The first estimate of the whole sweep's time, once its first cell has run (`took` seconds)."""
+        spent = f"{took:.2g} s" if took < 10 else _duration(took)
+        self.console.print(f"The first cell ({name}) took {spent}: the sweep needs about "
+                           f"{_duration(total)} in all (estimated from it and the other cells' sizes, refined as "
+                           "cells finish).", markup=False)
 
     def cell(self, count: tuple[int, int], name: str, row: dict[str, Any], elapsed: float, left: float) -> None:
         """A progress line every few seconds, for every cell that disagrees, and for the last."""
@@ -68,8 +76,8 @@ class SweepConsole:
         """The tables by observed class and by layout, the family cells, the files and the profile."""
         for key, by in (("by_class", "observed class"), ("by_layout", "layout")):
             rows = [[name, *counts] for name, counts in sorted(summary[key].items())]
-            self.console.print(rich_table(f"agreement with the fault model, by {by}", (by, "agree", "disagree",
-                                                                                     "skipped"), rows))
+            self.console.print(fitted_table(f"agreement with the fault model, by {by}",
+                                            (by, "agree", "disagree", "skipped"), rows))
         disagree = summary["disagree"]
         verdict = "[green]every cell agrees[/]" if not disagree else f"[red]{disagree} cells disagree[/]"
         not_run = _not_run_words(summary["not_run"], summary["not_run_why"])
@@ -77,7 +85,7 @@ class SweepConsole:
         if summary.get("largest_buffer"):
             self.console.print(f"Cells were planned within {summary['largest_buffer']['words']}.")
         print_families(self.console, summary["families"])
-        self.console.print(f"Written to {out}/ ({', '.join(FILES)})")
+        self.console.print(f"Written to {out}/ ({', '.join(FILES)}).", markup=False)
         print_profile(self.console, summary["derived_profile"], out, cached)
 
 
@@ -109,8 +117,8 @@ def print_families(console, families: dict[str, Any]) -> None:
     verdicts = {True: "agrees", False: "DISAGREES", None: "not run (unmeasured)"}
     rows = [[t["test"], t["decides"], t["observed"], t["code"] or "-", verdicts[agree]]
             for t, agree in zip(families["table"], families["agree"])]
-    console.print(rich_table("op-family cells (the study's first-pass tests, scaled)",
-                             ("cell", "decides", "observed", "code", "fault model"), rows))
+    console.print(fitted_table("op-family cells (the study's tests of other ops, one shape each, scaled)",
+                               ("cell", "decides", "observed", "code", "fault model"), rows))
     disagree, not_run = families["disagree"], families["not_run"]
     verdict = "[green]every one agrees[/]" if not disagree else f"[red]{disagree} disagree[/]"
     not_run_words = _not_run_words(not_run, families["not_run_why"])

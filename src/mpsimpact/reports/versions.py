@@ -35,7 +35,7 @@ def console_cell(row: dict[str, Any], footnotes: Footnotes, verbose: bool = Fals
     first, message = row["first_corrupted_text"], row["message"]
     inferred = ", inferred)" in message and not verbose
     words = {"clean": "clean", "wrong": f"wrong from text {first}" if first is not None else "wrong",
-             "wrong_other": "wrong (not characterised)", "unmeasured": "unmeasured",
+             "wrong_other": "wrong (not characterised)", "unmeasured": "cannot tell",
              "error": "error", "abort": "abort"}.get(row["outcome"], row["outcome"])
     if row["outcome"] in STOP_KINDS and first is not None:
         words = f"wrong from text {first}, then {row['outcome']}"

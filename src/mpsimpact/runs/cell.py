@@ -248,18 +248,23 @@ def worker_main(kind: type) -> None:
 
 
 class CellClock:
-    """The time a sweep has left: each cell's estimate (its estimated_seconds), scaled by how long the
-    finished cells took against their own estimates."""
+    """The time a sweep has left: each cell's estimate (its estimated_seconds, the work its size makes) plus the
+    time every cell costs whatever its size (starting it, its reference, its verdict: what the first measured cell
+    took beyond its own estimate), scaled by how long the finished cells took against their estimates. Before the
+    first cell has run it knows only the sizes: no estimate is said then (a guess of seconds was minutes)."""
 
     def __init__(self, cells: list[SweepCell], device: str) -> None:
         self.estimates = [cell.estimated_seconds(device) for cell in cells]
-        self.spent, self.estimated_done, self.done = 0.0, 0.0, 0
+        self.spent, self.estimated_done, self.done, self.overhead = 0.0, 0.0, 0, None
 
     def finished(self, seconds: float) -> None:
+        if self.overhead is None and seconds > 0:  # the first measured cell: what any cell costs beyond its size
+            self.overhead = max(0.0, seconds - self.estimates[self.done])
         self.spent += seconds
-        self.estimated_done += self.estimates[self.done]
+        self.estimated_done += self.estimates[self.done] + (self.overhead or 0.0)
         self.done += 1
 
     def seconds_left(self) -> float:
         scale = self.spent / self.estimated_done if self.estimated_done > 0 and self.spent > 0 else 1.0
-        return scale * sum(self.estimates[self.done:])
+        remaining = self.estimates[self.done:]
+        return scale * (sum(remaining) + (self.overhead or 0.0) * len(remaining))

@@ -143,7 +143,7 @@ class ClassifyKind(RunKind):
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
         off = [c.get("collapse", {}) for c in report["conditions"] if c["guard"] == "off"]
         return [f"guard off: corrupted texts collapse onto '{c['class']}': {c['device_share']:.1%} on the device vs "
-                f"{c['reference_share']:.1%} in the reference" for c in off if c.get("class")]
+                f"{c['reference_share']:.1%} in the reference." for c in off if c.get("class")]
 
 
 def _half_reference(module, model, texts: list[str], geometry: Geometry, info: dict[str, Any], progress):

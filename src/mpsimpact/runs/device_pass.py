@@ -65,9 +65,9 @@ class Geometry:
             planned = f", guarded and planned as torch {profile.label}" if other else ""
             return f"real MPS (torch {installed_profile().label}){planned}"
         narrowed = self.index_bits != MPS_INDEX_BITS  # a narrowed index: no size here is MPS's full scale
-        scale = (f"at reduced length {self.run_length} replaying the fault plan traced at {self.max_length}"
-                 if self.replayed else "at full length" if narrowed else "at full scale")
-        scale += f", {self.index_bits}-bit index" if narrowed else ""
+        scale = (f"with texts of {self.run_length} tokens standing for {self.max_length}" if self.replayed
+                 else "at full length" if narrowed else "at full scale")
+        scale += f", at a {self.index_bits}-bit index" if narrowed else ""
         precision = "" if self.dtype == "float32" else f", {self.dtype}"
         return f"{EMULATED_LABEL} (torch {profile.label}) on {self.device} {scale}{precision}"
 
@@ -205,20 +205,14 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
             state.update(emu=emu, guard=g)
             result["logits"] = module(**inputs).float().cpu().numpy()
     except OversizedOpError as error:
-        result.update(status="stopped_by_guard", message=str(error))
+        result.update(status="stopped_by_guard", message=str(error), error=error)
     except NotEmulatedError as error:  # wrong on MPS, but nobody characterised the values
-        result.update(status="not_emulated", message=error.message)
+        result.update(status="not_emulated", message=error.message, error=error)
     except RuntimeError as error:  # MPS's own error, real or emulated
-        result.update(status="error", message=str(error).splitlines()[0])
+        result.update(status="error", message=str(error).splitlines()[0], error=error)
     emu, g = state.get("emu"), state.get("guard")
     result["wall_s"] = time.perf_counter() - start
-    stopped_at = (g.stopped[-1] if result["status"] == "stopped_by_guard" and g and g.stopped else
-                  emu.records[-1] if result["status"] in ("error", "not_emulated") and emu and emu.records else None)
-    if stopped_at is not None:  # in a speaker's words, and whether anybody measured it (headlines read these)
-        result["where"] = site(stopped_at)
-        result["unmeasured"] = stopped_at.fault.nobody_measured
-        if stopped_at.fault.rule == BUFFER_RULE:  # the Mac's own refusal (Note [The Mac's largest buffer])
-            result["buffer_refused"] = stopped_at.fault.message
+    result.update(stopped_fields(result.pop("error", None), emu, g, geometry))
     if geometry.device == "cuda":
         result["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     result["altered_calls"] = [r.to_json() for r in emu.records] if emu else []
@@ -227,6 +221,48 @@ def device_pass(module, inputs: dict[str, torch.Tensor], geometry: Geometry, pla
     if result["status"] != "completed":
         result["wrong_values_before_stop"] = result["silent_faults_injected"]
     return result
+
+
+def stopped_fields(error: BaseException | None, emu: Any, g: Any, geometry: Geometry) -> dict[str, Any]:
+    """Where a condition that `error` ended stopped, in a speaker's words, whether anybody measured it, the Mac's
+    refusal of an allocation, and its stop (`stop_facts`): what headlines and footnotes read. {} where it
+    completed, or nothing recorded the call."""
+    if error is None:
+        return {}
+    guarded = isinstance(error, OversizedOpError)
+    stopped_at = (g.stopped[-1] if guarded and g and g.stopped else
+                  emu.records[-1] if not guarded and emu and emu.records else None)
+    if stopped_at is None:
+        return {}
+    fields = {"where": site(stopped_at), "unmeasured": stopped_at.fault.nobody_measured}
+    if stopped_at.fault.rule == BUFFER_RULE:  # the Mac's own refusal (Note [The Mac's largest buffer])
+        fields["buffer_refused"] = stopped_at.fault.message
+    stop = stop_facts(error, stopped_at, geometry.batch_size, geometry.index_bits)
+    return fields | ({"stop": stop} if stop else {})
+
+
+def stop_facts(error: BaseException, stopped_at: Any, batch: int, index_bits: int) -> dict[str, Any] | None:
+    """The stop of a condition that `error` ended at the call `stopped_at` (a CallRecord: the guard's or the
+    emulator's last), with `batch` samples at `index_bits`; None where nothing says which call (a real MPS error).
+    A guard's error says how many of the call's rows one sample holds (Note [A call's samples]); where it could not
+    tell, a call whose rows are whole samples of the batch tells."""
+    fault = getattr(error, "fields", {}).get("fault") or (stopped_at.fault if stopped_at is not None else None)
+    if fault is None or stopped_at is None:
+        return None
+    fields = error.fields if isinstance(error, OversizedOpError) else {}
+    per = fields.get("rows_per_sample") or 1
+    rows = stopped_at.a.shape[0] if stopped_at.is_product and stopped_at.a.shape else 0
+    if per == 1 and stopped_at.family == "bmm" and rows > batch and rows % batch == 0:
+        per = rows // batch
+    first, safe = fault.first_bad_batch, fields.get("safe_chunk")
+    return {
+        "by": "guard" if isinstance(error, OversizedOpError) else "mps", "kind": fault.kind, "release": fault.release,
+        "phase": stopped_at.phase, "torch_text": fault.message or None, "unmeasured": fault.is_unmeasured,
+        "rows_per_sample": per, "first_wrong_row": first, "first_wrong_sample": None if first is None else first // per,
+        "safe_rows": safe if stopped_at.is_product else None,
+        "safe_samples": safe // per if safe is not None and stopped_at.is_product else None,
+        "index_bits": fields.get("index_bits", index_bits),
+    }
 
 
 def run_conditions(config: Any, module, inputs, geometry: Geometry, sections: dict, heads: int, progress):

@@ -9,8 +9,9 @@ import dataclasses
 from typing import Any, ClassVar
 
 from mpsimpact.config import DEFAULT_ATTENTION, RUN_ATTENTIONS
-from mpsimpact.engine.faults import STOP_KINDS
+from mpsimpact.engine.faults import MPS_INDEX_BITS, STOP_KINDS
 from mpsimpact.errors import UsageError
+from mpsimpact.engine.release import torch_words
 from mpsimpact.output.page import (
     EMULATED_LABEL, STATUS_WORDS, Footnotes, fitted_table, format_cell, without_rule_names,
 )
@@ -134,8 +135,9 @@ class RunKind(abc.ABC):
         if not wrong or not stopped.startswith("Not silent: "):
             return stopped
         then = stopped.removeprefix("Not silent: ")
+        then = then if then[1:2].isupper() else f"{then[0].lower()}{then[1:]}"  # "MPS raises" stays as it is
         return (f"Silent, then stopped: {wrong} of {batch} outputs came back wrong with no error, no warning; "
-                f"then {then[0].lower()}{then[1:]}")
+                f"then {then}")
 
     def _not_completed(self, off: dict, release: str, plain: bool, mac: dict | None = None) -> str:
         """Without a guard the run did not complete: a crash (which op; the process would die), MPS's own
@@ -157,6 +159,10 @@ class RunKind(abc.ABC):
                     "nobody characterised, so the emulator does not invent them.")
         if stop_kind(off) == "abort" or off["status"] == "skipped_predicted_abort":
             return f"Not silent: the process would die at {where}: torch {release} aborts there, no result at all."
+        stop = off.get("stop")
+        if plain and stop and stop.get("by") == "mps" and stop.get("torch_text"):  # torch's text, not the call's
+            phase = " in backward" if stop.get("phase") == "backward" and "backward" not in where else ""
+            return f"Not silent: MPS raises an error at {where}{phase}, {torch_words(stop['torch_text'])}."
         message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
         return f"Not silent: MPS raises an error at {where} ({message})."
 
@@ -315,14 +321,15 @@ def status_words(condition: dict) -> str:
 
 
 def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) -> str:
-    """The status cell: its words, and the condition's message as a footnote (without the rules' names
-    unless `verbose`)."""
+    """The status cell: its words, and what stopped it as a footnote: in plain words, counted in texts, where the
+    condition recorded its stop (`stop_words`), else its message without the rules' names; `verbose`: the message
+    whole (the call, its rows, the rule)."""
     words, message = status_words(condition), condition.get("message")
     if condition["status"] != "completed":
         words += stopped_in(condition)
     if not message:
         return words
-    text = f"{condition['status']}: {message}" if verbose else without_rule_names(message)
+    text = f"{condition['status']}: {message}" if verbose else stop_words(condition) or without_rule_names(message)
     return f"{words} {footnotes.mark(f'guard {guard_cell(condition)}: {text}')}"
 
 
@@ -331,3 +338,49 @@ def guard_cell(condition: dict) -> str:
     eager = condition.get("attention", "eager") == "eager"
     return condition["guard"] if eager else f"{condition['attention']}, {condition['guard']}"
 
+
+# What the guard saw the call would do on MPS, by fault kind ({unit}: the caller's "text", "sample").
+_WOULD = {"wrong_all": "return wrong values for every {unit}", "truncated": "return a truncated result (mostly zeros)",
+          "wrong_other": "return wrong values in a pattern nobody characterised", "abort": "kill the process"}
+
+
+def stop_words(condition: dict[str, Any], unit: str = "text") -> str | None:
+    """A stopped condition in plain words, counted in `unit`s (the first wrong one, the safe chunk), with the index
+    width where it is narrowed; None where the condition recorded no stop (its message, then)."""
+    stop, where = condition.get("stop"), condition.get("where") or "a call"
+    if not stop:
+        return None
+    phase = " in backward" if stop.get("phase") == "backward" and "backward" not in where else ""
+    if stop["by"] == "mps" and stop["kind"] not in STOP_KINDS:  # values the emulator will not invent
+        if stop.get("unmeasured"):
+            return (f"nobody measured torch {stop.get('release')} on MPS at {where}{phase}, so nobody can tell what "
+                    "it returns there; the emulator does not invent it.")
+        return (f"MPS returns wrong values at {where}{phase} in a pattern nobody characterised; the emulator does not "
+                "invent them.")
+    if stop["by"] == "mps":
+        if stop["kind"] == "abort":
+            return f"the process would die at {where}{phase}: {stop['torch_text']}."
+        return f"MPS raises an error at {where}{phase}, {torch_words(stop['torch_text'])}."
+    release = f" (torch {stop['release']})" if stop.get("release") else ""
+    if stop.get("unmeasured"):
+        would = "run where nobody measured MPS (judged as possibly wrong)"
+    elif stop["kind"] == "wrong_tail" and stop.get("first_wrong_sample") is not None:
+        would = f"return wrong values from {unit} {stop['first_wrong_sample']} on"
+    elif stop["kind"] == "error":
+        would = f"raise an error, {torch_words(stop['torch_text'])}"
+    else:
+        would = _WOULD.get(stop["kind"], "return wrong values").format(unit=unit)
+    bits = stop.get("index_bits", MPS_INDEX_BITS)
+    narrowed = (f" (at this run's {bits}-bit index, every limit divided by 2^{MPS_INDEX_BITS - bits})"
+                if bits != MPS_INDEX_BITS else "")
+    return f"stopped {where}{phase} before it ran: on MPS{release} it would {would}{narrowed}. {_advice(stop, unit)}"
+
+
+def _advice(stop: dict[str, Any], unit: str) -> str:
+    safe, per = stop.get("safe_samples"), stop.get("rows_per_sample") or 1
+    if safe:
+        return (f"At most {safe} {unit}{'s' if safe > 1 else ''} at once are safe: lower the batch size to {safe}, "
+                "or use guard mode 'chunk'.")
+    if stop.get("safe_rows") is not None and per > 1:
+        return f"Not one whole {unit} is safe at once: shorten the {unit}s, or use guard mode 'chunk'."
+    return "Guard mode 'chunk' splits it into pieces below the limits; or lower the batch size."

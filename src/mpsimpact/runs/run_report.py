@@ -99,6 +99,32 @@ class AlteredCall(Record):
 
 
 @_record
+class StopBlock(Record):
+    """What stopped a condition (runs.device_pass.stop_facts): the guard or MPS, what MPS would do or did, its first wrong
+    sample and the safe chunk in the caller's samples (the call's rows beside them), the index width judged at and
+    torch's own text; what the console's plain words are made from."""
+
+    by: Literal["guard", "mps"]
+    kind: FaultKind
+    release: str = ABSENT
+    phase: str = ABSENT
+    torch_text: str | None = ABSENT
+    unmeasured: bool = ABSENT
+    rows_per_sample: int = ABSENT
+    first_wrong_row: int | None = ABSENT
+    first_wrong_sample: int | None = ABSENT
+    safe_rows: int | None = ABSENT
+    safe_samples: int | None = ABSENT
+    index_bits: int = ABSENT
+
+    def problem(self) -> str | None:
+        per = self.rows_per_sample
+        if per is not ABSENT and per < 1:
+            return f"rows_per_sample is {shown(per)}, not a whole number >= 1"
+        return None
+
+
+@_record
 class Condition(Record):
     """One guard condition's result: what every kind writes, and the counts and fractions compare reads (the kind's
     own numbers, beyond these, are kept as written)."""
@@ -112,6 +138,7 @@ class Condition(Record):
     where: str | None = ABSENT
     unmeasured: bool = ABSENT
     buffer_refused: str | None = ABSENT
+    stop: StopBlock | None = ABSENT
     altered_calls: list[AlteredCall] | None = ABSENT
     wrong_values_before_stop: int = ABSENT
     predicted_first_corrupted_index: int | None = ABSENT

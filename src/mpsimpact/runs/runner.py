@@ -259,16 +259,16 @@ def run_notes(geometry: Geometry, repeats: int, token_stats: dict[str, Any], sai
         notes.append(f"Index width {geometry.index_bits} bits instead of MPS's {MPS_INDEX_BITS}: every threshold "
                      f"scaled by 2^{MPS_INDEX_BITS - geometry.index_bits}.")
     if geometry.mac is not None:
-        notes.append(f"{geometry.mac.describe()}: a tensor that reaches the buffer stops the run with MPS's "
-                     "'Invalid buffer size', before any wrong value, whatever the guard.")
+        notes.append(f"{geometry.mac.describe()} A tensor that reaches the buffer stops the run with MPS's "
+                     "'Invalid buffer size', whatever the guard.")
     if geometry.emulated:
         profile = geometry.profile
         origin = "the published fault model" if profile.source == STUDY else "a profile measured by a sweep"
         notes.append(f"No Apple GPU was used: MPS's faults were emulated from {origin} for torch "
                      f"{profile.label}.")
     if geometry.replayed:
-        notes.append(f"Texts run at {geometry.run_length} tokens with the fault plan traced at "
-                     f"{geometry.max_length}; {truncated_words(token_stats, geometry.run_length)}.")
+        notes.append(f"Texts run at {geometry.run_length} tokens, each call faulting as it does at "
+                     f"{geometry.max_length} tokens; {truncated_words(token_stats, geometry.run_length)}.")
     if repeats:
         notes.append(f"The data has fewer texts than the batch: {repeats} positions repeat earlier texts.")
     return notes

@@ -33,7 +33,8 @@ def run_sweep(config: SweepConfig, show: Any) -> SweepSummary:
     from mpsimpact.runs.sweep import grid
 
     config.validate()
-    profile = judge_release(config.torch_profile).profile
+    judged = judge_release(config.torch_profile)
+    profile = judged.profile
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
     if config.in_process and emulated:
@@ -66,9 +67,8 @@ def run_sweep(config: SweepConfig, show: Any) -> SweepSummary:
         fits = [cell for cell in todo if not_run(cell, budget, buffer) is None]
         largest = max((cell.bytes_needed() for cell in fits), default=0)
         over_buffer = sum(cell.bytes_needed() <= budget and reaches_buffer(cell, buffer) for cell in todo)
-        show.plan(mode, config, (len(cells + family_cells), len(todo), len(fits), largest), budget,
-                  sum(cell.estimated_seconds(device) for cell in fits), folder.path,
-                  buffer=(over_buffer, buffer_words(mac, buffer)) if mac else None)
+        show.plan(mode, judged.sentence(), config, (len(cells + family_cells), len(todo), len(fits), largest),
+                  budget, folder.path, buffer=(over_buffer, buffer_words(mac, buffer)) if mac else None)
         rows = dict(done)
         try:
             for row in sweep_cells(show, todo, device, emulated, config, profile, (budget, buffer)):
@@ -133,6 +133,8 @@ def sweep_cells(show: Any, todo, device: str, emulated: bool, config: SweepConfi
         now = time.perf_counter()
         clock.finished(now - tick if is_measured(row) else 0.0)
         tick = now
+        if number == 1 and len(todo) > 1:  # the first estimate: the plan's cells and this measured one
+            show.estimate(cell.name, now - started, now - started + clock.seconds_left())
         show.cell((number, len(todo)), cell.name, row, now - started, clock.seconds_left())
         yield row
 

@@ -12,6 +12,12 @@ from mpsimpact.output.page import FAULT_WORDS, Footnotes
 from mpsimpact.runs.kind import RunKind, status_cell
 
 
+# What the emulator made of a call, by its fault's kind, in the console's words.
+_DID = {"wrong_tail": "silently returned wrong values", "wrong_all": "silently returned wrong values",
+        "truncated": "silently returned wrong values", "wrong_other": "went wrong in a way nobody characterised",
+        "error": "MPS raised an error", "abort": "the process would die"}
+
+
 class TrainKind(RunKind):
     """Training steps: logits, gradients, the update and held-out predictions after training."""
 
@@ -71,6 +77,14 @@ class TrainKind(RunKind):
                 *(self.console_cell(condition, key) for key in keys)]
 
     def console_lines(self, report: dict, verbose: bool = False) -> list[str]:
-        return [f"guard {c['guard']}: {op_cell(op['op'], op['a'], op['b'])}: "
-                f"{op['kind'] if verbose else FAULT_WORDS.get(op['kind'], op['kind'])} in {' and '.join(op['phases'])}"
-                for c in report["conditions"] for op in c.get("faulted_ops", [])]
+        """What the emulator did to each call a condition met: in words (where, what) unless `verbose` (the op and
+        its shapes, the fault's kind)."""
+        def line(op: dict) -> str:
+            phases = " and ".join(op["phases"])
+            if verbose or "where" not in op:
+                what = op["kind"] if verbose else FAULT_WORDS.get(op["kind"], op["kind"])
+                return f"{op_cell(op['op'], op['a'], op['b'])}: {what} in {phases}."
+            phases = "" if "backward" in op["where"] else f" in {phases}"
+            return f"{op['where']}: {_DID.get(op['kind'], 'went wrong')}{phases}."
+
+        return [f"guard {c['guard']}: {line(op)}" for c in report["conditions"] for op in c.get("faulted_ops", [])]

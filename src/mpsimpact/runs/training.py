@@ -17,8 +17,9 @@ import torch
 
 from mpsimpact.config import GRADIENT_THRESHOLD
 from mpsimpact.errors import OversizedOpError
+from mpsimpact.prediction.outcome import site
 from mpsimpact.runs.activations import MATMULS, recompute_activations
-from mpsimpact.runs.device_pass import Geometry, build_batch, condition, tokenize
+from mpsimpact.runs.device_pass import Geometry, build_batch, condition, stopped_fields, tokenize
 
 
 def training_copy(module: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -68,8 +69,8 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
         stepping = (condition(geometry, plan, guard_mode, training=True) if geometry
                     else contextlib.nullcontext((None, None)))
         keeping_less = recompute_activations(module, trusted_matmuls(geometry, plan))
-        with stepping as (emu, _g), keeping_less:
-            held["emu"] = emu
+        with stepping as (emu, g), keeping_less:
+            held.update(emu=emu, guard=g)
             logits = module(**inputs)
             if step == 0:
                 out["logits"] = logits.detach().float().cpu().numpy()
@@ -78,9 +79,11 @@ def _one_step(module, inputs, labels, geometry: Geometry | None, plan, guard_mod
     except (OversizedOpError, RuntimeError) as error:
         out.update(status="stopped_by_guard" if isinstance(error, OversizedOpError) else "error",
                    message=str(error).splitlines()[0], phase=phase, step=step)
+        if geometry is not None:  # where, in a speaker's words, and the stop (device_pass.stop_facts)
+            out.update(stopped_fields(error, held.get("emu"), held.get("guard"), geometry))
     finally:
         if held.get("emu") is not None:
-            out["altered_calls"] += [r.to_json() | {"step": step} for r in held["emu"].records]
+            out["altered_calls"] += [r.to_json() | {"step": step, "where": site(r)} for r in held["emu"].records]
     return out["status"] == "completed"
 
 
@@ -191,7 +194,7 @@ def faulted_ops(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Which calls the emulator altered, grouped as (where, op, shapes) with their phases."""
     grouped: dict[tuple, set] = {}
     for r in records:
-        key = (r["op"], tuple(r["a"]["shape"]), tuple(r["b"]["shape"]), r["fault"]["kind"])
+        key = (r["op"], tuple(r["a"]["shape"]), tuple(r["b"]["shape"]), r["fault"]["kind"], r.get("where"))
         grouped.setdefault(key, set()).add(r["phase"])
-    return [{"op": op, "a": list(a), "b": list(b), "kind": kind, "phases": sorted(phases)}
-            for (op, a, b, kind), phases in grouped.items()]
+    return [{"op": op, "a": list(a), "b": list(b), "kind": kind, "phases": sorted(phases),
+             **({"where": where} if where else {})} for (op, a, b, kind, where), phases in grouped.items()]

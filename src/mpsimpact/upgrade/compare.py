@@ -153,7 +153,7 @@ class _Outcome:
     """One condition's result, reduced to what verdicts compare."""
 
     state: str  # clean, corrupted, stopped, error, skipped_predicted_abort, ...
-    detail: str  # a verb phrase: "corrupts 683 texts, first at position 1365"
+    detail: str  # a verb phrase: "corrupts 683 texts, first at text 1365"
     count: int
     first: int | None
     positions: frozenset[int] | None  # exact corrupted positions, where samples say
@@ -166,9 +166,9 @@ def _outcome(condition: dict[str, Any], positions: frozenset[int] | None, kind: 
     status, where = condition.get("status"), stopped_in(condition)
     count, wrong = condition.get("corrupted_count") or 0, condition.get("wrong_values_before_stop") or 0
     first, parts = condition.get("first_corrupted_index"), kind.corrupted_parts(condition)
-    if status == "completed":  # "corrupts 683 texts, first at position 1365" (and gradient tensors in training)
+    if status == "completed":  # "corrupts 683 texts, first at text 1365" (and gradient tensors in training)
         state = "corrupted" if parts else "clean"
-        at = f", first at position {first}" if first is not None else ""
+        at = f", first at text {first}" if first is not None else ""
         detail = "corrupts " + " and ".join(parts) + at if parts else "is clean"
     elif status == "stopped_by_guard":
         when = f"after {wrong} wrong values" if wrong else "before any wrong value"
@@ -260,10 +260,10 @@ def _bug_verdict(key: tuple[str, str], old: _Outcome, new: _Outcome) -> Verdict:
         if before == now:
             return Verdict(f"{prefix}bug still present (same {len(now)} texts)", False)
         return Verdict(f"{prefix}bug still present, different texts ({len(before)} -> {len(now)} corrupted: "
-                       f"{len(now - before)} newly, {len(before - now)} no longer; first at position "
+                       f"{len(now - before)} newly, {len(before - now)} no longer; first at text "
                        f"{min(before, default=None)} -> {min(now, default=None)})", True)
     if old.signature == new.signature:
-        same = (f"same count: {new.count} texts, first at position {new.first}; no samples to compare texts"
+        same = (f"same count: {new.count} texts, first at text {new.first}; no samples to compare texts"
                 if new.state == "corrupted" else f"{_label(key)} {new.detail} in both runs")
         return Verdict(f"{prefix}bug still present ({same})", False)
     return Verdict(f"{prefix}bug still present, different texts (before: {old.detail}; now: {new.detail})", True)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mpsimpact.config import ATTENTIONS, EMBEDDED_MODEL, NEWER, MatrixConfig
-from mpsimpact.engine.release import FaultProfile, JudgedRelease, judge_release
+from mpsimpact.engine.call import PRODUCTS
+from mpsimpact.engine.release import FaultProfile, JudgedRelease, family_of, judge_release
 from mpsimpact.errors import UsageError
 from mpsimpact.output.record import ABSENT, Record
 from mpsimpact.upgrade.probe import TINY_RUN, WITH_WEIGHTS
@@ -183,8 +184,14 @@ def _operand(spec: dict[str, Any]) -> str:
 
 
 def _attention_ops(path: list[dict[str, Any]]) -> list[str]:
-    """The op path's attention calls (bmm and SDPA, not the linear layers), as one line each."""
-    return [f"{e['op']}{_operand(e['a'])} @ {_operand(e['b'])}{' in sdpa' if e['within_sdpa'] else ''} x{e['count']}"
+    """The op path's attention calls (bmm and SDPA, not the linear layers), as one line each: a product as its
+    operands ("bmm[..] @ [..]"), any other op (a scale, a division) on its input ("div on [..]")."""
+    def drawn(e: dict[str, Any]) -> str:
+        if family_of(e["op"]) in PRODUCTS:
+            return f"{e['op']}{_operand(e['a'])} @ {_operand(e['b'])}"
+        return f"{e['op']} on {_operand(e['a'])}"
+
+    return [f"{drawn(e)}{' in sdpa' if e['within_sdpa'] else ''} x{e['count']}"
             for e in path if e["op"] not in ("mm", "addmm")]
 
 
