@@ -254,3 +254,30 @@ def test_the_24gb_demo_emulated_on_a_16gb_mac_stops_and_on_24gb_is_todays_run(tm
     big, _ = run_json(tmp_path, "24", *DEMO_24GB, "--memory", "24GB", "--guard", "off", quick=False)
     (off,) = big["conditions"]
     assert (off["corrupted_count"], off["first_corrupted_index"], len(off["altered_calls"])) == (33, 1365, 6)
+
+
+def test_an_emulated_run_past_the_macs_high_watermark_is_refused_before_a_tensor_and_plans_batch_runs(tmp_path,
+                                                                                                     monkeypatch):
+    # Issue 58: "safe" means it runs. MPS stops a process whose total passes its high watermark; the emulator
+    # holds each tensor to the buffer but cannot know a Mac's total, so run refuses what plan predicts stops, and
+    # the batch plan then gives runs. The ratio is lowered (PYTORCH_MPS_HIGH_WATERMARK_RATIO, as on a Mac) so a
+    # small run meets it: 0.03 x an 8 GB Mac's 5.3 GiB working set is about 0.16 GiB.
+    monkeypatch.setenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "0.03")
+    common = ["sentiment", "--memory", "8GB", "--max-length", "128", "--torch-profile", "2.14.0"]
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["run", *common, "--device", "cpu", "--batch-size", "64", "--out", str(out)])
+    text = flat(result.output)
+    assert result.exit_code == 2, result.output
+    assert "On an 8 GB Mac this run needs about" in text and "'MPS backend out of memory" in text, text
+    assert "nothing was run" in text and "mpsimpact plan sentiment --memory 8GB --max-length 128" in text, text
+    assert not out.exists()
+    plan = runner.invoke(app, ["plan", *common, "--batch-size", "64", "--json", "--out", str(tmp_path / "plan")])
+    assert plan.exit_code == 0, plan.output
+    report = json.loads(plan.stdout)
+    assert report["prediction"]["outcome"] == "error" and "MPS backend out of memory" in report["prediction"]["describe"]
+    safe = report["largest_safe_batch"]
+    assert 0 < safe < 64
+    fits = runner.invoke(app, ["run", *common, "--device", "cpu", "--batch-size", str(safe), "--guard", "off",
+                               "--out", str(tmp_path / "fits")])
+    assert fits.exit_code == 0, fits.output
+    assert json.loads((tmp_path / "fits" / "report.json").read_text())["conditions"][0]["status"] == "completed"

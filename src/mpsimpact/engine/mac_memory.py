@@ -160,8 +160,13 @@ class MacMemory:
 
     @property
     def label(self) -> str:
-        """'a 16 GB Mac', or 'this Mac' where the size is not known."""
-        return f"a {self.unified_gb:g} GB Mac" if self.unified_gb else "this Mac"
+        """'a 16 GB Mac' ('an 8 GB Mac', 'an 18 GB Mac': the article as the number is said), or 'this Mac' where the
+        size is not known."""
+        if not self.unified_gb:
+            return "this Mac"
+        size = f"{self.unified_gb:g}"
+        article = "an" if size.startswith("8") or size in ("11", "18") else "a"
+        return f"{article} {size} GB Mac"
 
     def buffer_at(self, index_bits: int = MPS_INDEX_BITS) -> int:
         """The largest buffer at an index width: scaled with the index limits, so a small run meets it where

@@ -270,6 +270,14 @@ class Subject:
     training: bool = False  # one training step (forward and backward), not one forward pass
     unit: str = "sample"  # what one entry of the input's first dimension is called to its user: "text" in `plan`
 
+    @classmethod
+    def of_module(cls, module: Any, heads: int, hidden: int, *, backward: bool, unit: str = "sample") -> "Subject":
+        """The subject of a model as built on the meta device (as plan and run build it; a scenario's wrapper has
+        no config of its own, so its width is given): its class, size and dtype read from the module."""
+        parameters = list(module.parameters())
+        return cls(heads, type(module).__name__, parameters=sum(p.numel() for p in parameters), hidden=hidden,
+                   dtype=parameters[0].dtype if parameters else None, training=backward, unit=unit)
+
 
 def guard_advice(plan: FaultPlan, batch: int, subject: Subject) -> list[str]:
     """Which guard makes this run safe, in plain words (first line: the one to use)."""

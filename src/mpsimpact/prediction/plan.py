@@ -53,9 +53,7 @@ def build_plan_report(config: PlanConfig, scenario: Any) -> PlanReport:
     traced = {L: traces(L) for L in {*SAFE_TABLE_LENGTHS, length} if L <= positions}
     ceiling = batch_ceiling(batch)  # an answer there is "at least" (the reports say so)
     safe = {L: largest_safe_batch(c, heads, config.index_bits, profile, ceiling) for L, c in traced.items()}
-    subject = Subject(heads, type(meta).__name__, parameters=sum(p.numel() for p in meta.parameters()),
-                      hidden=model_config.hidden_size, dtype=next(meta.parameters()).dtype,
-                      training=config.backward, unit="text")
+    subject = Subject.of_module(meta, heads, model_config.hidden_size, backward=config.backward, unit="text")
     safe_here = safe if mac is None else {  # on the Mac: its largest buffer too, and what fits (memory.batch_fits)
         L: safe_on_mac(c, L, subject, config.index_bits, profile, ceiling, mac) for L, c in traced.items()}
     section = PredictionSection(judged, plan_at(traced[length], batch, config.index_bits, profile, mac), batch,

@@ -54,13 +54,16 @@ def run_scenario(config: RunConfig,
                            index_bits=config.index_bits, backward=kind.backward, profile=release.profile,
                            every_op=mac is not None, allocations=mac is not None).on_mac(mac)
              for a in geometry.attentions}
-    subject = Subject(model.heads)
+    meta = scenario.meta_module(shapes.model_config, attention=geometry.attentions[0]).to(dtype)  # as plan's
+    subject = Subject.of_module(meta, model.heads, shapes.model_config.hidden_size, backward=kind.backward)
     sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
+    if geometry.emulated:
+        refuse_past_watermark(config, sections[geometry.attentions[0]], batch, max_length)
     body, arrays = kind.run(config, scenario, model, geometry, sections, progress)
     report = report_head(config, scenario, kind.name, geometry, sections, batch, max_length) | body
     first = sections[geometry.attentions[0]]
     report["release"] = first.release_json()
-    report["guard_advice"] = guard_advice(first.plan, batch, first.subject)  # as plan's and check's
+    report["guard_advice"] = guard_advice(first.decided, batch, first.subject)  # as plan's and check's
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
@@ -70,6 +73,30 @@ def run_scenario(config: RunConfig,
         said.append(sizes["sentence"])
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"], said)
     return report, arrays
+
+
+def refuse_past_watermark(config: RunConfig, section: PredictionSection, batch: int, length: int) -> None:
+    """Refuses, before a tensor is made, an emulated run that the Mac declared would stop past its high watermark
+    ("MPS backend out of memory": Note [What fits a Mac]). The emulator holds each tensor to the Mac's largest
+    buffer, but it cannot know a Mac's total: only the run's estimated peak does, so the run says what MPS would do
+    rather than show values that Mac never returns."""
+    from mpsimpact.engine.mac_memory import WATERMARK_RULE
+    from mpsimpact.errors import MemoryPreflightError
+    from mpsimpact.prediction.memory import run_peak
+
+    plan = section.decided
+    stop = next((c for c in plan.calls if c.fault.rule == WATERMARK_RULE), None)
+    if stop is None:
+        return
+    peak = run_peak(plan.calls, section.subject, batch, length)[0]
+    mac = plan.mac
+    raise MemoryPreflightError(
+        f"On {mac.label} this run needs about {peak / 2**30:.1f} GiB in all (an estimate of its peak), more than "
+        f"the {mac.high_watermark / 2**30:.1f} GiB MPS lets a process hold there, so MPS would stop it with "
+        f"'{stop.fault.message}' at call {stop.index} ({stop.op} in {stop.module or 'the model'}), before any "
+        f"output and whatever the guard; nothing was run. Lower --batch-size or --max-length: `"
+        f"{config.plan_command('--memory', str(config.memory), '--max-length', str(length))}` shows the largest "
+        "batch that fits.")
 
 
 def check_run(config: RunConfig, given: Any = None) -> str:
