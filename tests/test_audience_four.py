@@ -37,13 +37,16 @@ def test_1_a_guard_stop_is_told_in_texts_and_its_rows_only_with_verbose():
     from mpsimpact.output.page import Footnotes
     from mpsimpact.runs.kind import status_cell
 
-    # The 4096 run: the P V wrap from bmm batch 16384 = 12 rows a text x 1365; safe 8191 rows = 682 texts.
+    # The 4096 run: the P V wrap from bmm batch 16384 = 12 rows a text x 1365; a batch of 1365 texts runs it whole
+    # (P at most 2**32 elements: 16380 rows), a piece of the guard's split (a slice, a view) holds 8191 rows = 682.
     condition = stop(kind="wrong_tail", release="2.14.0", phase="forward", rows_per_sample=12, first_wrong_row=16384,
-                     first_wrong_sample=1365, safe_rows=8191, safe_samples=682, index_bits=32)
+                     first_wrong_sample=1365, safe_rows=8191, safe_samples=682, whole_rows=16380, whole_samples=1365,
+                     index_bits=32)
     notes = Footnotes()
     status_cell(condition, notes)
     (line,) = notes.lines()
-    assert "from text 1365 on" in line and "At most 682 texts at once are safe: lower the batch size to 682" in line
+    assert "from text 1365 on" in line and ("At most 1365 texts at once run this call correctly: lower the batch "
+                                            "size to 1365") in line
     assert "16384" not in line and "8191" not in line and "batch" not in line.replace("batch size", "")
     assert "index" not in line  # MPS's own width: nothing narrowed to say
     narrowed = stop(kind="wrong_tail", release="2.14.0", rows_per_sample=12, first_wrong_row=128,
@@ -71,6 +74,11 @@ def test_1_the_guards_error_carries_the_rows_per_sample_the_console_counts_in():
     fields = error.value.fields
     assert fields["rows_per_sample"] == 12 and fields["index_bits"] == 16
     assert fields["fault"].first_bad_batch // fields["rows_per_sample"] == 1
+    # "safe" as the plan means it: a batch of 1 text (12 batches of 4096, P at most 2**16) runs the call whole; a piece
+    # of the split is a slice, a view, held below 2**15: 7 batches, not one whole text.
+    assert (fields["safe_batch"], fields["safe_chunk"]) == (16, 7)
+    assert ("It runs correctly on a batch of at most 1 sample of the first dimension (12 bmm batches): lower the batch "
+            "size to 1, or use guard mode 'chunk' (its pieces, slices of the batch, hold part of one (7 bmm batches)).") in str(error.value)
 
 
 def test_2_and_3_plan_and_check_say_sizes_in_words_with_units():

@@ -55,6 +55,10 @@ SAFE_CHUNK = {
     "abort": 1023,  # addmm (1024, 8) @ (8, 1024): (2**20 - 1) // 1024 = 1023 rows
     "baddbmm": 63,  # the bmm of wrong_tail
 }
+# rows_safe_whole: a smaller batch of the same code runs the call whole, where a contiguous operand may hold up to
+# LIMIT (2**20): wrong_tail's a, 2**20 // (64*128) = 128 batches (from 128 it wraps); elsewhere the chunk's own bound
+# (a view's, the output's, the mm's) is the whole call's too, and the error says the chunk alone.
+SAFE_BATCH = {"wrong_tail": 128, "wrong_all": 16, "error": 1, "abort": 1023, "baddbmm": 128}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -63,7 +67,13 @@ def test_raise_stops_every_outcome_before_it_runs(name):
     with emulate(index_bits=BITS) as emu, guard("raise") as g, pytest.raises(OversizedOpError) as info:
         op(*args)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, MpsImpactError)
-    assert "largest safe chunk" in str(info.value) and info.value.fields["safe_chunk"] == SAFE_CHUNK[name]
+    assert info.value.fields["safe_chunk"] == SAFE_CHUNK[name] and info.value.fields["safe_batch"] == SAFE_BATCH[name]
+    if SAFE_BATCH[name] > SAFE_CHUNK[name]:
+        assert (f"It runs correctly on at most {SAFE_BATCH[name]} batches at once: lower the batch size so that it "
+                f"gets no more, or use guard mode 'chunk' (its pieces, slices of the batch, hold at most "
+                f"{SAFE_CHUNK[name]}).") in str(info.value)
+    else:
+        assert f"The largest safe chunk for this op is {SAFE_CHUNK[name]} " in str(info.value)
     assert emu.records == [] and len(g.stopped) == 1  # the emulator never computed a wrong value
 
 

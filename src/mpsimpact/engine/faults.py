@@ -450,3 +450,22 @@ def rows_per_safe_chunk(a: Any, b: Any, *, index_bits: int = MPS_INDEX_BITS, op:
         cap = (view_limit - 1) if s.is_view or as_slices else limit
         bounds.append(cap // max(s.per_batch, 1))
     return max(1, min(bounds))
+
+
+def rows_safe_whole(a: Any, b: Any, *, index_bits: int, profile: FaultProfile, op: str = "bmm") -> int | None:
+    """The largest first dimension at which this product runs correctly whole, its operands laid out as they are
+    (a contiguous operand stays one, a view a view): what the same code runs on a smaller batch. A whole operand
+    may hold up to LIMIT elements where a piece of it, a slice, is held below VIEW_LIMIT (rule 2), so this is up to
+    twice `rows_per_safe_chunk(..., as_slices=True)`, the guard's pieces. Decided by `profile`'s rules at that size;
+    None where they do not call it correct there (another rule, a release judged conservatively)."""
+    sa, sb = spec_of(a), spec_of(b)
+    rows = rows_per_safe_chunk(sa, sb, index_bits=index_bits, op=op)
+    if not sa.shape or rows >= sa.shape[0]:
+        return None
+    smaller = dataclasses.replace(sa, shape=(rows, *sa.shape[1:]))
+    if op == "mm":  # a Linear's weight does not grow with the batch
+        fault = classify_mm(smaller, sb, index_bits=index_bits, profile=profile)
+    else:
+        fault = classify_bmm(smaller, dataclasses.replace(sb, shape=(rows, *sb.shape[1:])), index_bits=index_bits,
+                             profile=profile)
+    return rows if fault.is_ok else None

@@ -30,7 +30,7 @@ from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import has_symbolic_sizes, tensors_of
 from mpsimpact.modes.piecewise import Pieces
 from mpsimpact.modes.shape_table import near_a_limit
-from mpsimpact.modes.stop_text import describe_stop
+from mpsimpact.modes.stop_text import describe_stop, whole_rows
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
 from mpsimpact.engine.mac_memory import BUFFER_RULE
@@ -254,7 +254,8 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
             with active.as_one_call(op) if active else contextlib.nullcontext():
                 return split()
         bits = self._bits(active)
-        message = describe_stop(record, fault, chunk, why_not, bits)
+        whole = whole_rows(record, bits, active.profile if active else self.profile)
+        message = describe_stop(record, fault, chunk, why_not, bits, whole)
         if self.mode == "warn":
             self.warned.append(record)
             self._warn_once(message)
@@ -263,7 +264,8 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         safe_chunk = chunk.step if isinstance(chunk, Pieces) else chunk
         # rows_per_sample: the call's rows one sample of the caller's first dimension holds (Note [A call's samples])
         raise OversizedOpError(message, op=record.op, a=record.a, b=record.b, fault=fault, phase=record.phase,
-                               safe_chunk=safe_chunk, rows_per_sample=rows_per_sample(record, entry_shape()),
+                               safe_chunk=safe_chunk, safe_batch=whole,
+                               rows_per_sample=rows_per_sample(record, entry_shape()),
                                index_bits=bits)
 
     def _bits(self, active) -> int:

@@ -4,7 +4,8 @@ and what to do (the message of OversizedOpError and of guard mode "warn")."""
 from __future__ import annotations
 
 from mpsimpact.engine.call import CallRecord, rows_per_sample
-from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault
+from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, rows_safe_whole
+from mpsimpact.engine.release import profile_for
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.entrypoint import entry_shape
 from mpsimpact.modes.piecewise import Pieces, has_split
@@ -15,20 +16,29 @@ ROW_UNITS = {"bmm": ("batch", "batches"), "mm": ("row", "rows"), "sdpa": ("batch
 
 
 def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
-                  index_bits: int = MPS_INDEX_BITS) -> str:
+                  index_bits: int = MPS_INDEX_BITS, whole: int | None = None) -> str:
     """The error text: what, the numbers, the rule it would hit (and the scale, at a narrowed `index_bits`), the
-    safe chunk (or `why_not` none is taken), what to do."""
-    return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=index_bits)
+    safe chunk (or `why_not` none is taken), the largest batch that runs it whole (`whole_rows`), what to do."""
+    return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=index_bits, whole=whole)
+
+
+def whole_rows(record: CallRecord, index_bits: int, profile) -> int | None:
+    """The largest first dimension at which a stopped product runs correctly whole (faults.rows_safe_whole), where
+    that is more than the guard's pieces: a smaller batch of the same code. None for SDPA and the other families."""
+    if record.family not in ("bmm", "mm"):
+        return None
+    return rows_safe_whole(record.a, record.b, index_bits=index_bits, profile=profile, op=record.family)
 
 
 def what_mps_does(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
-                  per: int | None = None, index_bits: int = MPS_INDEX_BITS) -> str:
+                  per: int | None = None, index_bits: int = MPS_INDEX_BITS, whole: int | None = None) -> str:
     """`describe_stop`'s text after its "mpsimpact guard: ": the call, what MPS would do with it and why, and
     what to do. `per`: rows a sample (default: as the call now being decided folds them, Note [A call's
-    samples] in modes/entrypoint.py); `index_bits`: the width judged at, said where it is not MPS's."""
+    samples] in modes/entrypoint.py); `index_bits`: the width judged at, said where it is not MPS's; `whole`: the
+    rows a smaller batch may hold and run it whole (more than a piece of the split may: See `_chunk_advice`)."""
     per = rows_per_sample(record, entry_shape()) if per is None else per
     if record.is_product and chunk is not None:
-        advice = _chunk_advice(chunk, per, ROW_UNITS.get(record.family, ROW_UNITS["bmm"]), record.op)
+        advice = _chunk_advice(chunk, per, ROW_UNITS.get(record.family, ROW_UNITS["bmm"]), record.op, whole)
     elif why_not:
         advice = f"The guard does not split it: {why_not}; lower the batch size."
     elif not record.is_product:
@@ -48,7 +58,10 @@ def what_mps_does_with(record: CallRecord, index_bits: int, per: int) -> str:
         if split is not None and split.rows is not None:
             return (f"{what} Not one whole batch is safe: guard mode 'chunk' splits each into blocks of {split.rows} "
                     f"rows and {split.cols} column{'s' if split.cols > 1 else ''}; or shorten the sequence.")
-        return what_mps_does(record, record.fault, split.batches if split is not None else None, per=per)
+        release = record.fault.release
+        whole = whole_rows(record, index_bits, profile_for(release)) if release else None
+        return what_mps_does(record, record.fault, split.batches if split is not None else None, per=per,
+                             whole=whole)
     if record.family == "sdpa":
         split = split_sdpa(record.a.shape, record.b.shape, record.a.shape[-1], index_bits)
         return f"{what} " + (
@@ -92,8 +105,19 @@ def _what_and_why(record: CallRecord, fault: Fault, per: int, index_bits: int = 
     return f"{record.describe()} in {record.phase} ({sizes}) would {what} on {release} ({why})."
 
 
-def _chunk_advice(chunk: int, per: int, units: tuple[str, str], op: str) -> str:
-    """The largest safe chunk, in the caller's samples where they are known (Note [A call's samples])."""
+def _chunk_advice(chunk: int, per: int, units: tuple[str, str], op: str, whole: int | None = None) -> str:
+    """The largest safe chunk, in the caller's samples where they are known (Note [A call's samples]); and where a
+    smaller batch runs the op whole with more (`whole` rows: a whole operand may reach the index limit, a piece of
+    the split is a slice, a view, held to half of it), that batch, which is what lowering the batch size gives."""
+    if whole is not None and whole // per > chunk // per:
+        if per == 1:
+            return (f"It runs correctly on at most {whole} {units[1]} at once: lower the batch size so that it gets "
+                    f"no more, or use guard mode 'chunk' (its pieces, slices of the batch, hold at most {chunk}).")
+        samples = whole // per
+        pieces = f"at most {chunk // per}" if chunk >= per else f"part of one ({chunk} {op} {units[chunk > 1]})"
+        return (f"It runs correctly on a batch of at most {samples} sample{'s' if samples > 1 else ''} of the first "
+                f"dimension ({samples * per} {op} {units[1]}): lower the batch size to {samples}, or use guard mode 'chunk' "
+                f"(its pieces, slices of the batch, hold {pieces}).")
     unit = units[0] if per == 1 and chunk == 1 else units[1]
     if per == 1:
         return f"The largest safe chunk for this op is {chunk} {unit}: lower the batch size, or use guard mode 'chunk'."

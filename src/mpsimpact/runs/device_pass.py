@@ -254,13 +254,15 @@ def stop_facts(error: BaseException, stopped_at: Any, batch: int, index_bits: in
     rows = stopped_at.a.shape[0] if stopped_at.is_product and stopped_at.a.shape else 0
     if per == 1 and stopped_at.family == "bmm" and rows > batch and rows % batch == 0:
         per = rows // batch
-    first, safe = fault.first_bad_batch, fields.get("safe_chunk")
+    first, safe, whole = fault.first_bad_batch, fields.get("safe_chunk"), fields.get("safe_batch")
     return {
         "by": "guard" if isinstance(error, OversizedOpError) else "mps", "kind": fault.kind, "release": fault.release,
         "phase": stopped_at.phase, "torch_text": fault.message or None, "unmeasured": fault.is_unmeasured,
         "rows_per_sample": per, "first_wrong_row": first, "first_wrong_sample": None if first is None else first // per,
         "safe_rows": safe if stopped_at.is_product else None,
         "safe_samples": safe // per if safe is not None and stopped_at.is_product else None,
+        # the largest batch that runs the call whole, where more than a piece may hold (stop_text.whole_rows)
+        "whole_rows": whole, "whole_samples": None if whole is None else whole // per,
         "index_bits": fields.get("index_bits", index_bits),
     }
 

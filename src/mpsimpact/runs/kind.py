@@ -377,7 +377,10 @@ def stop_words(condition: dict[str, Any], unit: str = "text") -> str | None:
 
 
 def _advice(stop: dict[str, Any], unit: str) -> str:
-    safe, per = stop.get("safe_samples"), stop.get("rows_per_sample") or 1
+    safe, per, whole = stop.get("safe_samples"), stop.get("rows_per_sample") or 1, stop.get("whole_samples")
+    if whole:  # a smaller batch runs the call whole with more than a piece of the guard's split holds
+        return (f"At most {whole} {unit}{'s' if whole > 1 else ''} at once run this call correctly: lower the batch "
+                f"size to {whole}, or use guard mode 'chunk'.")
     if safe:
         return (f"At most {safe} {unit}{'s' if safe > 1 else ''} at once are safe: lower the batch size to {safe}, "
                 "or use guard mode 'chunk'.")

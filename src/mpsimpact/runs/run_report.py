@@ -115,6 +115,8 @@ class StopBlock(Record):
     first_wrong_sample: int | None = ABSENT
     safe_rows: int | None = ABSENT
     safe_samples: int | None = ABSENT
+    whole_rows: int | None = ABSENT
+    whole_samples: int | None = ABSENT
     index_bits: int = ABSENT
 
     def problem(self) -> str | None:
