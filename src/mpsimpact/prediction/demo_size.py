@@ -305,11 +305,12 @@ def silent_sizes_words(sizes: dict[str, Any], release: str) -> str:
         lengths = sizes["lengths"]
         at = f"{lengths[0]} tokens" + (f" or any power-of-two length from {lengths[-1]} to {max(lengths)}"
                                        if len(lengths) > 1 else "")
-        return (f"No batch of up to {sizes['ceiling']} texts at {at}{narrowed} shows the silent effect on torch "
+        return (f"No batch of up to {sizes['ceiling']:,} texts at {at}{narrowed} shows the silent effect on torch "
                 f"{release} for this model: wherever a call crosses a limit, the run stops first (or its wrong "
                 "values are not characterised).")
     (first, last), *more = sizes["batches"]
     # Counts of texts in plain digits, as the table's "first wrong text 1365" and the run's "2731 of 4096" say them
+    # (the search's ceiling above, 16,777,216, is a bound nobody compares with a row, read more easily grouped)
     upto = f"at least {last}" if last >= sizes["ceiling"] else f"{last}"
     others = f" (and {len(more)} more stretch{'es' if len(more) > 1 else ''} of batches)" if more else ""
     return (f"The silent effect shows instead from {first} to {upto} texts of {sizes['max_length']} tokens"
