@@ -100,6 +100,8 @@ def test_the_reports_prediction_line_says_where_the_run_stops_and_what_nobody_me
     assert "no text comes back: MPS raises at mul" in _predicted(raised, 16, {})
     wrong = {"stops": None, "first_corrupted_text": 10, "first_corrupted_head": 8, "corrupted_count": 6}
     assert _predicted(wrong, 16, {"measured": True}) == (
-        "Predicted from shapes alone: first corrupted text 10 (head 8), 6 of 16 texts.")
+        "Predicted from shapes alone: 6 of 16 texts wrong, from text 10 (head 8).")
+    clean = dict(wrong, first_corrupted_text=None, first_corrupted_head=None, corrupted_count=0)
+    assert _predicted(clean, 16, {"measured": True}) == "Predicted from shapes alone: none of the 16 texts wrong."
     assert _predicted(stopped, 16, {"measured": False, "release": "2.15.0"}).endswith(
         "Nobody measured torch 2.15.0 on MPS: judged conservatively.")

@@ -9,7 +9,7 @@ from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, html_table, markdown_table, release_lines
+from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, Footnotes, html_table, markdown_table, release_lines
 from mpsimpact.output.page import format_cell as _fmt
 
 
@@ -26,12 +26,15 @@ def render_markdown(run: dict, kind) -> str:
         f"max length {g['max_length']}"
         + (f" (run at {g['run_length']} tokens)" if g["run_length"] != g["max_length"] else "") + ".",
         _predicted(p, g["batch_size"], run.get("release") or {}), "",
-        *markdown_table([title for _, title in kind.table_columns(run)], kind.condition_rows(run)), "",
+        *markdown_table(*conditions_table(run, kind, footnotes := Footnotes())), "",
     ]
+    # Under the table what the console prints there, in its words (the guards, the footnotes); then each condition's
+    # own lines and its message whole (the call, its rows, the rule: the console's --verbose).
+    lines += [f"- {line}" for line in [*kind.guard_lines(run), *footnotes.lines()]]
     for c in run["conditions"]:
         lines += kind.condition_lines(c)
         if c.get("message"):
-            lines.append(f"- guard {c['guard']}: {c['status']}: `{c['message']}`")
+            lines.append(f"- guard {kind.guard_cell(c)}, the whole message: `{c['message']}`")
     lines += kind.markdown_lines(run)
     lines += ["", *[f"- {note}" for note in run["notes"]]]
     lines += ["", *[f"![{name}]({name})" for name in run["figures"]]]
@@ -40,6 +43,12 @@ def render_markdown(run: dict, kind) -> str:
 
         lines += ["", _versions_title(g), "", to_markdown(run["versions"])]
     return "\n".join(lines) + "\n"
+
+
+def conditions_table(run: dict, kind, footnotes: Footnotes) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The conditions table as the console shows it (its header, its cells, a stop as a footnote of its status, in
+    texts): report.md and report.html say what the console says. report.json keeps each field as recorded."""
+    return kind.console_header, [kind.console_row(c, footnotes, False) for c in run["conditions"]]
 
 
 def _predicted(p: dict, batch: int, release: dict) -> str:
@@ -51,9 +60,11 @@ def _predicted(p: dict, batch: int, release: dict) -> str:
         what = {"abort": "the process dies"}.get(stop["kind"], "MPS raises")  # the fault's kind: abort, error
         text = (f"Predicted from shapes alone: no text comes back: {what} at {call['op']} (call {call['index']}, "
                 f"{call['phase']}).")
-    else:
-        text = (f"Predicted from shapes alone: first corrupted text {_fmt(p['first_corrupted_text'])} "
-                f"(head {_fmt(p['first_corrupted_head'])}), {p['corrupted_count']} of {batch} texts.")
+    elif p.get("first_corrupted_text") is None:
+        text = f"Predicted from shapes alone: none of the {batch} texts wrong."
+    else:  # in the table's words ("wrong", "first wrong"), as plan's "6 of 16 samples silently wrong, from sample 10"
+        text = (f"Predicted from shapes alone: {p['corrupted_count']} of {batch} texts wrong, from text "
+                f"{_fmt(p['first_corrupted_text'])} (head {_fmt(p['first_corrupted_head'])}).")
     if release.get("measured") is False:
         text += f" Nobody measured torch {release['release']} on MPS: judged conservatively."
     return text
@@ -86,7 +97,7 @@ def render_html(run: dict, figures: dict[str, bytes], kind) -> str:
     notes = "".join(f"<li>{_inline(esc(line[2:]))}</li>" for line in lines if line.startswith("- "))
     images = "".join(f'<figure><img alt="{name}" src="data:image/png;base64,{b64encode(data).decode()}">'
                      f"<figcaption>{name}</figcaption></figure>" for name, data in figures.items())
-    table = html_table([t for _, t in kind.table_columns(run)], kind.condition_rows(run))
+    table = html_table(*conditions_table(run, kind, Footnotes()))  # its footnotes are the notes' (render_markdown)
     scenario, model, data = esc(run["config"]["scenario"]), esc(run["model"]), esc(run["data_source"])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>mpsimpact {scenario}</title>
 <style>{HTML_STYLE}.banner{{background:{BANNER_COLOURS[bool(g['emulated'])]}}}

@@ -189,6 +189,11 @@ class RunKind(abc.ABC):
         ("K predictions changed class"; "" for nothing more): the kind's words."""
         return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong", ""
 
+    @staticmethod
+    def guard_cell(condition: dict) -> str:
+        """A condition's guard as the console names it (module function `guard_cell`), for the reports."""
+        return guard_cell(condition)
+
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         """The console's conditions table (output.page.FittedTable): the kind's header, one `console_row`
         per condition, a condition's message as a footnote of its status."""
