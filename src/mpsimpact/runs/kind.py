@@ -23,6 +23,9 @@ SCHEMA_VERSION = 2
 # (RunKind.reads); given to a kind that does not read it, one is refused in one line saying why (RunKind.check).
 KIND_OPTIONS = ("steps", "lr", "threshold", "reference_device", "dataset")
 # The columns a kind that judges one device pass per condition (classify, embed) leads with.
+# compare's titles for report.json's columns, as the run's console and reports title them (its "wrong" column
+# counts what report.json calls corrupted_count; "first wrong" its first_corrupted_index).
+COMPARED_TITLES = {"corrupted_count": "wrong", "first_corrupted_index": "first wrong"}
 PASS_COLUMNS = (("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"),
                 ("corrupted_fraction", "fraction"), ("first_corrupted_index", "first corrupted"),
                 ("predicted_first_corrupted_index", "predicted first"))
@@ -249,8 +252,10 @@ class RunKind(abc.ABC):
         return self.columns
 
     def compared_columns(self, run: dict) -> list[tuple[str, str]]:
-        """The conditions table's (key, title) pairs that compare puts old beside new."""
-        return [(key, title) for key, title in self.table_columns(run) if key not in self.uncompared]
+        """The conditions table's (key, title) pairs that compare puts old beside new, titled in the console's words
+        ("wrong", "first wrong": COMPARED_TITLES) where report.json's columns name them otherwise."""
+        return [(key, COMPARED_TITLES.get(key, title)) for key, title in self.table_columns(run)
+                if key not in self.uncompared]
 
     def corrupted_positions(self, run: dict, files: Any) -> tuple[str | None, dict[str, frozenset[int]]]:
         """Each condition's exact corrupted positions by its condition_key, from the first of `position_files`
