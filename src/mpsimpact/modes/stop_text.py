@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mpsimpact.engine.call import CallRecord, rows_per_sample
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, rows_safe_whole
-from mpsimpact.engine.release import profile_for
+from mpsimpact.engine.release import FaultProfile, profile_for
 from mpsimpact.modes.chunking import split_bmm, split_sdpa
 from mpsimpact.modes.entrypoint import entry_shape
 from mpsimpact.modes.piecewise import Pieces, has_split
@@ -22,7 +22,7 @@ def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, 
     return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=index_bits, whole=whole)
 
 
-def whole_rows(record: CallRecord, index_bits: int, profile) -> int | None:
+def whole_rows(record: CallRecord, index_bits: int, profile: FaultProfile) -> int | None:
     """The largest first dimension at which a stopped product runs correctly whole (faults.rows_safe_whole), where
     that is more than the guard's pieces: a smaller batch of the same code. None for SDPA and the other families."""
     if record.family not in ("bmm", "mm"):

@@ -96,6 +96,13 @@ def count_words(n: int, unit: str = "") -> str:
     return f"{said} {unit}" if unit else said
 
 
+def guard_cell(condition: dict[str, Any]) -> str:
+    """A run condition's guard as the console, report.md and report.html name it, led by its attention where that
+    is not eager ("sdpa, raise")."""
+    eager = condition.get("attention", "eager") == "eager"
+    return condition["guard"] if eager else f"{condition['attention']}, {condition['guard']}"
+
+
 def cell_name(cell: dict[str, Any]) -> str:
     """'256x64x256 batch 17 contiguous fp32': a sweep cell as people say it."""
     return f"{cell['m']}x{cell['k']}x{cell['n']} batch {cell['batch']} {cell['layout']} {cell['dtype']}"

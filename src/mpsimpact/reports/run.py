@@ -9,7 +9,9 @@ from typing import Any
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS
 from mpsimpact.output.files import atomic_write_bytes, atomic_write_text, folder_written_atomically
-from mpsimpact.output.page import BANNER_COLOURS, HTML_STYLE, Footnotes, html_table, markdown_table, release_lines
+from mpsimpact.output.page import (
+    BANNER_COLOURS, HTML_STYLE, Footnotes, guard_cell, html_table, markdown_table, release_lines,
+)
 from mpsimpact.output.page import format_cell as _fmt
 
 
@@ -34,7 +36,7 @@ def render_markdown(run: dict, kind) -> str:
     for c in run["conditions"]:
         lines += kind.condition_lines(c)
         if c.get("message"):
-            lines.append(f"- guard {kind.guard_cell(c)}, the whole message: `{c['message']}`")
+            lines.append(f"- guard {guard_cell(c)}, the whole message: `{c['message']}`")
     lines += kind.markdown_lines(run)
     lines += ["", *[f"- {note}" for note in run["notes"]]]
     lines += ["", *[f"![{name}]({name})" for name in run["figures"]]]

@@ -13,7 +13,7 @@ from mpsimpact.engine.faults import MPS_INDEX_BITS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.engine.release import torch_words
 from mpsimpact.output.page import (
-    EMULATED_LABEL, STATUS_WORDS, Footnotes, fitted_table, format_cell, without_rule_names,
+    EMULATED_LABEL, STATUS_WORDS, Footnotes, fitted_table, format_cell, guard_cell, without_rule_names,
 )
 
 # report.json's schema: what readers (compare, CI scripts, notebooks) may rely on. 2 adds "columns"
@@ -22,10 +22,10 @@ SCHEMA_VERSION = 2
 # The `run` options (RunConfig fields) that some kinds read and others do not: each kind names those it reads
 # (RunKind.reads); given to a kind that does not read it, one is refused in one line saying why (RunKind.check).
 KIND_OPTIONS = ("steps", "lr", "threshold", "reference_device", "dataset")
-# The columns a kind that judges one device pass per condition (classify, embed) leads with.
 # compare's titles for report.json's columns, as the run's console and reports title them (its "wrong" column
 # counts what report.json calls corrupted_count; "first wrong" its first_corrupted_index).
 COMPARED_TITLES = {"corrupted_count": "wrong", "first_corrupted_index": "first wrong"}
+# The columns a kind that judges one device pass per condition (classify, embed) leads with.
 PASS_COLUMNS = (("guard", "guard"), ("status", "status"), ("corrupted_count", "corrupted"),
                 ("corrupted_fraction", "fraction"), ("first_corrupted_index", "first corrupted"),
                 ("predicted_first_corrupted_index", "predicted first"))
@@ -192,11 +192,6 @@ class RunKind(abc.ABC):
         ("K predictions changed class"; "" for nothing more): the kind's words."""
         return f"{off.get('corrupted_count')} of {report['geometry']['batch_size']} outputs came back wrong", ""
 
-    @staticmethod
-    def guard_cell(condition: dict) -> str:
-        """A condition's guard as the console names it (module function `guard_cell`), for the reports."""
-        return guard_cell(condition)
-
     def console_table(self, report: dict, footnotes: Footnotes, verbose: bool = False):
         """The console's conditions table (output.page.FittedTable): the kind's header, one `console_row`
         per condition, a condition's message as a footnote of its status."""
@@ -341,12 +336,6 @@ def status_cell(condition: dict, footnotes: Footnotes, verbose: bool = False) ->
         return words
     text = f"{condition['status']}: {message}" if verbose else stop_words(condition) or without_rule_names(message)
     return f"{words} {footnotes.mark(f'guard {guard_cell(condition)}: {text}')}"
-
-
-def guard_cell(condition: dict) -> str:
-    """A condition's guard, led by its attention where that is not eager ("sdpa, raise")."""
-    eager = condition.get("attention", "eager") == "eager"
-    return condition["guard"] if eager else f"{condition['attention']}, {condition['guard']}"
 
 
 # What the guard saw the call would do on MPS, by fault kind ({unit}: the caller's "text", "sample").

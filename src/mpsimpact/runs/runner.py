@@ -50,12 +50,12 @@ def run_scenario(config: RunConfig,
     # Traced in the run's dtype: the guard names the call as it runs, and 2.4.1's output rule depends on it. On a
     # Mac every op is traced (a tensor of few elements can still reach a small Mac's largest buffer).
     dtype = getattr(torch, config.dtype)
-    plans = {a: trace_meta(scenario.meta_module(attention=a).to(dtype), batch, max_length,
-                           index_bits=config.index_bits, backward=kind.backward, profile=release.profile,
-                           every_op=mac is not None, allocations=mac is not None).on_mac(mac)
-             for a in geometry.attentions}
-    meta = scenario.meta_module(shapes.model_config, attention=geometry.attentions[0]).to(dtype)  # as plan's
-    subject = Subject.of_module(meta, model.heads, shapes.model_config.hidden_size, backward=kind.backward)
+    metas = {a: scenario.meta_module(attention=a).to(dtype) for a in geometry.attentions}
+    plans = {a: trace_meta(meta, batch, max_length, index_bits=config.index_bits, backward=kind.backward,
+                           profile=release.profile, every_op=mac is not None, allocations=mac is not None).on_mac(mac)
+             for a, meta in metas.items()}
+    subject = Subject.of_module(metas[geometry.attentions[0]], model.heads, shapes.model_config.hidden_size,
+                                backward=kind.backward)  # the model as plan knows it: its peak, its advice
     sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
     if geometry.emulated:
         refuse_past_watermark(config, sections[geometry.attentions[0]], batch, max_length)
