@@ -155,6 +155,10 @@ AGREEMENT = {
     "release null": ("run", "report.json", set_in(["release"], None), "release is null, not an object"),
     "the config's batch another's": ("run", "report.json", set_in(["config", "batch_size"], 17),
                                      "config.batch_size is 17, geometry.batch_size 16"),
+    # guard raise's stop: the largest whole batch, 128 bmm batches of 12 a text, said as 10 texts
+    "a stop's samples beside its rows": ("run", "report.json", set_in(["conditions", 1, "stop", "whole_samples"], 3),
+                                         "conditions.1.stop.whole_samples is 3, not whole_rows // rows_per_sample = "
+                                         "128 // 12 = 10"),
 }
 
 

@@ -123,6 +123,11 @@ class StopBlock(Record):
         per = self.rows_per_sample
         if per is not ABSENT and per < 1:
             return f"rows_per_sample is {shown(per)}, not a whole number >= 1"
+        for rows, samples in (("first_wrong_row", "first_wrong_sample"), ("safe_rows", "safe_samples"),
+                              ("whole_rows", "whole_samples")):  # each count of samples is its rows' (stop_facts)
+            counted, said = self.get(rows), self.get(samples)
+            if type(counted) is int and type(said) is int and per is not ABSENT and said != counted // per:
+                return f"{samples} is {said}, not {rows} // rows_per_sample = {counted} // {per} = {counted // per}"
         return None
 
 
