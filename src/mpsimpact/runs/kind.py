@@ -283,11 +283,6 @@ class RunKind(abc.ABC):
                 raise files.damaged(name, f"guard {key} holds {len(seen)} of the batch's {batch} texts")
         return {key: frozenset(found) for key, found in corrupted.items()}
 
-    def condition_rows(self, run: dict) -> list[list[str]]:
-        """The conditions table: one row per condition (attention implementation and guard)."""
-        return [[format_cell(c.get(key, "eager" if key == "attention" else None))
-                 for key, _ in self.table_columns(run)] for c in run["conditions"]]
-
 
 def condition_key(attention: str | None, guard_mode: str) -> str:
     """A condition's one name, in arrays, figures, samples and comparisons: the guard alone for eager attention

@@ -281,14 +281,3 @@ class RunReport(Record):
                    and key == c.guard and c.get("corrupted_count") is not None]
         return f"it has no texts of guard {missing[0]}, which completed" if corrupted and missing else None
 
-
-def read_report(data: Any) -> RunReport:
-    """report.json's parsed JSON as a RunReport (raises Damaged); a schema newer than this mpsimpact reads is said
-    as such (UsageError), before any field is read."""
-    from mpsimpact.errors import UsageError
-
-    version = data.get("schema_version") if isinstance(data, dict) else None
-    if type(version) is int and version > SCHEMA_VERSION:
-        raise UsageError(f"report.json has schema_version {version}, newer than this mpsimpact reads "
-                         f"({SCHEMA_VERSION}); upgrade mpsimpact to read it.")
-    return RunReport.from_json(data)
