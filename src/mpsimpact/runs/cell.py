@@ -20,6 +20,7 @@ import torch
 from mpsimpact.engine.faults import Fault
 from mpsimpact.engine.mac_memory import GIB, buffer_refuses, invalid_buffer_message, is_allocation_failure
 from mpsimpact.output.signals import end_with_parent
+from mpsimpact.runs.device import device_memory
 
 # A row of a cell that was not run (over the memory budget or a Mac's largest buffer, or its allocation
 # refused by the device): it decides nothing and agrees with nothing.
@@ -151,8 +152,6 @@ def observe(cell: SweepCell, device: str, emulated: bool, index_bits: int, profi
     what the device offers) or one of whose tensors reaches `buffer` bytes is not run, and one whose
     allocation the device refuses (making its operands or the op's output: `is_allocation_failure`) did not
     run: both are NOT_RUN, never the op's fault."""
-    from mpsimpact.runs.device import device_memory
-
     skipped = not_run(cell, device_memory(device) if budget is None else budget, buffer)
     if skipped is not None:
         return skipped
@@ -177,11 +176,8 @@ def run_cells(cells: list[SweepCell], device: str, emulated: bool, index_bits: i
     """Yields one result row per cell (of one kind), in order; real devices go through a crash-tolerant
     worker, a run of the cells within the budget at a time. `profile`: the release (a FaultProfile, or what
     the rules take: a release, a profile.json, None for the installed) whose rules predict (and, emulated,
-    produce) each cell; `budget`: the bytes a cell may hold (default: what the
-    device offers); `buffer`: a Mac's largest buffer in bytes (None: no Mac); a cell over either is not
-    run."""
-    from mpsimpact.runs.device import device_memory
-
+    produce) each cell; a cell over `budget` bytes (default: what the device offers) or reaching `buffer`
+    (a Mac's largest buffer; None: no Mac) is not run."""
     budget = device_memory(device) if budget is None else budget
 
     def make_row(cell: SweepCell, seen: dict[str, Any]) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def decide_geometry(config: Any, model: Any, device: str, batch: int, max_length
     emulated = resolve_emulation(config.emulate, device)
     if max_length > model.max_positions:
         raise UsageError(f"--max-length {max_length} exceeds the model's {model.max_positions} positions.")
-    dtype_bytes = DTYPE_BYTES[getattr(config, "dtype", "float32")]
+    dtype_bytes = DTYPE_BYTES[config.dtype]
     attentions, substituted = fitted_attentions(config, model, device, emulated, batch, max_length, training)
 
     def pass_bytes(length: int) -> int:
@@ -111,10 +111,10 @@ def fitted_attentions(config: Any, model: Any, device: str, emulated: bool, batc
                       training: bool) -> tuple[tuple[str, ...], str]:
     """The attention implementations to run, and why they differ from those asked: on a Mac's GPU, where
     eager attention would not fit and blocked_eager (the same P V call) does, blocked_eager."""
-    asked = tuple(getattr(config, "attentions", ("eager",)))
+    asked = tuple(config.attentions)
     if asked != ("eager",) or device != "mps" or emulated or training:
         return asked, ""
-    dtype_bytes, offered = DTYPE_BYTES[getattr(config, "dtype", "float32")], device_memory(device)
+    dtype_bytes, offered = DTYPE_BYTES[config.dtype], device_memory(device)
     eager, blocked = (estimate_peak_bytes(model.config, batch, max_length, dtype_bytes, attention)
                       for attention in ("eager", BLOCKED))
     if eager <= offered or blocked > offered:

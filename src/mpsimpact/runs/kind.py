@@ -147,12 +147,12 @@ class RunKind(abc.ABC):
         error, the Mac's refusal of a tensor past its largest buffer, or values nobody can tell (never "not
         silent" for what nobody measured)."""
         where = off.get("where")
+        message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
         if off.get("buffer_refused"):
             on = f"{mac['label']} (largest buffer {mac['largest_buffer_gib']:g} GiB)" if mac else "this Mac"
             return (f"Not silent: on {on} MPS cannot allocate {where} and stops with '{off['buffer_refused']}' "
                     "before any wrong value; no guard changes that.")
         if where is None:  # a report from before "where": the message, as it was
-            message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
             return f"Not silent: without a guard the run did not complete ({status_words(off)}: {message})."
         if off.get("unmeasured"):
             return (f"Cannot tell: nobody measured torch {release} on MPS at {where}, so nobody can tell what "
@@ -166,7 +166,6 @@ class RunKind(abc.ABC):
         if plain and stop and stop.get("by") == "mps" and stop.get("torch_text"):  # torch's text, not the call's
             phase = " in backward" if stop.get("phase") == "backward" and "backward" not in where else ""
             return f"Not silent: MPS raises an error at {where}{phase}, {torch_words(stop['torch_text'])}."
-        message = without_rule_names(str(off.get("message"))) if plain else off.get("message")
         return f"Not silent: MPS raises an error at {where} ({message})."
 
     def figure_line(self, report: dict) -> str:
@@ -371,13 +370,12 @@ def stop_words(condition: dict[str, Any], unit: str = "text") -> str | None:
 
 
 def _advice(stop: dict[str, Any], unit: str) -> str:
-    safe, per, whole = stop.get("safe_samples"), stop.get("rows_per_sample") or 1, stop.get("whole_samples")
-    if whole:  # a smaller batch runs the call whole with more than a piece of the guard's split holds
-        return (f"At most {whole} {unit}{'s' if whole > 1 else ''} at once run this call correctly: lower the batch "
-                f"size to {whole}, or use guard mode 'chunk'.")
-    if safe:
-        return (f"At most {safe} {unit}{'s' if safe > 1 else ''} at once are safe: lower the batch size to {safe}, "
-                "or use guard mode 'chunk'.")
-    if stop.get("safe_rows") is not None and per > 1:
+    # A smaller batch runs the call whole ("whole_samples") with more than a piece of the guard's split holds.
+    for count, words in ((stop.get("whole_samples"), "run this call correctly"),
+                         (stop.get("safe_samples"), "are safe")):
+        if count:
+            return (f"At most {count} {unit}{'s' if count > 1 else ''} at once {words}: lower the batch size to "
+                    f"{count}, or use guard mode 'chunk'.")
+    if stop.get("safe_rows") is not None and (stop.get("rows_per_sample") or 1) > 1:
         return f"Not one whole {unit} is safe at once: shorten the {unit}s, or use guard mode 'chunk'."
     return "Guard mode 'chunk' splits it into pieces below the limits; or lower the batch size."
