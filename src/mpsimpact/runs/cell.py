@@ -1,7 +1,6 @@
 """The sweep's cell protocol (a bmm, runs.sweep.Cell, or an op family's test, runs.family_cells.FamilyCell)
-and the one pipeline that runs any cell: observed here or in a crash-tolerant worker process, not run over
-the memory budget or a Mac's largest buffer (nor when the device refuses its allocation), predicted without
-a tensor, made into its row and judged."""
+and the one pipeline that runs any cell: observed here or in a crash-tolerant worker process, not run over the
+memory budget or a Mac's largest buffer (nor where the device refuses it), predicted, judged in its row."""
 
 from __future__ import annotations
 

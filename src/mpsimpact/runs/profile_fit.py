@@ -1,7 +1,6 @@
-"""A release profile derived from a sweep's rows (profile.json, in engine.profile_file's format): every
-setting of the bmm rules that agrees with each measured cell by the sweep's own criteria (`Cell.judge`), the
-first failures per series, dtype and layout as the study's table gives them, each failure's text, and what
-the sweep did not measure (judged conservatively, never guessed). Cells that were not run decide nothing."""
+"""A release profile derived from a sweep's rows (profile.json, engine.profile_file's format): every setting of
+the bmm rules that agrees with each measured cell (`Cell.judge`), the first failures as the study's table gives
+them, each failure's text, and what it did not measure (judged conservatively). Cells not run decide nothing."""
 
 from __future__ import annotations
 

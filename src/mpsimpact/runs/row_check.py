@@ -1,7 +1,6 @@
-"""Rows of an unfinished sweep, read back before it resumes: each row's observation checked against its cell
-(types, ranges, fields that must agree), and the row made again from its cell and observation, so that a row
-of another sweep or a damaged one is dropped and its cell run again, and `agree` is always judged now, never
-read back."""
+"""Rows of an unfinished sweep, read back before it resumes: each row's observation checked against its cell and
+its row made again from them, so that a damaged row or another sweep's is dropped (its cell run again), and `agree`
+is always judged now, never read back."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What `run` concludes, as one typed value: `RunReport` (report.json) and its parts, written by the runner and read
-back by compare through the same class (output.record.Record). Reading checks what every reader relies on: each
-field's type, the closed sets (a condition's status, a fault's kind, the report's kind), and that the numbers agree
-(counts within the batch, fractions with counts, the config's sizes with the geometry's, positions with counts)."""
+back by compare through the same class (output.record.Record), which checks each field's type, the closed sets, and
+that the numbers agree (counts within the batch, fractions with counts, sizes with the geometry's)."""
 
 from __future__ import annotations
 

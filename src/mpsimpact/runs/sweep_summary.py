@@ -1,7 +1,6 @@
 """What `sweep` concludes, as typed values: `SweepSummary` (summary.json) and `SweepRow` (a line of sweep.jsonl),
-written by the sweep and read back by compare through the same classes (output.record.Record). Reading checks each
-field's type and that the files agree: every cell of the grid the config makes once, of one device, torch and index
-width, counted by class and verdict as the summary counts them."""
+written by the sweep and read back by compare through the same classes (output.record.Record), which check each
+field's type and that the files agree (every cell of the config's grid once, counted as the summary counts it)."""
 
 from __future__ import annotations
 

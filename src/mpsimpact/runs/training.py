@@ -1,7 +1,6 @@
-"""The training runner: K optimiser steps on one oversized batch, under each guard condition on the
-device and once on the CPU reference; compares logits, gradients, updates and the predictions the
-trained models make on a held-out evaluation set. One trained copy is alive at a time, next to the
-reference-trained one, and each step keeps only the activations backward cannot recompute."""
+"""The training runner: K optimiser steps on one oversized batch under each guard condition and once on the CPU
+reference, compared in logits, gradients, updates and held-out predictions. One trained copy is alive at a time,
+beside the reference-trained one, and each step keeps only the activations backward cannot recompute."""
 
 from __future__ import annotations
 
