@@ -8,7 +8,7 @@ import abc
 import dataclasses
 from typing import Any, ClassVar
 
-from mpsimpact.config import DEFAULT_ATTENTION, RUN_ATTENTIONS
+from mpsimpact.config import DEFAULT_ATTENTION, HALF_THRESHOLD, RUN_ATTENTIONS
 from mpsimpact.engine.faults import MPS_INDEX_BITS, STOP_KINDS
 from mpsimpact.errors import UsageError
 from mpsimpact.engine.release import torch_words
@@ -57,11 +57,13 @@ class RunKind(abc.ABC):
     def check(self, config: Any, given: Any = None) -> None:
         """Refuses, before anything is loaded, the options this kind does not support: an option of
         KIND_OPTIONS it does not read (`given`: the config's fields the command line gave; None: those that
-        differ from the config's defaults), an attention or a dtype it does not run."""
-        fields = {field.name: field.default for field in dataclasses.fields(config)}
+        differ from the config's defaults), an attention or a dtype it does not run, and a --threshold below
+        what half precision is judged at (config.HALF_THRESHOLD: the run would judge at that floor instead)."""
+        defaults = {field.name: field.default for field in dataclasses.fields(config)}
+        asked = {name for name in KIND_OPTIONS
+                 if (name in given if given is not None else getattr(config, name) != defaults[name])}
         for name in KIND_OPTIONS:
-            asked = name in given if given is not None else getattr(config, name) != fields[name]
-            if asked and name not in self.reads:
+            if name in asked and name not in self.reads:
                 flag = "--" + name.replace("_", "-")
                 why = self.not_read.get(name, "its kind of run does not read it")
                 raise UsageError(f"run {config.scenario} does not use {flag}: {why}; drop {flag}.", option=flag)
@@ -69,6 +71,10 @@ class RunKind(abc.ABC):
             raise UsageError(f"run {config.scenario} supports --attention {' or '.join(self.attentions)} and "
                              f"--dtype {' or '.join(self.dtypes)} only; `{config.plan_command('--versions')}` "
                              "predicts sdpa.")
+        if "threshold" in asked and config.dtype != "float32" and config.threshold < HALF_THRESHOLD:
+            raise UsageError(f"--threshold {config.threshold:g} is below the {HALF_THRESHOLD:g} a {config.dtype} run "
+                             "is judged at (kernel-order rounding keeps clean texts below it, not below less): give "
+                             f"--threshold {HALF_THRESHOLD:g} or more, or drop it.", option="--threshold")
 
     @abc.abstractmethod
     def run(self, config: Any, scenario: Any, model: Any, geometry: Any, sections: dict,

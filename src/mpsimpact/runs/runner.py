@@ -117,7 +117,6 @@ def check_run(config: RunConfig, given: Any = None) -> str:
     config.validate()
     scenario_cls = get_scenario(config.scenario)
     scenario_cls.kind.check(config, given)
-    check_half_threshold(config, given)
     check_run_length(config.run_length, config.max_length or scenario_cls.default_max_length)
     device = resolve_device(config.device)
     emulated = resolve_emulation(config.emulate, device)
@@ -131,18 +130,6 @@ def check_run(config: RunConfig, given: Any = None) -> str:
                          option="--memory")
     return device
 
-
-def check_half_threshold(config: RunConfig, given: Any = None) -> None:
-    """Refuses a --threshold (given: in `given`, else other than the default) below what half precision is judged at
-    (config.HALF_THRESHOLD): the run would judge at that floor instead, not at the threshold asked."""
-    from mpsimpact.config import CORRUPTION_THRESHOLD, HALF_THRESHOLD
-    from mpsimpact.errors import UsageError
-
-    asked = "threshold" in given if given is not None else config.threshold != CORRUPTION_THRESHOLD
-    if asked and config.dtype != "float32" and config.threshold < HALF_THRESHOLD:
-        raise UsageError(f"--threshold {config.threshold:g} is below the {HALF_THRESHOLD:g} a {config.dtype} run is "
-                         "judged at (kernel-order rounding keeps clean texts below it, not below less): give "
-                         f"--threshold {HALF_THRESHOLD:g} or more, or drop it.", option="--threshold")
 
 def where_silent(section: PredictionSection, shapes: ModelShapes, config: RunConfig,
                  geometry: Geometry) -> dict[str, Any] | None:
