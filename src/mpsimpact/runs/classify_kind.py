@@ -126,11 +126,11 @@ class ClassifyKind(RunKind):
 
     def damage(self, report: dict, off: dict) -> tuple[str, str]:
         # Outputs (the logits) go wrong; a prediction (the label) changes only where the wrong logits cross.
-        wrong, flips, c = off["corrupted_count"], off.get("flips", 0), off.get("collapse", {})
+        flips, c = off.get("flips", 0), off.get("collapse", {})
         then = f"{flips} prediction{'s' if flips != 1 else ''} changed class"
         if c.get("class") and c.get("device_share", 0) > 0.5:
             then += f"; most ({c['device_share']:.0%}) collapsed onto '{c['class']}'"
-        return f"{wrong} of {report['geometry']['batch_size']} outputs came back wrong", then
+        return super().damage(report, off)[0], then
 
     def condition_lines(self, condition: dict) -> list[str]:
         if not condition.get("collapse", {}).get("class"):

@@ -57,18 +57,18 @@ def run_scenario(config: RunConfig,
     subject = Subject.of_module(metas[geometry.attentions[0]], model.heads, shapes.model_config.hidden_size,
                                 backward=kind.backward)  # the model as plan knows it: its peak, its advice
     sections = {a: PredictionSection(release, plan, batch, max_length, subject) for a, plan in plans.items()}
+    first = sections[geometry.attentions[0]]
     if geometry.emulated:
-        refuse_past_watermark(config, sections[geometry.attentions[0]], batch, max_length)
+        refuse_past_watermark(config, first, batch, max_length)
     body, arrays = kind.run(config, scenario, model, geometry, sections, progress)
     report = report_head(config, scenario, kind.name, geometry, sections, batch, max_length) | body
-    first = sections[geometry.attentions[0]]
     report["release"] = first.release_json()
     report["guard_advice"] = guard_advice(first.decided, batch, first.subject)  # as plan's and check's
     if mac is not None:
         report["mac"] = mac.to_json()
     report["columns"] = [list(pair) for pair in kind.table_columns({"conditions": report["conditions"]})]
     said = [chosen] if chosen else []
-    if (sizes := where_silent(sections[geometry.attentions[0]], shapes, config, geometry)) is not None:
+    if (sizes := where_silent(first, shapes, config, geometry)) is not None:
         report["silent_sizes"] = sizes
         said.append(sizes["sentence"])
     report["notes"] = run_notes(geometry, report["repeated_texts"], report["tokens"], said)

@@ -75,7 +75,7 @@ class Cell:
             if is_allocation_failure(error):
                 raise  # the output did not fit: not the op's fault (runs.cell.observe says not run)
             kind = error.fields["fault"].kind if isinstance(error, EmulatedMpsError) else "error"
-            return {"observed": kind, "message": str(error).splitlines()[0], "first_bad_batch": None, "max_rel_error": None}
+            return {"observed": kind, "message": str(error).splitlines()[0], **NO_VALUES}
         batches = judged_batches(self, predicted.first_bad_batch, self.batch * self.m * self.n <= 1 << 26, index_bits)
         index = torch.tensor(batches, device=out.device)
         # To the CPU before float64: MPS has no float64.
