@@ -13,7 +13,7 @@ from mpsimpact.modes.budget import budget_scores
 from mpsimpact.engine.faults import limits
 from mpsimpact.errors import OversizedOpError
 from mpsimpact.attention.lazy_mask import LazyEagerMask, lazy_eager_mask
-from mpsimpact.modes.chunking import Blocks, attention_blocks, emulated_index_bits, pieces
+from mpsimpact.modes.chunking import Blocks, attention_blocks, batch_blocks, emulated_index_bits
 
 NAME = "mps_safe_eager"
 
@@ -72,7 +72,7 @@ def mps_safe_eager_attention(
     piece = _piece if blocks.key_block is None else functools.partial(_online_piece, key_block=blocks.key_block)
     for start in range(0, length, blocks.block):  # rows outermost: a lazy mask makes each block's rows once
         rows = slice(start, min(length, start + blocks.block))
-        for texts, kv in pieces(batch, kv_heads, blocks.rows):
+        for texts, kv in batch_blocks((batch, kv_heads), blocks.rows):
             heads_of_kv = slice((kv.start or 0) * groups, (kv_heads if kv.stop is None else kv.stop) * groups)
             out[texts, rows, heads_of_kv] = piece(module, query, key, value, attention_mask, scaling, dropout,
                                                   texts, kv, rows, heads_of_kv)

@@ -52,12 +52,6 @@ def op_name(func: Any) -> str:
     return func.__name__.split(".")[0]
 
 
-def operands(func: Any, args: tuple) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """(family, a, b) of a call of a bmm/mm op (the table's MATMUL route)."""
-    family, ia, ib = op_entry(func).operands
-    return family, args[ia], args[ib]
-
-
 def needs_grad(tensors: Any) -> bool:
     """Whether autograd will record a call on these tensors."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
@@ -142,18 +136,14 @@ class _Stacks(threading.local):
 ACTIVE = _Stacks()  # ACTIVE.stacks[role]: this thread's active modes of `role`, innermost last
 
 
-def _stack(role: str) -> list[Any]:
-    return ACTIVE.stacks[role]
-
-
 def push_active(role: str, mode: Any) -> None:
     """Registers `mode` as the innermost active mode of `role` on this thread."""
-    _stack(role).append(mode)
+    ACTIVE.stacks[role].append(mode)
 
 
 def remove_active(role: str, mode: Any) -> None:
     """Unregisters `mode` (wherever it is in the stack)."""
-    _stack(role).remove(mode)
+    ACTIVE.stacks[role].remove(mode)
 
 
 @contextlib.contextmanager

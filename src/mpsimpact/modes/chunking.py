@@ -34,11 +34,6 @@ class Split:
     rows: int | None = None
     cols: int | None = None
 
-    @property
-    def size(self) -> int:
-        """The pieces' size in the unit the guard reports (batches, or output rows of one batch)."""
-        return self.batches if self.rows is None else self.rows
-
 
 def split_bmm(a: TensorSpec, b: TensorSpec, index_bits: int, family: str = "bmm") -> Split | None:
     """The pieces of a bmm (or mm) that every release computes correctly: whole batches where one batch
@@ -155,18 +150,6 @@ def _split_sdpa_by_limits(query_shape: tuple[int, ...], key_shape: tuple[int, ..
     return SdpaSplit(1, min(block, (view_limit - 1) // lk) if causal or full_mask else block)
 
 
-def pieces(batch: int, heads: int, rows: int) -> Iterator[tuple[slice, slice]]:
-    """(batch slice, head slice) pieces of at most `rows` rows of batch*heads, in order."""
-    if rows >= heads:
-        texts = rows // heads
-        for start in range(0, batch, texts):
-            yield slice(start, min(batch, start + texts)), slice(None)
-        return
-    for text in range(batch):
-        for start in range(0, heads, rows):
-            yield slice(text, text + 1), slice(start, min(heads, start + rows))
-
-
 def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: dict, split: SdpaSplit,
                      copy: bool = False) -> torch.Tensor:
     """scaled_dot_product_attention over pieces of at most `split.rows` rows of its (broadcast) batch and
@@ -185,7 +168,7 @@ def run_sdpa_chunked(proceed: Callable[..., torch.Tensor], args: tuple, kwargs: 
     batch = _sdpa_batch(query, key, value, mask, groups)
     lq, lk = query.shape[-2], key.shape[-2]
     out = query.new_empty((*batch, lq, value.shape[-1]))  # (*batch, Lq, Dv)
-    for index in _batch_blocks(batch, split.rows, groups):
+    for index in batch_blocks(batch, split.rows, groups):
         k, v = (_piece(_batch_part(x, index, batch, groups), copy) for x in (key, value))
         q_rows = _batch_part(query, index, batch)
         mask_rows = _batch_part(mask, index, batch) if isinstance(mask, torch.Tensor) and mask.dim() > 2 else mask
@@ -216,7 +199,7 @@ def _sdpa_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
     return tuple(torch.broadcast_shapes(*shapes))
 
 
-def _batch_blocks(batch: tuple[int, ...], rows: int, groups: int) -> Iterator[tuple[slice, ...]]:
+def batch_blocks(batch: tuple[int, ...], rows: int, groups: int = 1) -> Iterator[tuple[slice, ...]]:
     """Blocks of at most `rows` rows of the batch, in row-major order: the first dim whose trailing dims
     fit is stepped, every dim before it one index at a time; on the head dim (the last) a step covers
     whole groups of query heads or lies within one."""

@@ -18,7 +18,7 @@ from mpsimpact.modes.base import (
 )
 from mpsimpact.modes.chunking import cat_in_place
 from mpsimpact.modes.op_size import (
-    SizedCall, judged_at, judged_outputs, op_family, outputs_of, size_call, tensors_of,
+    SizedCall, judged_at, judged_outputs, outputs_of, size_call, tensors_of,
 )
 from mpsimpact.modes.op_table import (
     AFTER, BROADCAST, FULL, INPUTS, NO_KERNEL, OP_ENTRIES, QUICK, broadcast_within, op_entry, plain_types,
@@ -140,7 +140,7 @@ class DispatchJudge:
         full = max(planned.a.numel, planned.b.numel, 1)
         most = max(1, dim_max(active.plan.index_bits) * here // full)
         record = dataclasses.replace(planned, index=len(self.stopped) + len(self.chunked))
-        return self._split_other(func, args, kwargs, record, op_family(func), None, most, active)
+        return self._split_other(func, args, kwargs, record, op_entry(func).family, None, most, active)
 
     def _split_other(self, func, args, kwargs, record: CallRecord, family: str, out: TensorSpec | None,
                      most: int, active) -> Any:

@@ -30,7 +30,7 @@ from mpsimpact.modes.guard_entry import EntryJudge
 from mpsimpact.modes.op_size import has_symbolic_sizes, tensors_of
 from mpsimpact.modes.piecewise import Pieces
 from mpsimpact.modes.shape_table import near_a_limit
-from mpsimpact.modes.stop_text import describe_stop, whole_rows
+from mpsimpact.modes.stop_text import what_mps_does, whole_rows
 from mpsimpact.errors import OversizedOpError, UsageError
 from mpsimpact.engine.faults import MPS_INDEX_BITS, Fault, dim_max, limits, Profile, TensorSpec
 from mpsimpact.engine.mac_memory import BUFFER_RULE
@@ -255,7 +255,8 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
                 return split()
         bits = self._bits(active)
         whole = whole_rows(record, bits, active.profile if active else self.profile)
-        message = describe_stop(record, fault, chunk, why_not, bits, whole)
+        message = "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=bits,
+                                                      whole=whole)
         if self.mode == "warn":
             self.warned.append(record)
             self._warn_once(message)

@@ -21,14 +21,9 @@ from typing import Any
 import torch
 
 from mpsimpact.engine.faults import MPS_INDEX_BITS, TensorSpec, dim_max
-from mpsimpact.modes.op_table import AFTER, BROADCAST, ENTRY_KINDS, GROWN, KNOWN_AFTER, OP_ENTRIES, SKIP, op_entry
+from mpsimpact.modes.op_table import AFTER, BROADCAST, GROWN, KNOWN_AFTER, OP_ENTRIES, SKIP, op_entry
 
 _ARGUMENT_NAMES: dict[Any, tuple[str, ...]] = {}
-
-
-def op_family(func: Any) -> str:
-    """The family that judges an op overload (engine.release.family_of), from the table."""
-    return (OP_ENTRIES.get(id(func)) or op_entry(func)).family
 
 
 def bound_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -162,10 +157,3 @@ def _grown(entry: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) ->
     if shape is None:
         return None, True
     return TensorSpec.contiguous(tuple(int(n) for n in shape), dtype), True
-
-
-def factory_elements(name: str, args: tuple, kwargs: dict) -> int:
-    """The elements a factory call (an entry point `name` of the table's factories) asks for; 0 where its sizes
-    are not plain numbers (an FX proxy, a symbolic size under torch.export: no arithmetic on them), so the call
-    passes unseen."""
-    return ENTRY_KINDS[name].elements(args, kwargs)

@@ -21,8 +21,8 @@ import torch
 from mpsimpact.engine.faults import TensorSpec, dim_max
 from mpsimpact.modes.op_size import bound_arguments
 from mpsimpact.modes.op_table import (
-    ADDED, EITHER, FILL, IN_PLACE_FILL, LARGEST, LARGEST_AT, LOOKUP, MULTIPLIED, POINTWISE, REDUCE, REDUCE_WHOLE,
-    ROWS, SMALLEST, SMALLEST_AT, SOFTMAX_ROWS, WEIGHTED, op_entry, split_named,
+    ADDED, BOTH, EITHER, FILL, IN_PLACE_FILL, LARGEST, LARGEST_AT, LOOKUP, MULTIPLIED, POINTWISE, REDUCE,
+    REDUCE_WHOLE, ROWS, SMALLEST, SMALLEST_AT, SOFTMAX_ROWS, WEIGHTED, op_entry, split_named,
 )
 
 
@@ -146,14 +146,8 @@ def _align(x: Any, index: tuple[slice, ...], ndim: int, shape: tuple[int, ...]) 
 
 def run_pieces(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> Any:
     """Computes the call block by block into one result (see `split_call`)."""
-    if pieces.how == "fill":
-        return _fill(func, args, kwargs, pieces)
-    if pieces.how == "reduce":
-        return _reduce_whole(func, args, kwargs, pieces)
-    if pieces.how == "lookup":
-        return _lookup(func, args, kwargs, pieces)
-    if pieces.how == "rows":
-        return _rows(func, args, kwargs, pieces)
+    if pieces.how in _RUNS:
+        return _RUNS[pieces.how](func, args, kwargs, pieces)
     mutates = bool(func._schema.arguments) and func._schema.arguments[0].alias_info is not None \
         and func._schema.arguments[0].alias_info.is_write
     out = None
@@ -245,7 +239,7 @@ def _reduce_whole(func: Any, args: tuple, kwargs: dict, pieces: Pieces) -> torch
         result = func(part, *rest, **kwargs)
         if how is WEIGHTED:
             result = result * (part.numel() / x.numel())
-        total = result if total is None else _combine(how, total, result)
+        total = result if total is None else _COMBINED[how](total, result)
     return total
 
 
@@ -259,13 +253,7 @@ def _flat_offset(index: tuple[slice, ...], shape: torch.Size) -> int:
     return offset
 
 
-def _combine(how: str, total: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    if how is ADDED or how is WEIGHTED:
-        return total + result
-    if how is MULTIPLIED:
-        return total * result
-    if how is LARGEST:
-        return torch.maximum(total, result)
-    if how is SMALLEST:
-        return torch.minimum(total, result)
-    return torch.logical_or(total, result) if how is EITHER else torch.logical_and(total, result)
+# How a full reduction's pieces' results combine (the table's `combine`), and how each kind of Pieces runs.
+_COMBINED = {ADDED: torch.add, WEIGHTED: torch.add, MULTIPLIED: torch.mul, LARGEST: torch.maximum,
+             SMALLEST: torch.minimum, EITHER: torch.logical_or, BOTH: torch.logical_and}
+_RUNS = {"fill": _fill, "reduce": _reduce_whole, "lookup": _lookup, "rows": _rows}

@@ -15,13 +15,6 @@ from mpsimpact.modes.piecewise import Pieces, has_split
 ROW_UNITS = {"bmm": ("batch", "batches"), "mm": ("row", "rows"), "sdpa": ("batch-head row", "batch-head rows")}
 
 
-def describe_stop(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
-                  index_bits: int = MPS_INDEX_BITS, whole: int | None = None) -> str:
-    """The error text: what, the numbers, the rule it would hit (and the scale, at a narrowed `index_bits`), the
-    safe chunk (or `why_not` none is taken), the largest batch that runs it whole (`whole_rows`), what to do."""
-    return "mpsimpact guard: " + what_mps_does(record, fault, chunk, why_not, index_bits=index_bits, whole=whole)
-
-
 def whole_rows(record: CallRecord, index_bits: int, profile: FaultProfile) -> int | None:
     """The largest first dimension at which a stopped product runs correctly whole (faults.rows_safe_whole), where
     that is more than the guard's pieces: a smaller batch of the same code. None for SDPA and the other families."""
@@ -32,10 +25,11 @@ def whole_rows(record: CallRecord, index_bits: int, profile: FaultProfile) -> in
 
 def what_mps_does(record: CallRecord, fault: Fault, chunk: int | Pieces | None, why_not: str | None = None,
                   per: int | None = None, index_bits: int = MPS_INDEX_BITS, whole: int | None = None) -> str:
-    """`describe_stop`'s text after its "mpsimpact guard: ": the call, what MPS would do with it and why, and
-    what to do. `per`: rows a sample (default: as the call now being decided folds them, Note [A call's
-    samples] in modes/entrypoint.py); `index_bits`: the width judged at, said where it is not MPS's; `whole`: the
-    rows a smaller batch may hold and run it whole (more than a piece of the split may: See `_chunk_advice`)."""
+    """The guard's stop text after its "mpsimpact guard: ": the call, what MPS would do with it and why, the safe
+    chunk (or `why_not` none is taken) and what to do. `per`: rows a sample (default: as the call now being
+    decided folds them, Note [A call's samples] in modes/entrypoint.py); `index_bits`: the width judged at, said
+    where it is not MPS's; `whole`: the rows a smaller batch may hold and run it whole (more than a piece of the
+    split may: See `_chunk_advice`)."""
     per = rows_per_sample(record, entry_shape()) if per is None else per
     if record.is_product and chunk is not None:
         advice = _chunk_advice(chunk, per, ROW_UNITS.get(record.family, ROW_UNITS["bmm"]), record.op, whole)
