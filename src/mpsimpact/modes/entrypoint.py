@@ -122,7 +122,8 @@ def _wrapper(name: str, original: Callable[..., Any], owner: Any, attribute: str
                 return original(*args, **kwargs)
             return _as_caller(sys._getframe(1), original, *args, **kwargs)  # Note [Calls jit.trace records]
         if _tracing_state() is not None:  # See Note [Calls jit.trace records]
-            return _traced(name, original, handlers, sys._getframe(1), args, kwargs)
+            caller = functools.partial(_as_caller, sys._getframe(1), original)
+            return _decide(name, caller, handlers, args, kwargs)
         if _has_torch_function(args):  # See Note [Calls other modes see]
             return _beside_torch_function(name, original, handlers, args, kwargs)
         # The hot path: the thread's one handler (a guard, the emulator, the tracer) lets the call run as it is.
@@ -158,13 +159,6 @@ def _decide(name: str, original: Callable[..., Any], handlers: list[EntryHandler
 _CALL = compile("_mpsimpact_out = _mpsimpact_call(*_mpsimpact_args, **_mpsimpact_kwargs)", "<call>", "exec")
 _SITES: dict[tuple[str, int, str], types.CodeType] = {}
 _tracing_state = torch._C._get_tracing_state
-
-
-def _traced(name: str, original: Callable[..., Any], handlers: list[EntryHandler], caller: types.FrameType,
-            args: tuple, kwargs: dict) -> Any:
-    """A wrapped call while torch.jit.trace records: See Note [Calls jit.trace records]."""
-    proceed = functools.partial(_as_caller, caller, original)
-    return _chain(name, proceed, list(handlers), len(handlers) - 1)(*args, **kwargs)
 
 
 def _as_caller(caller: types.FrameType, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -315,14 +309,13 @@ def uninstall() -> None:
     keeps listing it, and it equals, hashes and pickles as it. Entering a guard, emulator or tracer
     installs the wrappers again.
     """
-    _uninstall(_INSTALLED)
-    _INSTALLED.clear()
+    _uninstall(list(_INSTALLED))
 
 
 def _uninstall(places: Iterable[tuple[Any, str]]) -> None:
     """Takes the wrappers of `places` away (each must be in place)."""
     for owner, attribute in places:
-        original, own, wrapper = _INSTALLED[(owner, attribute)]
+        original, own, wrapper = _INSTALLED.pop((owner, attribute))
         if getattr(owner, attribute) is not wrapper:
             continue  # replaced again since: not ours to undo
         if own:
@@ -356,10 +349,7 @@ def remove_handler(handler: EntryHandler) -> None:
         if not _ACTIVE:
             uninstall()
         elif births and not _BIRTHS:
-            places = [place for _, _, _, place in _FACTORY_PLACES]
-            _uninstall(places)
-            for place in places:
-                del _INSTALLED[place]
+            _uninstall([place for _, _, _, place in _FACTORY_PLACES])
 
 
 @contextlib.contextmanager
