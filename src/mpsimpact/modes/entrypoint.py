@@ -247,25 +247,9 @@ def _first_operand(args: tuple, kwargs: dict) -> Any:
     return first
 
 
-def install() -> None:
-    """Puts the wrappers in place (idempotent); `push_handler` does it for the first handler.
-
-    Each wrapper is also entered in TorchScript's builtin table under its original's aten op, so
-    scripted code that calls it compiles as before (Note [Wrappers as good guests] in
-    modes/stand_in.py).
-
-    Note:
-        The wrappers are in place only while some handler is active: a process that imports
-        mpsimpact and never guards sees torch's own callables, so identity checks (an FX pass
-        testing `node.target is torch.bmm`, a table keyed by torch.matmul) behave as without it.
-        The price: a name bound to torch's callable before the first handler was entered (`op =
-        torch.bmm`, `from torch import matmul`) is not seen by the fast path; `guard(strict=True)`
-        sees every op whatever its name.
-    """
-    _install(_ENTRY_PLACES)
-
-
 def _install(places: tuple[tuple[str, Any, str, tuple[Any, str]], ...]) -> None:
+    """Puts the wrappers of `places` in place, each also entered in TorchScript's builtin table under its
+    original's aten op, so scripted code that calls it compiles as before (Note [Wrappers as good guests])."""
     if places[0][3] in _INSTALLED:
         return  # a group is in place as a whole or not at all
     table = _torch_tables() if not _TABLES_BUILT else None  # the first time, before any wrapper is in place
@@ -299,21 +283,9 @@ def _torch_tables() -> dict[int, str]:
     return jit_builtins._get_builtin_table()
 
 
-def uninstall() -> None:
-    """Restores torch exactly as `install()` found it.
-
-    Every wrapped attribute is the original callable again (an inherited one, such as
-    `Tensor.__matmul__` from `TensorBase`, inherited again). An attribute another library replaced
-    after us keeps that library's callable. A wrapper someone kept a reference to (`from torch import
-    bmm` inside a guard) still works as torch's callable: it calls it, TorchScript's builtin table
-    keeps listing it, and it equals, hashes and pickles as it. Entering a guard, emulator or tracer
-    installs the wrappers again.
-    """
-    _uninstall(list(_INSTALLED))
-
-
 def _uninstall(places: Iterable[tuple[Any, str]]) -> None:
-    """Takes the wrappers of `places` away (each must be in place)."""
+    """Takes the wrappers of `places` away (each must be in place): torch as they found it, but where another
+    library replaced one since. A wrapper someone kept still works as torch's callable (stand_in.EntryPoint)."""
     for owner, attribute in places:
         original, own, wrapper = _INSTALLED.pop((owner, attribute))
         if getattr(owner, attribute) is not wrapper:
@@ -330,7 +302,7 @@ def push_handler(handler: EntryHandler) -> None:
     global _ACTIVE, _BIRTHS
     with _ACTIVE_LOCK:
         _ACTIVE += 1
-        install()
+        _install(_ENTRY_PLACES)
         if getattr(handler, "sees_births", False):
             _BIRTHS += 1
             _install(_FACTORY_PLACES)
@@ -347,7 +319,7 @@ def remove_handler(handler: EntryHandler) -> None:
         births = getattr(handler, "sees_births", False)
         _BIRTHS -= births
         if not _ACTIVE:
-            uninstall()
+            _uninstall(list(_INSTALLED))
         elif births and not _BIRTHS:
             _uninstall([place for _, _, _, place in _FACTORY_PLACES])
 
