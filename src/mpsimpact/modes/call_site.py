@@ -15,16 +15,12 @@ from collections.abc import Iterable
 TORCH_AND_OURS = ("torch", "mpsimpact", "mpsimpact.scenarios")
 
 
-def package_places(names: tuple[str, ...]) -> tuple[str, ...]:
-    """Where each named package's code lies, resolved: its folders (each ending in a separator), or a single
-    module's file (contextlib). A name that is not installed (or not importable yet) holds nothing."""
-    return tuple(place for name in names for place in _places(name))
-
-
 _FOUND: dict[str, tuple[str, ...]] = {}
 
 
 def _places(name: str) -> tuple[str, ...]:
+    """Where the named package's code lies, resolved: its folders (each ending in a separator), or a single
+    module's file (contextlib). A name that is not installed (or not importable yet) holds nothing."""
     # Kept once found; a package not found yet (remote code's transformers_modules) is looked for again.
     found = _FOUND.get(name)
     if found is not None:
@@ -52,7 +48,7 @@ def _resolved(filename: str) -> str:
 def is_in_packages(filename: str, names: tuple[str, ...]) -> bool:
     """Whether the file `filename` (a frame's, as Python names it) is the code of one of the packages `names`."""
     path = _resolved(filename)
-    return any(path == place or path.startswith(place) for place in package_places(names))
+    return any(path == place or path.startswith(place) for name in names for place in _places(name))
 
 
 def innermost_outside(names: tuple[str, ...], frames: Iterable[traceback.FrameSummary] | None = None

@@ -73,9 +73,9 @@ class EntryKind:
         object.__setattr__(self, "batched", not self.at_entry and self.elements is None)
 
 
-def _sized(args: tuple, kwargs: dict) -> Any:
+def _sized_elements(args: tuple, kwargs: dict) -> int:
     # (*size), (size,), size=
-    return args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size")
+    return _elements(args[0] if args and isinstance(args[0], _SIZES) else args or kwargs.get("size"))
 
 
 def _elements(size: Any) -> int:
@@ -102,17 +102,13 @@ def _randint_elements(args: tuple, kwargs: dict) -> int:  # (high, size) or (low
     return _elements(next((a for a in args if isinstance(a, _SIZES)), kwargs.get("size")))
 
 
-def _kinds(*kinds: EntryKind) -> dict[str, EntryKind]:
-    return {kind.name: kind for kind in kinds}
-
-
 def _on_torch(*names: str) -> tuple[tuple[Any, str], ...]:
     return tuple((torch, name) for name in names)
 
 
 # Every entry point, by name. Tensor.__rmatmul__ calls torch.matmul, so it needs no wrapper of its own. The
 # factories (the births a gated strict guard sees: Note [Strict, gated] in modes/guard_mode.py) come last.
-ENTRY_KINDS: dict[str, EntryKind] = _kinds(
+ENTRY_KINDS: dict[str, EntryKind] = {kind.name: kind for kind in (
     EntryKind("matmul", ((torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__")), PAIR,
               quick=True, product=True),
     EntryKind("bmm", ((torch, "bmm"), (torch.Tensor, "bmm")), PAIR, quick=True, product=True),
@@ -123,17 +119,16 @@ ENTRY_KINDS: dict[str, EntryKind] = _kinds(
     EntryKind("einsum", ((torch, "einsum"),), CONTRACTED, product=True),
     EntryKind("sdpa", ((F, "scaled_dot_product_attention"),), SCORES),
     EntryKind("cat", _on_torch("cat", "concat", "concatenate"), JOINED),
-    EntryKind("sized", _on_torch("empty", "zeros", "ones", "rand", "randn"), BIRTH,
-              elements=lambda args, kwargs: _elements(_sized(args, kwargs)), sizes=True),
-    EntryKind("full", _on_torch("full"), BIRTH, elements=lambda args, kwargs: _elements(_sized(args, kwargs)),
+    EntryKind("sized", _on_torch("empty", "zeros", "ones", "rand", "randn"), BIRTH, elements=_sized_elements,
               sizes=True),
+    EntryKind("full", _on_torch("full"), BIRTH, elements=_sized_elements, sizes=True),
     EntryKind("randint", _on_torch("randint"), BIRTH, elements=_randint_elements, sizes=True),
     EntryKind("arange", _on_torch("arange"), BIRTH, elements=_arange_elements, sizes=True),
     EntryKind("like", _on_torch(*(f"{f}_like" for f in "empty zeros ones full rand randn randint".split())), BIRTH,
               elements=_like_elements),
     EntryKind("new", tuple((torch.Tensor, f"new_{f}") for f in ("empty", "zeros", "ones", "full")), BIRTH,
-              elements=lambda args, kwargs: _elements(_sized(args[1:], kwargs))),  # the sizes after the tensor
-)
+              elements=lambda args, kwargs: _sized_elements(args[1:], kwargs)),  # the sizes after the tensor
+)}
 
 
 def stacked_shapes(kind: EntryKind, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...] | None:
