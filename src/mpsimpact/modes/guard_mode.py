@@ -84,8 +84,8 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         emulated = bool(ACTIVE.stacks["emulator"])
         self.everywhere = strict or emulated
         # Note [Strict, gated]: strict without an emulator, on devices that count their bytes, watches every op
-        # only from a sighting of a tensor that could pass a limit.
-        self._gated = strict and not emulated and all(
+        # only from a sighting of a tensor that could pass a limit (a factory's too: `sees_births`).
+        self.sees_births = strict and not emulated and all(
             device in HELD_BYTES for device in self._guarded_devices)
         self.watching = False  # the dispatch mode is pushed for the rest of the block
         self._hot = True  # no emulator below: strict's hot path may answer (Note [Strict's hot path])
@@ -106,11 +106,6 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         """The installed torch's profile, read when a call first needs it (most guarded calls do not): entering
         a guard around each small batch does not pay for the file system and the environment."""
         return installed_profile()
-
-    @property
-    def sees_births(self) -> bool:
-        """Whether the factories are wrapped for this guard (a gated strict one: Note [Strict, gated])."""
-        return self._gated
 
     @property
     def _guarded_devices(self) -> tuple[str, ...]:
@@ -154,7 +149,7 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         """On entering (or installing): strict watches from here when it is not gated, or when the guarded
         devices already hold a tensor's worth of bytes (Note [Strict, gated])."""
         self._depth = torch._C._len_torch_dispatch_stack()
-        if self.everywhere and (not self._gated or  # the guarded devices hold a tensor that could pass a limit
+        if self.everywhere and (not self.sees_births or  # gated: held bytes for a tensor past a limit
                                 sum(HELD_BYTES[device]() for device in self._guarded_devices) >= self._view_limit):
             self._watch()
 
