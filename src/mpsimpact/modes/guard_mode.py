@@ -174,10 +174,11 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         """Yes: torch.compile compiles with this mode off (Dynamo skips every frame while a mode that says
         no is active, so `fullgraph=True` would find none) and the compiled code runs past it; the guard
         says so once, when Dynamo first asks."""
-        if not getattr(self, "_entering", True):
-            _say_once("torch.compile", "mpsimpact guard: torch.compile traces with the strict guard stepped aside, "
-                      "and the compiled code's fused kernels run past it; run the model eagerly under the guard "
-                      "to have every op judged.")
+        if not getattr(self, "_entering", True) and "torch.compile" not in _SAID:
+            _SAID.add("torch.compile")
+            warnings.warn("mpsimpact guard: torch.compile traces with the strict guard stepped aside, and "
+                          "the compiled code's fused kernels run past it; run the model eagerly under the "
+                          "guard to have every op judged.", MpsImpactWarning, stacklevel=2)
         return True
 
     def _applies(self, tensor: torch.Tensor) -> bool:
@@ -272,11 +273,12 @@ class GuardMode(EntryJudge, DispatchJudge, MatmulMode):
         return (active.profile if active else self.profile).slice_extent
 
     def _warn_once(self, message: str) -> None:
-        site = _user_site()
+        # Once a site: the innermost frame outside torch and mpsimpact (by folder), where the op was asked.
+        frame = innermost_outside(TORCH_AND_OURS)
+        site = (frame.filename, frame.lineno or 0) if frame is not None else ("", 0)
         if site not in self._warned:
             self._warned.add(site)
             warnings.warn(message, MpsImpactWarning, stacklevel=2)
-
 
 
 @functools.lru_cache(maxsize=64)
@@ -288,20 +290,7 @@ def _any_flag(*flags: str) -> Callable[[torch.Tensor], bool]:
     return lambda tensor: True in read(tensor)
 
 
-_SAID: set[str] = set()
-
-
-def _say_once(what: str, message: str) -> None:
-    """Warns `message` the first time this process meets `what` (a transform the guard steps aside for)."""
-    if what not in _SAID:
-        _SAID.add(what)
-        warnings.warn(message, MpsImpactWarning, stacklevel=3)
-
-
-def _user_site() -> tuple[str, int]:
-    # The innermost frame outside torch and mpsimpact (by their folders): where the op was asked for.
-    frame = innermost_outside(TORCH_AND_OURS)
-    return (frame.filename, frame.lineno or 0) if frame is not None else ("", 0)
+_SAID: set[str] = set()  # what this process was told once (a transform the guard steps aside for)
 
 
 def _split_here(family: str, full_a: TensorSpec, full_b: TensorSpec, a: torch.Tensor, index_bits: int) -> Split | None:
