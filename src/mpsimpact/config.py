@@ -113,21 +113,16 @@ def option(default: Any, check: Check) -> Any:
     return dataclasses.field(default=default, metadata={"check": check})
 
 
-def validate(config: Any) -> None:
-    """Checks every field of a config dataclass that declares a `Check`; raises UsageError (one line,
-    naming the flag, the value and what is expected) on the first bad value."""
-    for field in dataclasses.fields(config):
-        check = field.metadata.get("check")
-        if check is not None:
-            check(getattr(config, field.name))
-
-
 class Validated:
     """A command's config dataclass: `validate()` runs every field's `Check`."""
 
     def validate(self) -> None:
-        """Raises UsageError on any bad value, before anything is loaded."""
-        validate(self)
+        """Raises UsageError (one line, naming the flag, the value and what is expected) on the first bad value,
+        before anything is loaded."""
+        for field in dataclasses.fields(self):
+            check = field.metadata.get("check")
+            if check is not None:
+                check(getattr(self, field.name))
 
 
 class TakesMemory(Validated):
@@ -149,7 +144,7 @@ class TakesMemory(Validated):
         """Raises UsageError on any bad value, before anything is loaded: each field's Check, then --memory."""
         from mpsimpact.engine.mac_memory import is_auto
 
-        validate(self)
+        super().validate()
         if self.memory is not None and not is_auto(self.memory):
             _ = self.mac  # read here, once: a size that is no Mac's is refused before any work
 
@@ -385,7 +380,7 @@ class TrainHeadConfig(Validated):
     install: bool = False
 
     def validate(self) -> None:
-        validate(self)
+        super().validate()
         if self.install and self.out is not None:
             raise UsageError("--install replaces the installed head in place; it takes no --out. Pass one of "
                              "them.", option="--install")

@@ -117,20 +117,6 @@ def format_cell(value: Any) -> str:
     return str(value)
 
 
-def rich_table(title: str, header: list[str] | tuple[str, ...], rows: list[list[str]], *,
-                  justify: str = "left", show_lines: bool = False):
-    """A rich table whose cells fold rather than cut, so it reads whole at 80 columns and in a log."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=title, show_lines=show_lines)
-    for column in header:
-        table.add_column(column, justify=justify, overflow="fold")
-    for row in rows:
-        table.add_row(*(escape(str(cell)) for cell in row))
-    return table
-
-
 def markdown_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
     """A Markdown table's lines; a "|" inside a cell is escaped."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -27,10 +27,6 @@ def console_header(unit: str) -> list[str]:
     return ["calls", "where", "op and shapes", "output elements", "outcome", f"first wrong {unit}"]
 
 
-def _count(n: int) -> str:
-    return count_words(n)
-
-
 def _layer_pattern(modules: list[str]) -> str:
     """'model.layers.*.self_attn' for the same module in several layers."""
     patterns = {re.sub(r"\.\d+\.", ".*.", m + ".").rstrip(".") for m in modules}
@@ -62,7 +58,7 @@ def grouped_calls(rows: list[dict[str, Any]]) -> list[list[str]]:
         shapes = f"{row['op']}: {'x'.join(map(str, row['a']))} @ {'x'.join(map(str, row['b']))}"
         kind = f"{row['kind']} ({row['rule']}{', inferred' if row['inferred'] else ''})"
         layouts = f"{row['a_layout']}, {row['b_layout']}"
-        table.append([calls, where, shapes, layouts, _count(row["out_numel"]), kind, first_bad_cell(row)])
+        table.append([calls, where, shapes, layouts, count_words(row["out_numel"]), kind, first_bad_cell(row)])
     return table
 
 
@@ -98,7 +94,7 @@ def console_calls(rows: list[dict[str, Any]], verbose: bool = False, unit: str =
         row, n = same[0], len(same)
         calls = str(row["index"]) if n == 1 else f"{row['index']} .. {same[-1]['index']} ({n} calls)"
         where = (_layer_pattern([r["module"] for r in same]) or "-") + (" (bwd)" if row["phase"] == "backward" else "")
-        table.append([calls, where, op_cell(row["op"], row["a"], row["b"]), _count(row["out_numel"]),
+        table.append([calls, where, op_cell(row["op"], row["a"], row["b"]), count_words(row["out_numel"]),
                       outcome_words(row), first_bad_cell(row, verbose=False)])
     return fitted_table("calls that hit a rule", console_header(unit), table)
 

@@ -89,6 +89,14 @@ def _read_jsonl(path: Path, allow_nan: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+def _refuse_newer(path: Path, data: dict[str, Any]) -> None:
+    """A file of a newer schema than this mpsimpact reads is refused in one line, before its fields are read."""
+    version = data.get("schema_version")
+    if type(version) is int and version > SCHEMA_VERSION:
+        raise UsageError(f"'{path}' has schema_version {version}, newer than this mpsimpact reads "
+                         f"({SCHEMA_VERSION}); upgrade mpsimpact to compare it.")
+
+
 def _damaged(path: Path, problem: str) -> UsageError:
     """The one line for a folder whose files do not hold together."""
     return UsageError(f"'{path}' is damaged or mixes two results: {problem}; rerun the command that wrote it.")
@@ -103,10 +111,6 @@ class RunFolder:
     report: RunReport
     corrupted: dict[str, frozenset[int]]  # by runs.kind.condition_key
     kind = "run"
-
-    @property
-    def schema_version(self) -> int:
-        return self.report["schema_version"]
 
     @property
     def mode(self) -> str:
@@ -135,10 +139,7 @@ def load_run(path: Path) -> RunFolder:
     if not (isinstance(data, dict) and "geometry" in data and "conditions" in data):
         raise UsageError(f"'{path / 'report.json'}' is not an mpsimpact run report (no conditions or "
                          f"geometry); {WHAT_TO_PASS}.")
-    version = data.get("schema_version")
-    if type(version) is int and version > SCHEMA_VERSION:
-        raise UsageError(f"'{path / 'report.json'}' has schema_version {version}, newer than this mpsimpact reads "
-                         f"({SCHEMA_VERSION}); upgrade mpsimpact to compare it.")
+    _refuse_newer(path / "report.json", data)
     report = _typed(path / "report.json", RunReport.from_json, data)
     where, corrupted = report.run_kind.corrupted_positions(report, FolderFiles(path))
     if where is not None and (problem := report.positions_problem(corrupted)) is not None:
@@ -186,10 +187,6 @@ class SweepFolder:
     summary: SweepSummary
     rows: list[SweepRow] | None
     kind = "sweep"
-
-    @property
-    def schema_version(self) -> int:
-        return self.summary.get("schema_version", SCHEMA_VERSION)
 
     @property
     def mode(self) -> str:
@@ -249,10 +246,7 @@ def load_sweep(path: Path) -> SweepFolder:
     data = _read_json(path / "summary.json")
     if not isinstance(data, dict) or "by_class" not in data or "cells" not in data:
         raise UsageError(f"'{path / 'summary.json'}' is not an mpsimpact sweep summary (no cells or by_class).")
-    version = data.get("schema_version")
-    if type(version) is int and version > SCHEMA_VERSION:
-        raise UsageError(f"'{path / 'summary.json'}' has schema_version {version}, newer than this mpsimpact reads "
-                         f"({SCHEMA_VERSION}); upgrade mpsimpact to compare it.")
+    _refuse_newer(path / "summary.json", data)
     summary = _typed(path / "summary.json", SweepSummary.from_json, data)
     rows = None
     if os.path.lexists(path / "sweep.jsonl"):
