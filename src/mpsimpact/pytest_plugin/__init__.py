@@ -193,8 +193,12 @@ class MacRun:
         site = f"{short_path(frame.filename)}:{frame.lineno}" if frame is not None else "(no line of yours)"
         if fault.nobody_measured and action in (EMULATED["returned"], WARNED, WARNED_PLAIN):
             action += GUESSED
-        seen = Sighting(site, record.describe(), fault.kind, fault.rule, fault.release or self.release.profile.release,
-                        fault.first_bad_batch, [who], [action], per, bits, said)
+        batch = fault.first_bad_batch
+        self.add(Sighting(site, record.describe(), fault.kind, fault.rule, fault.release or self.release.profile.release,
+                          batch, [who], [action], per, bits, said, None if batch is None else batch // per))
+
+    def add(self, seen: Sighting) -> None:
+        """A sighting, merged into the one of its site and fault where there is one."""
         found = self.sightings.setdefault(seen.key, seen)
         if found is not seen:
             found.merge(seen)
@@ -284,10 +288,7 @@ class MacRun:
         output = getattr(node, "workeroutput", {})
         self.usage = self.usage or output.get(USAGE_KEY)
         for fields in json.loads(output.get(WORKER_KEY, "[]")):
-            seen = Sighting.from_json(fields)
-            found = self.sightings.setdefault(seen.key, seen)
-            if found is not seen:
-                found.merge(seen)
+            self.add(Sighting.from_json(fields))
 
     def write_json(self, path: Path) -> None:
         """The summary as JSON, written beside and renamed over (never half-written)."""

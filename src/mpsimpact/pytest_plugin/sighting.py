@@ -28,12 +28,13 @@ WARNED_PLAIN = "guard warn: only warned; ran unchanged here (not emulated)"
 GUESSED = " (nobody measured this release: judged conservatively)"
 
 
-@dataclasses.dataclass
-class Sighting:
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sighting(Record):
     """One call site that would fault on MPS: where (the user's line), the call, the fault (kind, rule, release,
     first wrong batch of the call's rows), the tests or fixtures that reached it, what was done there, and the
     same in the caller's samples (rows_per_sample: Note [A call's samples] in modes/entrypoint.py) with the
-    guard's words on it (`said`: what MPS would do, why, and what to do)."""
+    guard's words on it (`said`: what MPS would do, why, and what to do). As --mps-json and an xdist worker's
+    report hold it (written and read by this class)."""
 
     site: str
     call: str
@@ -41,33 +42,25 @@ class Sighting:
     rule: str
     release: str
     first_bad_batch: int | None
-    tests: list[str] = dataclasses.field(default_factory=list)
-    actions: list[str] = dataclasses.field(default_factory=list)
-    rows_per_sample: int = 1
-    index_bits: int = 32
-    said: str = ""
+    tests: list[str]
+    actions: list[str]
+    rows_per_sample: int
+    index_bits: int
+    said: str
+    first_bad_sample: int | None  # the first wrong sample of the caller's first dimension (None: no wrong tail)
 
     @property
     def key(self) -> tuple[Any, ...]:
         return self.site, self.call, self.kind, self.rule, self.release, self.first_bad_batch
 
-    @property
-    def first_bad_sample(self) -> int | None:
-        """The first wrong sample of the caller's first dimension (None: no wrong tail)."""
-        return None if self.first_bad_batch is None else self.first_bad_batch // self.rows_per_sample
-
     def merge(self, other: Sighting) -> None:
-        self.tests += [t for t in other.tests if t not in self.tests]
-        self.actions += [a for a in other.actions if a not in self.actions]
+        self.tests.extend([t for t in other.tests if t not in self.tests])
+        self.actions.extend([a for a in other.actions if a not in self.actions])
 
-    def to_json(self) -> dict[str, Any]:
-        return SightingRow.of({**dataclasses.asdict(self), "first_bad_sample": self.first_bad_sample}).to_json()
-
-    @classmethod
-    def from_json(cls, fields: Any) -> Sighting:
-        row = SightingRow.from_json(fields)
-        return cls(**{field.name: row[field.name] for field in dataclasses.fields(cls)})
-
+    def problem(self) -> str | None:
+        if self.rows_per_sample < 1 or not 4 <= self.index_bits <= 32:
+            return f"rows_per_sample {self.rows_per_sample} or index_bits {self.index_bits} is out of range"
+        return None
 
     def line(self) -> str:
         """The summary's line for this site (one line; the terminal wraps it with `wrapped_lines`)."""
@@ -125,32 +118,9 @@ def short_path(filename: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SightingRow(Record):
-    """A Sighting as --mps-json and an xdist worker's report hold it (written and read by this class)."""
-
-    site: str
-    call: str
-    kind: str
-    rule: str
-    release: str
-    first_bad_batch: int | None
-    tests: list[str]
-    actions: list[str]
-    rows_per_sample: int
-    index_bits: int
-    said: str
-    first_bad_sample: int | None
-
-    def problem(self) -> str | None:
-        if self.rows_per_sample < 1 or not 4 <= self.index_bits <= 32:
-            return f"rows_per_sample {self.rows_per_sample} or index_bits {self.index_bits} is out of range"
-        return None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class SightingsFile(Record):
     """--mps-json: the release judged, the options, and every call site that would fault."""
 
     release: dict[str, Any]
     settings: dict[str, Any]
-    calls: list[SightingRow]
+    calls: list[Sighting]
