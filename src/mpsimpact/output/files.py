@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from mpsimpact.bounds import kind_of, name_problem, shown_path
+from mpsimpact.bounds import kind_of, kind_problem, name_problem, shown_path
 from mpsimpact.errors import DiskFullError, UsageError, said
 
 CLAIM_MARKER = ".mpsimpact-claim"  # inside a claimed --out folder while its report is being written
@@ -61,7 +61,7 @@ def target_problem(path: str | Path) -> str | None:
         return f"cannot be looked at ({error.strerror})"
     if stat.S_ISLNK(mode):
         return f"is a symbolic link (to '{shown_path(os.readlink(path), 60)}'), not a regular file"
-    return None if stat.S_ISREG(mode) else f"is {kind_of(mode)}, not a regular file"
+    return kind_problem(mode)
 
 
 def refuse_target(path: str | Path, flag: str = "") -> None:

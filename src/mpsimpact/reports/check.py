@@ -21,12 +21,6 @@ CALL_HEADER = ["calls", "where", "op: a @ b", "layouts (a, b)", "output elements
                "first bad row (sample, head)"]
 
 
-def console_header(unit: str) -> list[str]:
-    """The console's columns: the op and its shapes, the outcome in words, the first wrong `unit` ("text" in
-    `plan`, "sample" in `check`; --verbose: CALL_HEADER's, with the call's rows)."""
-    return ["calls", "where", "op and shapes", "output elements", "outcome", f"first wrong {unit}"]
-
-
 def _layer_pattern(modules: list[str]) -> str:
     """'model.layers.*.self_attn' for the same module in several layers."""
     patterns = {re.sub(r"\.\d+\.", ".*.", m + ".").rstrip(".") for m in modules}
@@ -85,8 +79,9 @@ def outcome_words(row: dict[str, Any]) -> str:
 
 
 def console_calls(rows: list[dict[str, Any]], verbose: bool = False, unit: str = "sample"):
-    """The faulting calls as a console table (output.page.FittedTable), one row per distinct call, the first wrong
-    one counted in `unit`s; with `verbose` the layouts, the rules' names and the call's rows too (CALL_HEADER)."""
+    """The faulting calls as a console table (output.page.FittedTable), one row per distinct call: the op and its
+    shapes, the outcome in words, the first wrong `unit` ("text" in `plan`, "sample" in `check`); with `verbose`
+    the layouts, the rules' names and the call's rows too (CALL_HEADER)."""
     if verbose:
         return fitted_table("calls that hit a rule", CALL_HEADER, grouped_calls(rows))
     table = []
@@ -96,7 +91,8 @@ def console_calls(rows: list[dict[str, Any]], verbose: bool = False, unit: str =
         where = (_layer_pattern([r["module"] for r in same]) or "-") + (" (bwd)" if row["phase"] == "backward" else "")
         table.append([calls, where, op_cell(row["op"], row["a"], row["b"]), count_words(row["out_numel"]),
                       outcome_words(row), first_bad_cell(row, verbose=False)])
-    return fitted_table("calls that hit a rule", console_header(unit), table)
+    header = ["calls", "where", "op and shapes", "output elements", "outcome", f"first wrong {unit}"]
+    return fitted_table("calls that hit a rule", header, table)
 
 
 def traced_words(report: dict[str, Any], verbose: bool = False) -> str:

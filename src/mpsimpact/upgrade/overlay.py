@@ -294,12 +294,11 @@ class OverlayCache:
             elif final.exists() or final.is_symlink():
                 final.unlink()  # a file (or link) in the folder's place
             os.replace(partial, final)
-        except OSError as error:
+        except BaseException as error:
             shutil.rmtree(partial, ignore_errors=True)
-            raise OverlayError(f"transformers {version}: the environment could not be written at {final} "
-                               f"({error.strerror or error})", version=version, stage="build") from None
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(error, OSError):
+                raise OverlayError(f"transformers {version}: the environment could not be written at {final} "
+                                   f"({error.strerror or error})", version=version, stage="build") from None
             raise
         return marker
 
