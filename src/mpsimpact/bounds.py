@@ -162,16 +162,14 @@ def path_problem(path: str | os.PathLike[str], limit: int | None = None, what: s
     return problem
 
 
+_STAT_PROBLEMS = {errno.ENOENT: "does not exist", errno.ELOOP: "is a symbolic link that loops",
+                  errno.ENOTDIR: "is inside something that is not a folder"}
+
+
 def _stat_problem(path: Path, error: OSError) -> str:
     if error.errno == errno.ENOENT and os.path.islink(path):
         return f"is a symbolic link to '{shown_path(os.readlink(path), 60)}', which does not exist"
-    if error.errno == errno.ENOENT:
-        return "does not exist"
-    if error.errno == errno.ELOOP:
-        return "is a symbolic link that loops"
-    if error.errno == errno.ENOTDIR:
-        return "is inside something that is not a folder"
-    return f"cannot be looked at ({error.strerror})"
+    return _STAT_PROBLEMS.get(error.errno, f"cannot be looked at ({error.strerror})")
 
 
 def read_file_bytes(path: str | os.PathLike[str], limit: int, what: str = "this file") -> bytes:
