@@ -193,9 +193,9 @@ class MacRun:
         site = f"{short_path(frame.filename)}:{frame.lineno}" if frame is not None else "(no line of yours)"
         if fault.nobody_measured and action in (EMULATED["returned"], WARNED, WARNED_PLAIN):
             action += GUESSED
-        batch = fault.first_bad_batch
-        self.add(Sighting(site, record.describe(), fault.kind, fault.rule, fault.release or self.release.profile.release,
-                          batch, [who], [action], per, bits, said, None if batch is None else batch // per))
+        batch, release = fault.first_bad_batch, fault.release or self.release.profile.release
+        self.add(Sighting(site, record.describe(), fault.kind, fault.rule, release, batch, [who], [action], per, bits,
+                          said, None if batch is None else batch // per))
 
     def add(self, seen: Sighting) -> None:
         """A sighting, merged into the one of its site and fault where there is one."""
