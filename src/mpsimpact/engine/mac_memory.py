@@ -177,9 +177,9 @@ class MacMemory:
         """Whether MPS refuses one allocation of `n_bytes` on this Mac (`buffer_refuses`)."""
         return buffer_refuses(n_bytes, self.buffer_at(index_bits))
 
-    def fault(self, n_bytes: int, release: str = "", operand: str | None = None) -> Fault:
+    def fault(self, n_bytes: int, release: str = "") -> Fault:
         """What MPS does with a call that allocates `n_bytes` at once here: raises, before any kernel."""
-        return Fault("error", operand, None, invalid_buffer_message(n_bytes), BUFFER_RULE, release=release,
+        return Fault("error", None, None, invalid_buffer_message(n_bytes), BUFFER_RULE, release=release,
                      inferred=self.basis != MEASURED)
 
     def buffer_words(self) -> str:
@@ -312,18 +312,12 @@ def _unified_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def this_mac(cache: Path, measure: bool = True) -> MacMemory:
-    """This Mac's limits: measured on it (kept in the cache with the machine; measured now where it was not
-    and `measure`), else assumed from its unified memory with the working set Metal reports."""
-    import torch
-
+def this_mac(cache: Path) -> MacMemory:
+    """This Mac's limits, measured on it: kept in the cache with the machine, measured now where they were not."""
     machine = machine_key()
     if (found := read_measured(cache, machine)) is not None:
         return found
-    if measure:
-        return measure_mac(cache, machine)
-    return dataclasses.replace(MacMemory.of_size(round(_unified_bytes() / GIB)),
-                               working_set=int(torch.mps.recommended_max_memory()))
+    return measure_mac(cache, machine)
 
 
 def measure_mac(cache: Path, machine: str | None = None) -> MacMemory:

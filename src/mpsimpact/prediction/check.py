@@ -65,9 +65,8 @@ def prepare(cfg: CheckConfig) -> tuple[MetaModel, dict[str, Any]]:
         raise explain_build_error(error, model_class, config, cfg.attention) from None
     basis = "--attention" if cfg.attention != "default" else (f"transformers {transformers.__version__}'s default "
                                                               "for this model (model.config._attn_implementation)")
-    mac = cfg.mac
     model = MetaModel(module, config, cfg.model, cfg.workload == "training", cfg.index_bits, judged.profile,
-                      cfg.target_len, cfg.cache, mac=mac)
+                      cfg.target_len, cfg.cache, mac=cfg.mac)
     info = {
         "judged": judged,
         "source": cfg.model, "found_in": where, "model_type": config.model_type, "class": type(module).__name__,

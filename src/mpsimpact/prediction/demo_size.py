@@ -58,10 +58,8 @@ def demo_options(traced: dict[int, list], config: Any, heads: int, safe: dict[in
     """Per dtype and length: the smallest clearly-visible run of eager attention under `profile`'s rules,
     its predicted corruption and peak."""
     options = []
-    for length in (L for L in DEMO_LENGTHS if L in traced):
-        batch = visible_batch(safe[length] + 1) if safe[length] else None
-        if batch is None:
-            continue
+    for length in (L for L in DEMO_LENGTHS if L in traced and safe[L]):
+        batch = visible_batch(safe[length] + 1)
         plan = plan_at(traced[length], batch, index_bits, profile)
         options += _options(predict(plan, batch, heads), plan, config, batch, length, "eager", dtypes)
     return options

@@ -17,9 +17,8 @@ from mpsimpact.engine.call import CallRecord, op_cell
 from mpsimpact.engine.fault_plan import FaultPlan
 from mpsimpact.engine.mac_memory import BUFFER_RULE, MAC_RULES, WATERMARK_RULE
 from mpsimpact.engine.faults import MPS_INDEX_BITS
-from mpsimpact.engine.release import allocates
+from mpsimpact.engine.release import allocates, torch_words
 from mpsimpact.modes.piecewise import has_split
-from mpsimpact.engine.release import torch_words
 from mpsimpact.output.record import ABSENT, Record
 
 
@@ -42,8 +41,7 @@ class Prediction:
 
     @property
     def uncharacterised(self) -> tuple[CallRecord, ...]:
-        """Silent faults whose wrong values (and so which texts) nobody characterised (unmeasured ones
-        too)."""
+        """Silent faults whose wrong values (and so which texts) nobody characterised (unmeasured ones too)."""
         return tuple(c for c in self.silent if c.fault.kind == "wrong_other")
 
     @property
@@ -320,9 +318,8 @@ SDPA_FIXED_IN = "2.13.0"
 
 
 def _upgrade_advice(plan: FaultPlan, batch: int, heads: int) -> str:
-    """What upgrading to the release that fixed fused SDPA does to this run, decided by that release's rules: it
-    fixes the SDPA calls; whether the run is then clean, goes wrong or stops elsewhere, or meets a call nobody
-    measured there (then nobody can tell, as the line about the installed torch says)."""
+    """What upgrading to the release that fixed fused SDPA does to this run, decided by that release's rules (where
+    they meet a call nobody measured, nobody can tell, as the line about the installed torch says)."""
     from mpsimpact.engine.release import profile_for
 
     fixed = SDPA_FIXED_IN

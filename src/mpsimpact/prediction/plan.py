@@ -12,9 +12,8 @@ from mpsimpact.prediction.demo_size import silent_sizes
 from mpsimpact.output.record import ABSENT, Record
 from mpsimpact.prediction.outcome import CallRow, PredictionBlock, PredictionSection, ReleaseBlock, Subject, predict
 from mpsimpact.prediction.version_table import VersionRow, version_table
-from mpsimpact.prediction.memory import in_gib
+from mpsimpact.prediction.memory import batch_fits, in_gib
 from mpsimpact.prediction.meta_model import trace_meta, usable_positions
-from mpsimpact.prediction.memory import batch_fits
 from mpsimpact.prediction.safe_size import (BoundarySearch, PerTextTraces, calls_at, cut_to_fit, largest_safe_batch,
                                             plan_at)
 from mpsimpact.engine.release import PUBLISHED_DEMO_RELEASE, judge_release, profile_for
