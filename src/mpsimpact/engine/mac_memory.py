@@ -150,14 +150,6 @@ class MacMemory:
         message = f"MPS backend out of memory (max allowed: {format_size(self.high_watermark or 0)})"
         return Fault("error", None, None, message, WATERMARK_RULE, release=release, inferred=True)
 
-    def watermark_words(self) -> str:
-        """'MPS stops a process past 18.1 GiB (its high watermark: 1.7 x the working set, ...)', or no limit."""
-        if self.high_watermark is None:
-            return "MPS sets a process no limit in all (PYTORCH_MPS_HIGH_WATERMARK_RATIO=0)"
-        return (f"MPS stops a process that needs more than {self.high_watermark / GIB:.1f} GiB in all with 'MPS "
-                f"backend out of memory' (its high watermark: {self.watermark_ratio:g} x the working set, "
-                "PYTORCH_MPS_HIGH_WATERMARK_RATIO)")
-
     @property
     def label(self) -> str:
         """'a 16 GB Mac' ('an 8 GB Mac', 'an 18 GB Mac': the article as the number is said), or 'this Mac' where the
@@ -191,15 +183,17 @@ class MacMemory:
             return f"measured{': ' + self.measured_on if self.measured_on else ''}"
         return f"assumed: half of {self.unified_gb:g} GB unified memory"
 
-    def limits(self) -> str:
-        """Its three limits in words: the largest buffer, the working set and the high watermark, each with where
-        it came from (what follows "On a 16 GB Mac, " in `describe`)."""
-        return (f"Metal allocates one buffer of at most {self.largest_buffer / GIB:.1f} GiB ({self.source()}) and "
-                f"lends a process about {self.working_set / GIB:.1f} GiB (its working set); {self.watermark_words()}")
-
     def describe(self) -> str:
-        """One sentence for a report: which Mac, and its limits (`limits`)."""
-        return f"On {self.label}, {self.limits()}."
+        """One sentence for a report: which Mac, and its three limits in words (the largest buffer, the working set
+        and the high watermark), each with where it came from."""
+        watermark = ("MPS sets a process no limit in all (PYTORCH_MPS_HIGH_WATERMARK_RATIO=0)"
+                     if self.high_watermark is None else
+                     f"MPS stops a process that needs more than {self.high_watermark / GIB:.1f} GiB in all with 'MPS "
+                     f"backend out of memory' (its high watermark: {self.watermark_ratio:g} x the working set, "
+                     "PYTORCH_MPS_HIGH_WATERMARK_RATIO)")
+        return (f"On {self.label}, Metal allocates one buffer of at most {self.largest_buffer / GIB:.1f} GiB "
+                f"({self.source()}) and lends a process about {self.working_set / GIB:.1f} GiB (its working set); "
+                f"{watermark}.")
 
     def to_json(self) -> dict[str, Any]:
         watermark = self.high_watermark
