@@ -458,8 +458,9 @@ def _describe(prediction: Prediction, unit: str = "sample") -> str:
         what = "aborts the process" if prediction.stop.fault.kind == "abort" else "raises"
         stop = prediction.stop
         # whether calls before it already went wrong: then the stop is not "before any wrong value"
-        before = (f", after {_calls(len(prediction.silent))} already returned wrong values"
-                  if prediction.silent else ", before any wrong value")
+        wrong = len(prediction.silent)
+        before = (f", after {wrong} call{'s' if wrong != 1 else ''} already returned wrong values"
+                  if wrong else ", before any wrong value")
         if stop.fault.rule == WATERMARK_RULE:
             return (f"MPS stops the run with '{stop.fault.message}' at call {stop.index} ({stop.describe()}, "
                     f"{stop.phase}): the run needs more memory than the Mac lets one process hold{before}")
@@ -476,10 +477,6 @@ def _describe(prediction: Prediction, unit: str = "sample") -> str:
         which = f"the one {unit}" if prediction.batch == 1 else f"which {unit}s is not characterised: any may be"
         return f"silently wrong ({which})"
     return "clean"
-
-
-def _calls(n: int) -> str:
-    return "1 call" if n == 1 else f"{n} calls"
 
 
 # An op on attention scores, by what it does there (for the words a speaker reads out).
