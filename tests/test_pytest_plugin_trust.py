@@ -365,3 +365,19 @@ def test_under_xdist_a_bad_marker_is_one_line_and_exit_4(pytester):
         "ERROR: test_marked.py::test_x: @pytest.mark.mpsimpact(...) takes one of raise, warn, chunk, emulate, off; "
         "got 'bogus'."]
     assert not (pytester.path / "ran").exists()
+
+
+def test_a_sighting_read_back_refuses_a_first_sample_its_rows_could_not_give():
+    # What a worker sends is read by the class that wrote it: first_bad_sample is first_bad_batch // rows_per_sample
+    # (4096 rows of 12 heads a sample: 4096 // 12 = 341), and anything else is damage, named by the field.
+    from mpsimpact.output.record import Damaged
+    from mpsimpact.pytest_plugin.sighting import Sighting
+
+    seen = Sighting("suite.py:3", "bmm 49152x512x512 @ 49152x512x64", "wrong_values", "index-32", "2.14.0", 4096,
+                    ["suite.py::test_a"], ["guard raise"], 12, 32, "MPS would return wrong values", 341)
+    assert Sighting.from_json(seen.to_json()).to_json() == seen.to_json()
+    for first in (342, None, 4096):
+        with pytest.raises(Damaged, match=rf"^first_bad_sample is {first}, not first_bad_batch // rows_per_sample"):
+            Sighting.from_json(seen.to_json() | {"first_bad_sample": first})
+    clean = seen.to_json() | {"first_bad_batch": None, "first_bad_sample": None}
+    assert Sighting.from_json(clean)["first_bad_sample"] is None

@@ -60,6 +60,10 @@ class Sighting(Record):
     def problem(self) -> str | None:
         if self.rows_per_sample < 1 or not 4 <= self.index_bits <= 32:
             return f"rows_per_sample {self.rows_per_sample} or index_bits {self.index_bits} is out of range"
+        counted = None if self.first_bad_batch is None else self.first_bad_batch // self.rows_per_sample
+        if self.first_bad_sample != counted:  # as MacRun.note counts it: the batch's rows in samples
+            return (f"first_bad_sample is {self.first_bad_sample}, not first_bad_batch // rows_per_sample = "
+                    f"{self.first_bad_batch} // {self.rows_per_sample}")
         return None
 
     def line(self) -> str:
